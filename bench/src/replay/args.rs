@@ -1,0 +1,204 @@
+//! `kvbench replay` arguments, their checks, and where default workload files live.
+
+use std::path::{Path, PathBuf};
+
+use super::workloads::ladder::LadderConfig;
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkloadKind {
+    /// ShareGPT multi-turn chat, closed loop with full history.
+    Sharegpt,
+    /// Mooncake trace replay (open loop, time-scaled timestamps).
+    Mooncake,
+    /// Mooncake-format synthetic/hot_prefix.jsonl.
+    #[value(name = "hot_prefix", alias = "hot-prefix")]
+    HotPrefix,
+    /// Mooncake-format synthetic/heavy_mix.jsonl.
+    #[value(name = "heavy_mix", alias = "heavy-mix")]
+    HeavyMix,
+    /// Shared-prefix rate ladder (llm-d's method).
+    Ladder,
+}
+
+impl WorkloadKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sharegpt => "sharegpt",
+            Self::Mooncake => "mooncake",
+            Self::HotPrefix => "hot_prefix",
+            Self::HeavyMix => "heavy_mix",
+            Self::Ladder => "ladder",
+        }
+    }
+
+    /// Default data file, relative to the repository root.
+    fn default_file(self) -> Option<&'static str> {
+        match self {
+            Self::Sharegpt => {
+                Some("../shared/data/traces/sharegpt/sharegpt_v3_first2000_aiperf_multiturn.jsonl")
+            }
+            Self::Mooncake => Some("../shared/data/traces/mooncake/synthetic_trace.jsonl"),
+            Self::HotPrefix => Some("../shared/data/traces/synthetic/hot_prefix.jsonl"),
+            Self::HeavyMix => Some("../shared/data/traces/synthetic/heavy_mix.jsonl"),
+            Self::Ladder => None,
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// Base URL of the OpenAI-compatible server to drive (loopback only).
+    #[arg(long)]
+    pub target: String,
+    #[arg(long, value_enum)]
+    pub workload: WorkloadKind,
+    /// Workload file, overriding the workload's default.
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    /// Directory for report.json, report.md and the SVG charts.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The simulator's `--time-scale`: trace timestamps and ladder rates are compressed K
+    /// times, and every reported time is converted back to model time (wall x K), so figures
+    /// read as on real GPUs. `--duration-s` stays wall time.
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Stop sending after this many seconds (default 60; the ladder's length for `ladder`).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
+    /// Stop after sending this many requests.
+    #[arg(long)]
+    pub max_requests: Option<u64>,
+    /// Requests still running this long after the stop are counted as "timeout" errors.
+    #[arg(long, default_value_t = 30.0)]
+    pub grace_s: f64,
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_ttft_ms: f64,
+    #[arg(long, default_value = "sim-llama-8b")]
+    pub model: String,
+    /// Send the workload's session id as `x-session-id`.
+    #[arg(long)]
+    pub session_header: bool,
+    /// sharegpt: conversations in flight at once.
+    #[arg(long, default_value_t = 16)]
+    pub conversations: u32,
+    /// sharegpt: cap on max_tokens per turn.
+    #[arg(long, default_value_t = 512)]
+    pub max_output_tokens: u32,
+    /// ladder: arrival times and question text.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Prometheus endpoint of a backend to poll every 500 ms (repeatable).
+    #[arg(long = "metrics-url")]
+    pub metrics_urls: Vec<String>,
+    /// Name of this run in tables and charts (default: the workload).
+    #[arg(long)]
+    pub label: Option<String>,
+    /// ladder: groups sharing one system prompt each.
+    #[arg(long, default_value_t = 8)]
+    pub groups: u32,
+    /// ladder: users per group.
+    #[arg(long, default_value_t = 8)]
+    pub users: u32,
+    #[arg(long, default_value_t = 6000)]
+    pub system_tokens: u64,
+    #[arg(long, default_value_t = 200)]
+    pub question_tokens: u64,
+    #[arg(long, default_value_t = 100)]
+    pub output_tokens: u32,
+    /// ladder: request rates (req/s of wall time), one step each.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    pub rates: Vec<f64>,
+    /// ladder: seconds per rate step.
+    #[arg(long, default_value_t = 20.0)]
+    pub step_s: f64,
+}
+
+impl ReplayArgs {
+    pub fn check(&self) -> Result<(), String> {
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{name} must be a positive number, got {v}"))
+            }
+        };
+        positive("--time-scale", self.time_scale)?;
+        positive("--slo-ttft-ms", self.slo_ttft_ms)?;
+        if let Some(d) = self.duration_s {
+            positive("--duration-s", d)?;
+        }
+        if !(self.grace_s.is_finite() && self.grace_s >= 0.0) {
+            return Err(format!("--grace-s must be >= 0, got {}", self.grace_s));
+        }
+        if self.max_requests == Some(0) {
+            return Err("--max-requests must be at least 1".into());
+        }
+        if self.conversations == 0 || self.max_output_tokens == 0 {
+            return Err("--conversations and --max-output-tokens must be at least 1".into());
+        }
+        if self.model.is_empty() {
+            return Err("--model must not be empty".into());
+        }
+        if self.workload == WorkloadKind::Ladder {
+            positive("--step-s", self.step_s)?;
+            if self.groups == 0 || self.users == 0 || self.rates.is_empty() {
+                return Err("--groups, --users and --rates must be non-empty".into());
+            }
+            for &r in &self.rates {
+                positive("each of --rates", r)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn ladder(&self) -> LadderConfig {
+        LadderConfig {
+            groups: self.groups,
+            users: self.users,
+            system_tokens: self.system_tokens,
+            question_tokens: self.question_tokens,
+            output_tokens: self.output_tokens,
+            // Rates and steps are model time; the schedule runs in wall time.
+            rates: self.rates.iter().map(|r| r * self.time_scale).collect(),
+            step_s: self.step_s / self.time_scale,
+            seed: self.seed,
+        }
+    }
+
+    pub fn duration_s(&self) -> f64 {
+        match (self.duration_s, self.workload) {
+            (Some(d), _) => d,
+            (None, WorkloadKind::Ladder) => self.ladder().total_s(),
+            (None, _) => 60.0,
+        }
+    }
+
+    /// The data file: `--file` as given, else the default found from the current directory
+    /// or any parent (so it works from the repository root and from `bench/`), else next to
+    /// this crate's source tree.
+    pub fn workload_file(&self) -> Result<Option<PathBuf>, String> {
+        if let Some(f) = &self.file {
+            if !f.is_file() {
+                return Err(format!("--file {}: no such file", f.display()));
+            }
+            return Ok(Some(f.clone()));
+        }
+        let Some(rel) = self.workload.default_file() else {
+            return Ok(None);
+        };
+        let cwd = std::env::current_dir().unwrap_or_default();
+        let manifest_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        cwd.ancestors()
+            .map(|a| a.join(rel))
+            .chain(std::iter::once(manifest_repo.join(rel)))
+            .find(|p| p.is_file())
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "cannot find {rel} from {} or its parents; pass --file",
+                    cwd.display()
+                )
+            })
+    }
+}

@@ -1,0 +1,210 @@
+//! Sends one streamed chat request and measures it.
+
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use serde_json::json;
+
+use super::record::{ChatRequest, RequestRecord};
+use super::sse::{clip, Event, SseParser, Usage};
+use super::stats::percentile;
+
+/// Everything the request tasks share.
+pub struct Ctx {
+    pub client: reqwest::Client,
+    pub chat_url: String,
+    pub model: String,
+    pub session_header: bool,
+    pub start: Instant,
+    /// Requests still running at this instant are abandoned and recorded as "timeout".
+    pub hard_deadline: tokio::time::Instant,
+}
+
+/// A measured request plus the reply text (multi-turn chat appends it to the history).
+pub struct Outcome {
+    pub record: RequestRecord,
+    pub text: String,
+}
+
+/// Filled in while the response streams, so a timeout still keeps what was measured.
+#[derive(Default)]
+struct Progress {
+    status: Option<u16>,
+    backend: Option<String>,
+    first: Option<Instant>,
+    /// (arrival, bytes of text) per content event.
+    events: Vec<(Instant, usize)>,
+    text: String,
+    usage: Option<Usage>,
+}
+
+pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest) -> Outcome {
+    let sent = Instant::now();
+    let mut p = Progress::default();
+    let result = match tokio::time::timeout_at(ctx.hard_deadline, exchange(ctx, &req, &mut p)).await
+    {
+        Ok(r) => r,
+        Err(_) => Err("timeout".to_owned()),
+    };
+    let end = Instant::now();
+    let ms = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64() * 1e3;
+    let itl = token_gaps_ms(&p.events, p.usage.map(|u| u.completion_tokens));
+    let record = RequestRecord {
+        id,
+        send_ms: ms(ctx.start, sent),
+        step: req.step,
+        session: req.session,
+        status: p.status,
+        error: result.err(),
+        ttft_ms: p.first.map(|f| ms(sent, f)),
+        e2e_ms: ms(sent, end),
+        itl_p50_ms: percentile(&itl, 50.0),
+        itl_ms: itl,
+        prompt_tokens: p.usage.map(|u| u.prompt_tokens),
+        cached_tokens: p.usage.and_then(|u| u.cached_tokens),
+        completion_tokens: p.usage.map(|u| u.completion_tokens),
+        backend: p.backend,
+        oracle_hit: req.oracle_hit,
+        oracle_total: req.oracle_total,
+    };
+    Outcome {
+        record,
+        text: p.text,
+    }
+}
+
+async fn exchange(ctx: &Ctx, req: &ChatRequest, p: &mut Progress) -> Result<(), String> {
+    let body = json!({
+        "model": ctx.model,
+        "messages": req.messages,
+        "max_tokens": req.max_tokens,
+        "ignore_eos": true,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let mut builder = ctx.client.post(&ctx.chat_url).json(&body);
+    if ctx.session_header {
+        if let Some(s) = &req.session {
+            builder = builder.header("x-session-id", s);
+        }
+    }
+    let resp = builder
+        .send()
+        .await
+        .map_err(|e| format!("send: {}", error_chain(&e)))?;
+    let status = resp.status();
+    p.status = Some(status.as_u16());
+    let h = resp.headers();
+    p.backend = ["x-kvbench-server", "x-kvbench-addr"]
+        .iter()
+        .find_map(|n| h.get(*n).and_then(|v| v.to_str().ok()).map(str::to_owned));
+    if !status.is_success() {
+        let text = resp.text().await.unwrap_or_default();
+        return Err(format!("HTTP {}: {}", status.as_u16(), clip(text.trim())));
+    }
+    let mut parser = SseParser::new();
+    let mut stream = resp.bytes_stream();
+    let mut done = false;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| format!("read: {}", error_chain(&e)))?;
+        let now = Instant::now();
+        for ev in parser.push(&chunk) {
+            match ev {
+                Event::Content(t) => on_text(p, now, t),
+                Event::ContentAndUsage(t, u) => {
+                    on_text(p, now, t);
+                    p.usage = Some(u);
+                }
+                Event::Usage(u) => p.usage = Some(u),
+                Event::Done => done = true,
+                Event::Error(e) => return Err(format!("stream error: {e}")),
+                Event::Ignored => {}
+            }
+        }
+    }
+    if !done {
+        return Err(format!(
+            "stream ended without [DONE] ({} bytes of a partial event)",
+            parser.pending()
+        ));
+    }
+    if p.first.is_none() {
+        return Err("stream carried no content".to_owned());
+    }
+    Ok(())
+}
+
+fn on_text(p: &mut Progress, now: Instant, t: String) {
+    p.first.get_or_insert(now);
+    p.events.push((now, t.len()));
+    p.text.push_str(&t);
+}
+
+/// Inter-token gaps. An event carrying several tokens spreads its gap over them; the token
+/// count per event is not on the wire, so the final completion-token count is shared out in
+/// proportion to each event's text length (exact when every event is one token).
+pub fn token_gaps_ms(events: &[(Instant, usize)], completion_tokens: Option<u64>) -> Vec<f64> {
+    if events.len() < 2 {
+        return Vec::new();
+    }
+    let total_bytes: usize = events.iter().map(|e| e.1).sum();
+    let tokens = completion_tokens.unwrap_or(events.len() as u64) as f64;
+    let one_each = tokens as usize == events.len() || total_bytes == 0;
+    let mut gaps = Vec::with_capacity(events.len());
+    for w in events.windows(2) {
+        let gap = w[1].0.saturating_duration_since(w[0].0).as_secs_f64() * 1e3;
+        let n = if one_each {
+            1
+        } else {
+            ((w[1].1 as f64 * tokens / total_bytes as f64).round() as usize).max(1)
+        };
+        gaps.extend(std::iter::repeat_n(gap / n as f64, n));
+    }
+    gaps
+}
+
+/// reqwest's top-level message hides the cause ("error sending request"); the chain says
+/// "connection refused" and the like.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn gaps_one_token_per_event() {
+        let t0 = Instant::now();
+        let ev = vec![
+            (t0, 4),
+            (t0 + Duration::from_millis(10), 4),
+            (t0 + Duration::from_millis(30), 4),
+        ];
+        let g = token_gaps_ms(&ev, Some(3));
+        assert_eq!(g.len(), 2);
+        assert!((g[0] - 10.0).abs() < 1e-6 && (g[1] - 20.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gaps_spread_over_multi_token_events() {
+        let t0 = Instant::now();
+        // 8 tokens over 3 events in proportion to text: 2, 2 and 4.
+        let ev = vec![
+            (t0, 2),
+            (t0 + Duration::from_millis(10), 2),
+            (t0 + Duration::from_millis(50), 4),
+        ];
+        let g = token_gaps_ms(&ev, Some(8));
+        assert_eq!(g.len(), 2 + 4);
+        assert!((g[2] - 10.0).abs() < 1e-6);
+    }
+}

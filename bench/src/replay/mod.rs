@@ -1,0 +1,41 @@
+//! `kvbench replay`: drives one OpenAI-compatible target with a workload, measures every
+//! request and writes a report.
+//!
+//! # Layout
+//! - `args`: the command line and default workload files.
+//! - `workloads`: ShareGPT chat (closed loop), Mooncake-format traces and the shared-prefix
+//!   ladder (open loop), each with its oracle hit-rate accounting.
+//! - `runner`: schedules requests within the time and request budget.
+//! - `client` and `sse`: one streamed request and its measurements.
+//! - `stats`, `report`, `charts`: summaries, Markdown/JSON and SVG output, reusable by a
+//!   multi-run comparison.
+//! - `metrics`, `progress`: backend load polling and the stderr progress line.
+
+use std::process::ExitCode;
+
+pub mod args;
+pub mod charts;
+pub mod client;
+pub mod metrics;
+pub mod progress;
+pub mod record;
+pub mod report;
+pub mod rng;
+pub mod runner;
+pub mod sse;
+pub mod stats;
+pub mod target;
+pub mod workloads;
+
+pub use args::ReplayArgs;
+
+/// Entry point from `main`: prints the error itself so the dispatcher stays one line.
+pub async fn main(args: ReplayArgs) -> ExitCode {
+    match runner::run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvbench replay: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! What is planned for one request and what was measured for it.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: &str, content: impl Into<String>) -> Self {
+        Self {
+            role: role.to_owned(),
+            content: content.into(),
+        }
+    }
+}
+
+/// One request as a workload wants it sent.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub max_tokens: u32,
+    /// Sent as `x-session-id` only with `--session-header`.
+    pub session: Option<String>,
+    /// Ladder rate step, for per-step summaries.
+    pub step: Option<usize>,
+    /// Oracle accounting, in workload-specific units (blocks, bytes or tokens): the part of
+    /// this prompt one infinite cache would already hold, given everything sent before it.
+    pub oracle_hit: f64,
+    pub oracle_total: f64,
+}
+
+/// Measurements of one request. Times are milliseconds; `send_ms` counts from the run start.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub send_ms: f64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    pub status: Option<u16>,
+    pub error: Option<String>,
+    pub ttft_ms: Option<f64>,
+    pub e2e_ms: f64,
+    /// Median of this request's per-token gaps (the gaps themselves are not serialised: a
+    /// long run has millions of them).
+    pub itl_p50_ms: Option<f64>,
+    #[serde(skip)]
+    pub itl_ms: Vec<f64>,
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    /// From `x-kvbench-server` (or `x-kvbench-addr`): which simulated backend answered.
+    pub backend: Option<String>,
+    pub oracle_hit: f64,
+    pub oracle_total: f64,
+}
+
+impl RequestRecord {
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    pub fn end_ms(&self) -> f64 {
+        self.send_ms + self.e2e_ms
+    }
+}

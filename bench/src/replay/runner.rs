@@ -1,0 +1,262 @@
+//! Runs one replay: loads the workload, sends within the time and request budget, waits out
+//! the grace period, then summarises and writes the report.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinSet;
+use tokio::time::Instant as TokioInstant;
+
+use super::args::{ReplayArgs, WorkloadKind};
+use super::client::{self, Ctx};
+use super::metrics::{self, LoadSample};
+use super::progress::{self, Counters};
+use super::record::RequestRecord;
+use super::report::{self, Report};
+use super::stats::{summarize, Summary};
+use super::target::loopback_url;
+use super::workloads::ladder::LadderSchedule;
+use super::workloads::mooncake::{self, MooncakeSchedule};
+use super::workloads::sharegpt::{self, Chat, Conversation};
+use super::workloads::OpenLoop;
+
+enum Plan {
+    Closed(Vec<Conversation>),
+    Open(Box<dyn OpenLoop>),
+}
+
+/// What every sending task needs.
+struct Shared {
+    ctx: Ctx,
+    counters: Arc<Counters>,
+    records: Mutex<Vec<RequestRecord>>,
+    max_requests: Option<u64>,
+    /// No request is sent at or after this instant.
+    stop_at: TokioInstant,
+}
+
+impl Shared {
+    fn finish(&self, r: RequestRecord) {
+        self.counters.finished(r.ok());
+        if let Ok(mut v) = self.records.lock() {
+            v.push(r);
+        }
+    }
+}
+
+pub async fn run(args: ReplayArgs) -> Result<(), String> {
+    args.check()?;
+    loopback_url("--target", &args.target)?;
+    for u in &args.metrics_urls {
+        loopback_url("--metrics-url", u)?;
+    }
+    let file = args.workload_file()?;
+    let plan = match (args.workload, &file) {
+        (WorkloadKind::Ladder, _) => Plan::Open(Box::new(LadderSchedule::new(args.ladder()))),
+        (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(sharegpt::load(f)?),
+        (_, Some(f)) => Plan::Open(Box::new(MooncakeSchedule::new(
+            mooncake::load(f)?,
+            args.time_scale,
+        ))),
+        (_, None) => return Err("no workload file".into()),
+    };
+    let label = args
+        .label
+        .clone()
+        .unwrap_or_else(|| args.workload.name().to_owned());
+    let duration = Duration::from_secs_f64(args.duration_s());
+    let client = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(4096)
+        .build()
+        .map_err(|e| format!("cannot build HTTP client: {e}"))?;
+
+    let start = Instant::now();
+    let t_start = TokioInstant::now();
+    let stop_at = t_start + duration;
+    let shared = Arc::new(Shared {
+        ctx: Ctx {
+            client: client.clone(),
+            chat_url: format!("{}/v1/chat/completions", args.target.trim_end_matches('/')),
+            model: args.model.clone(),
+            session_header: args.session_header,
+            start,
+            hard_deadline: stop_at + Duration::from_secs_f64(args.grace_s),
+        },
+        counters: Arc::new(Counters::default()),
+        records: Mutex::new(Vec::new()),
+        max_requests: args.max_requests,
+        stop_at,
+    });
+
+    let done = Arc::new(AtomicBool::new(false));
+    let samples = Arc::new(Mutex::new(Vec::<LoadSample>::new()));
+    let mut background = JoinSet::new();
+    background.spawn(progress::show(
+        shared.counters.clone(),
+        label.clone(),
+        start,
+        duration.as_secs_f64(),
+        done.clone(),
+    ));
+    for url in &args.metrics_urls {
+        background.spawn(metrics::poll(
+            client.clone(),
+            url.clone(),
+            start,
+            done.clone(),
+            samples.clone(),
+        ));
+    }
+
+    match plan {
+        Plan::Closed(convs) => {
+            run_closed(&shared, convs, args.conversations, args.max_output_tokens).await
+        }
+        Plan::Open(sched) => run_open(&shared, sched, t_start, duration).await,
+    }
+    done.store(true, Ordering::Relaxed);
+    while background.join_next().await.is_some() {}
+
+    let mut records = shared
+        .records
+        .lock()
+        .map(|mut v| std::mem::take(&mut *v))
+        .unwrap_or_default();
+    records.sort_by_key(|r| r.id);
+    to_model_time(&mut records, args.time_scale);
+    let summary = summarize(&records, args.slo_ttft_ms);
+    let steps = if args.workload == WorkloadKind::Ladder {
+        ladder_steps(&records, &args.rates, args.slo_ttft_ms)
+    } else {
+        Vec::new()
+    };
+    let load_samples = samples
+        .lock()
+        .map(|mut v| std::mem::take(&mut *v))
+        .unwrap_or_default();
+    let config = serde_json::json!({
+        "label": label,
+        "workload": args.workload.name(),
+        "file": file.as_ref().map(|f| f.display().to_string()),
+        "target": args.target,
+        "time_scale": args.time_scale,
+        "duration_s": duration.as_secs_f64(),
+        "max_requests": args.max_requests,
+        "grace_s": args.grace_s,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "model": args.model,
+        "session_header": args.session_header,
+        "conversations": (args.workload == WorkloadKind::Sharegpt).then_some(args.conversations),
+        "ladder": (args.workload == WorkloadKind::Ladder).then(|| args.ladder()),
+        "metrics_urls": args.metrics_urls,
+        "requests_sent": records.len(),
+        "wall_s": start.elapsed().as_secs_f64(),
+        "command_line": std::env::args().collect::<Vec<_>>().join(" "),
+    });
+    let table = report::markdown_table(&[(label.clone(), summary.clone())]);
+    let report = Report {
+        label,
+        config,
+        summary,
+        steps,
+        records,
+        records_omitted: 0,
+        load_samples,
+    };
+    report::write(&args.out, report)?;
+    print!("{table}");
+    println!("report written to {}", args.out.display());
+    Ok(())
+}
+
+/// C conversations at once; each sends its turns in order and starts the next conversation
+/// from the file when it ends. A failed turn ends its conversation: the history would lack
+/// the reply.
+async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32, cap: u32) {
+    let convs = Arc::new(convs);
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = JoinSet::new();
+    for _ in 0..workers {
+        let (shared, convs, next) = (shared.clone(), convs.clone(), next.clone());
+        tasks.spawn(async move {
+            while TokioInstant::now() < shared.stop_at {
+                let Some(conv) = convs.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    return;
+                };
+                let mut chat = Chat::new(conv.clone(), cap);
+                while let Some(req) = chat.next_request() {
+                    if TokioInstant::now() >= shared.stop_at {
+                        return;
+                    }
+                    let Some(id) = shared.counters.try_send(shared.max_requests) else {
+                        return;
+                    };
+                    let out = client::send(&shared.ctx, id, req).await;
+                    let ok = out.record.ok();
+                    shared.finish(out.record);
+                    if !ok {
+                        break;
+                    }
+                    chat.record_reply(out.text);
+                }
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Sends each request at its due time without waiting for earlier answers.
+async fn run_open(
+    shared: &Arc<Shared>,
+    mut sched: Box<dyn OpenLoop>,
+    t_start: TokioInstant,
+    duration: Duration,
+) {
+    let mut tasks = JoinSet::new();
+    while let Some(s) = sched.next_request() {
+        if s.at >= duration {
+            break;
+        }
+        tokio::time::sleep_until(t_start + s.at).await;
+        let Some(id) = shared.counters.try_send(shared.max_requests) else {
+            break;
+        };
+        let sh = shared.clone();
+        tasks.spawn(async move {
+            let out = client::send(&sh.ctx, id, s.req).await;
+            sh.finish(out.record);
+        });
+        // Reap finished tasks so a long run does not hold every result until the end.
+        while tasks.try_join_next().is_some() {}
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Wall-clock measurements against a simulator running K times faster, in model time.
+fn to_model_time(records: &mut [RequestRecord], k: f64) {
+    for r in records {
+        r.send_ms *= k;
+        r.e2e_ms *= k;
+        r.ttft_ms = r.ttft_ms.map(|t| t * k);
+        r.itl_p50_ms = r.itl_p50_ms.map(|t| t * k);
+        r.itl_ms.iter_mut().for_each(|t| *t *= k);
+    }
+}
+
+fn ladder_steps(records: &[RequestRecord], rates: &[f64], slo: f64) -> Vec<(String, Summary)> {
+    let mut by: BTreeMap<usize, Vec<RequestRecord>> = BTreeMap::new();
+    for r in records {
+        if let Some(s) = r.step {
+            by.entry(s).or_default().push(r.clone());
+        }
+    }
+    by.into_iter()
+        .map(|(step, rs)| {
+            let rate = rates.get(step).copied().unwrap_or(f64::NAN);
+            (format!("step {step}: {rate} req/s"), summarize(&rs, slo))
+        })
+        .collect()
+}

@@ -1,0 +1,141 @@
+//! Multi-turn chat from ShareGPT (`{"session_id", "turns": [{"text", "output_length"}]}`).
+//!
+//! Closed loop: each turn carries the whole history, including the replies actually received,
+//! so a router that keeps a conversation on one backend finds its earlier turns cached.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use super::read_jsonl;
+use crate::replay::record::{ChatRequest, Message};
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Turn {
+    pub text: String,
+    pub output_length: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Conversation {
+    pub session_id: String,
+    pub turns: Vec<Turn>,
+}
+
+pub fn load(path: &Path) -> Result<Vec<Conversation>, String> {
+    let convs: Vec<Conversation> = read_jsonl(path)?;
+    let convs: Vec<Conversation> = convs.into_iter().filter(|c| !c.turns.is_empty()).collect();
+    if convs.is_empty() {
+        return Err(format!("{}: no conversation has a turn", path.display()));
+    }
+    Ok(convs)
+}
+
+/// One conversation in progress.
+pub struct Chat {
+    conv: Conversation,
+    next_turn: usize,
+    history: Vec<Message>,
+    /// The previous prompt as rendered for oracle accounting.
+    prev_prompt: String,
+    max_tokens_cap: u32,
+}
+
+impl Chat {
+    pub fn new(conv: Conversation, max_tokens_cap: u32) -> Self {
+        Self {
+            conv,
+            next_turn: 0,
+            history: Vec::new(),
+            prev_prompt: String::new(),
+            max_tokens_cap,
+        }
+    }
+
+    /// The next turn's request, or `None` when the conversation is over.
+    pub fn next_request(&mut self) -> Option<ChatRequest> {
+        let turn = self.conv.turns.get(self.next_turn)?;
+        self.next_turn += 1;
+        self.history.push(Message::new("user", turn.text.clone()));
+        let rendered = render(&self.history);
+        // Oracle in bytes (~tokens): what this prompt shares with the previous one.
+        let hit = common_prefix(&self.prev_prompt, &rendered) as f64;
+        let total = rendered.len() as f64;
+        self.prev_prompt = rendered;
+        Some(ChatRequest {
+            messages: self.history.clone(),
+            max_tokens: turn.output_length.clamp(1, self.max_tokens_cap as u64) as u32,
+            session: Some(self.conv.session_id.clone()),
+            step: None,
+            oracle_hit: hit,
+            oracle_total: total,
+        })
+    }
+
+    /// Appends the reply received for the last turn, as a chat client would.
+    pub fn record_reply(&mut self, text: String) {
+        self.history.push(Message::new("assistant", text));
+    }
+}
+
+/// A stand-in for the chat template: only prefix equality matters for the oracle.
+fn render(history: &[Message]) -> String {
+    let mut s = String::new();
+    for m in history {
+        s.push_str(&m.role);
+        s.push('\n');
+        s.push_str(&m.content);
+        s.push('\n');
+    }
+    s
+}
+
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conv() -> Conversation {
+        Conversation {
+            session_id: "s1".into(),
+            turns: vec![
+                Turn {
+                    text: "hello there".into(),
+                    output_length: 9000,
+                },
+                Turn {
+                    text: "and then?".into(),
+                    output_length: 3,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn history_carries_replies_and_turns() {
+        let mut c = Chat::new(conv(), 512);
+        let r1 = c.next_request().unwrap();
+        assert_eq!(r1.messages, vec![Message::new("user", "hello there")]);
+        assert_eq!(r1.max_tokens, 512);
+        assert_eq!(r1.session.as_deref(), Some("s1"));
+        assert_eq!(r1.oracle_hit, 0.0);
+        c.record_reply(" tok0 tok1".into());
+        let r2 = c.next_request().unwrap();
+        assert_eq!(
+            r2.messages,
+            vec![
+                Message::new("user", "hello there"),
+                Message::new("assistant", " tok0 tok1"),
+                Message::new("user", "and then?"),
+            ]
+        );
+        assert_eq!(r2.max_tokens, 3);
+        // The whole first prompt repeats.
+        assert_eq!(r2.oracle_hit, r1.oracle_total);
+        assert!(r2.oracle_total > r1.oracle_total);
+        assert!(c.next_request().is_none());
+    }
+}

@@ -1,0 +1,82 @@
+//! Validated simulator settings shared by every server of one process. Durations are already
+//! divided by the time scale, so the serving code never has to remember to do it.
+
+use std::time::Duration;
+
+use super::faults::Faults;
+use super::profile::Profile;
+
+/// Which engine's metric names `/metrics` speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    Vllm,
+    Sglang,
+    Llamacpp,
+}
+
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub model: String,
+    pub engine: Engine,
+    /// Wall-clock wait before the first token (already time-scaled).
+    pub ttft: Duration,
+    /// Wall-clock gap between tokens (already time-scaled).
+    pub itl: Duration,
+    /// Wall-clock span after start during which the server answers 503 (already time-scaled).
+    pub slow_start: Duration,
+    /// Model seconds per wall-clock second; reported times are converted back to model time.
+    pub time_scale: f64,
+    pub faults: Faults,
+    /// KV pool size in 16-token blocks (the engine's pool, or the fixed mode's prefix cache).
+    pub num_gpu_blocks: usize,
+    /// `Some`: engine mode, timing from this profile's step model. `None`: fixed timing
+    /// (`ttft`, `itl`), which kvroute's integration tests rely on.
+    pub profile: Option<Profile>,
+}
+
+impl SimConfig {
+    /// Defaults suited to tests: fast, no faults.
+    #[cfg(test)]
+    pub fn for_tests() -> Self {
+        Self {
+            model: "sim-llama-8b".to_owned(),
+            engine: Engine::Vllm,
+            ttft: Duration::from_millis(20),
+            itl: Duration::from_millis(5),
+            slow_start: Duration::ZERO,
+            time_scale: 1.0,
+            faults: Faults::default(),
+            num_gpu_blocks: 31_250,
+            profile: None,
+        }
+    }
+
+    /// Engine mode with a small pool, for end-to-end tests of the engine.
+    #[cfg(test)]
+    pub fn for_engine_tests(kv_tokens: u64, time_scale: f64) -> Self {
+        use super::profile::ProfileName;
+        let profile = Profile::get(ProfileName::H100Llama8b).with_kv_tokens(kv_tokens);
+        Self {
+            time_scale,
+            num_gpu_blocks: profile.kv_blocks,
+            profile: Some(profile),
+            ..Self::for_tests()
+        }
+    }
+}
+
+/// Converts a model-time span in milliseconds to the wall-clock span to actually wait.
+pub fn scaled(ms: f64, time_scale: f64) -> Duration {
+    Duration::from_secs_f64(ms / 1000.0 / time_scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_scale_divides_waits() {
+        assert_eq!(scaled(20.0, 1.0), Duration::from_millis(20));
+        assert_eq!(scaled(20.0, 10.0), Duration::from_millis(2));
+    }
+}

@@ -1,0 +1,235 @@
+//! The per-server engine task: runs `Scheduler` steps back to back on the simulated clock.
+//!
+//! Each step's model time is divided by the time scale and slept until an absolute deadline,
+//! so the cost of the simulation itself does not make the clock drift; a step that wakes late
+//! is counted (`late_steps`, `max_late_ms` in `/debug/state`) and the next ones catch up.
+//! An idle engine parks on its submission channel: no timer runs without work.
+//!
+//! Delivery: each request has a `watch` channel holding its progress (tokens emitted so far),
+//! updated after every step in which it emitted. A watch never blocks the engine: if a
+//! client reads slowly, the progress it has not yet seen accumulates in the value and the
+//! stream sends the pending tokens together in one SSE event (see `engine_answer`).
+//! A request whose receiver is gone (client disconnected) is aborted, freeing its blocks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use tokio::time::{sleep_until, Instant};
+
+use super::metrics::Stats;
+use super::profile::Profile;
+use super::scheduler::{NewRequest, Scheduler};
+
+/// What a waiting client sees of its request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Tokens emitted so far.
+    pub generated: u64,
+    /// Prefix-cache hit at admission; set before the first token is emitted.
+    pub cached_tokens: Option<u64>,
+}
+
+pub struct Submission {
+    pub req: NewRequest,
+    pub progress: watch::Sender<Progress>,
+}
+
+/// Engine counters published after every step, read by `/metrics` and `/debug/state`.
+#[derive(Debug, Default)]
+pub struct EngineGauges {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub used_blocks: AtomicU64,
+    pub cached_blocks: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub steps: AtomicU64,
+    pub late_steps: AtomicU64,
+    pub max_late_us: AtomicU64,
+    pub late_us_total: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineState {
+    pub profile: String,
+    pub num_gpu_blocks: usize,
+    pub used_blocks: u64,
+    pub cached_blocks: u64,
+    pub preemptions_total: u64,
+    pub steps_total: u64,
+    pub prefill_tokens_total: u64,
+    /// Steps that woke more than `LATE` (wall) after their deadline.
+    pub late_steps: u64,
+    pub max_late_ms: f64,
+    /// Mean wall-clock lateness of a step's wake-up; later steps catch up, so this is jitter,
+    /// not accumulated drift.
+    pub mean_late_ms: f64,
+}
+
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Submission>,
+    pub gauges: Arc<EngineGauges>,
+    profile: Profile,
+}
+
+/// Wakes later than this are counted as the engine falling behind. tokio's timer has 1 ms
+/// resolution, so up to ~1 ms of lateness per step is expected and caught up by the next.
+const LATE: Duration = Duration::from_millis(2);
+
+impl EngineHandle {
+    /// Spawns the engine task on the current runtime; it publishes into `stats.engine`.
+    pub fn spawn(profile: Profile, time_scale: f64, stats: Arc<Stats>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let gauges = stats.engine.clone();
+        let engine = Engine {
+            sched: Scheduler::new(profile),
+            rx,
+            senders: HashMap::new(),
+            gauges: gauges.clone(),
+            stats,
+            time_scale,
+        };
+        tokio::spawn(engine.run());
+        Self {
+            tx,
+            gauges,
+            profile,
+        }
+    }
+
+    pub fn num_gpu_blocks(&self) -> usize {
+        self.profile.kv_blocks
+    }
+
+    /// Whether a request of this size can ever run on this engine.
+    pub fn fits(&self, prompt_tokens: u64, max_tokens: u64) -> bool {
+        self.profile.fits(prompt_tokens, max_tokens)
+    }
+
+    /// Queues a request; its progress arrives on the returned receiver. None if the engine
+    /// task is gone (only at shutdown).
+    pub fn submit(&self, req: NewRequest) -> Option<watch::Receiver<Progress>> {
+        let (progress, rx) = watch::channel(Progress::default());
+        self.tx.send(Submission { req, progress }).ok()?;
+        Some(rx)
+    }
+
+    pub fn state(&self) -> EngineState {
+        let g = &self.gauges;
+        EngineState {
+            profile: format!("{:?}", self.profile.name),
+            num_gpu_blocks: self.profile.kv_blocks,
+            used_blocks: g.used_blocks.load(Relaxed),
+            cached_blocks: g.cached_blocks.load(Relaxed),
+            preemptions_total: g.preemptions.load(Relaxed),
+            steps_total: g.steps.load(Relaxed),
+            prefill_tokens_total: g.prefill_tokens.load(Relaxed),
+            late_steps: g.late_steps.load(Relaxed),
+            max_late_ms: g.max_late_us.load(Relaxed) as f64 / 1e3,
+            mean_late_ms: g.late_us_total.load(Relaxed) as f64
+                / 1e3
+                / g.steps.load(Relaxed).max(1) as f64,
+        }
+    }
+}
+
+struct Engine {
+    sched: Scheduler,
+    rx: mpsc::UnboundedReceiver<Submission>,
+    senders: HashMap<u64, watch::Sender<Progress>>,
+    gauges: Arc<EngineGauges>,
+    stats: Arc<Stats>,
+    time_scale: f64,
+}
+
+impl Engine {
+    async fn run(mut self) {
+        let mut deadline = Instant::now();
+        loop {
+            while let Ok(sub) = self.rx.try_recv() {
+                self.add(sub);
+            }
+            self.drop_disconnected();
+            if self.sched.is_idle() {
+                self.publish();
+                match self.rx.recv().await {
+                    Some(sub) => self.add(sub),
+                    None => return,
+                }
+                deadline = Instant::now();
+                continue;
+            }
+            let out = self.sched.step();
+            self.gauges
+                .prefill_tokens
+                .fetch_add(out.prefill_tokens, Relaxed);
+            self.publish();
+            deadline += Duration::from_secs_f64(out.seconds / self.time_scale);
+            sleep_until(deadline).await;
+            self.note_lateness(deadline);
+            for a in &out.admitted {
+                self.stats.admitted(a.prompt_tokens, a.cached_tokens);
+                if let Some(tx) = self.senders.get(&a.id) {
+                    // No wake-up: the client only needs this with its first token.
+                    tx.send_if_modified(|p| {
+                        p.cached_tokens = Some(a.cached_tokens);
+                        false
+                    });
+                }
+            }
+            let mut tokens = 0;
+            for e in &out.emitted {
+                tokens += 1;
+                if let Some(tx) = self.senders.get(&e.id) {
+                    tx.send_modify(|p| p.generated = e.generated);
+                }
+                if e.finished {
+                    self.senders.remove(&e.id);
+                }
+            }
+            self.stats.generated(tokens);
+        }
+    }
+
+    fn add(&mut self, sub: Submission) {
+        let id = self.sched.add(sub.req);
+        self.senders.insert(id, sub.progress);
+    }
+
+    fn drop_disconnected(&mut self) {
+        let sched = &mut self.sched;
+        self.senders.retain(|&id, tx| {
+            let gone = tx.is_closed();
+            if gone {
+                sched.abort(id);
+            }
+            !gone
+        });
+    }
+
+    fn note_lateness(&self, deadline: Instant) {
+        let late = Instant::now().saturating_duration_since(deadline);
+        let us = u64::try_from(late.as_micros()).unwrap_or(u64::MAX);
+        self.gauges.late_us_total.fetch_add(us, Relaxed);
+        self.gauges.max_late_us.fetch_max(us, Relaxed);
+        if late > LATE {
+            self.gauges.late_steps.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn publish(&self) {
+        let g = &self.gauges;
+        let pool = self.sched.pool();
+        let c = self.sched.counters();
+        g.running.store(self.sched.running() as u64, Relaxed);
+        g.waiting.store(self.sched.waiting() as u64, Relaxed);
+        g.used_blocks.store(pool.used() as u64, Relaxed);
+        g.cached_blocks.store(pool.cached() as u64, Relaxed);
+        g.preemptions.store(c.preemptions, Relaxed);
+        g.steps.store(c.steps, Relaxed);
+    }
+}

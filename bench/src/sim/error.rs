@@ -1,0 +1,88 @@
+//! Errors: `ApiError` is what an HTTP client sees (status plus OpenAI's error JSON), so every
+//! handler fails in the same shape; `SimError` is a startup failure reported on the CLI.
+
+use std::fmt;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
+
+    /// OpenAI's `type` names the class of error; clients branch on it.
+    fn error_type(&self) -> &'static str {
+        match self.status {
+            StatusCode::BAD_REQUEST => "invalid_request_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
+            _ => "internal_server_error",
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.error_type(),
+                "code": null,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+#[derive(Debug)]
+pub struct SimError(String);
+
+impl SimError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+impl fmt::Display for SimError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for SimError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_request_has_openai_shape() {
+        let body = ApiError::bad_request("missing model").body();
+        assert_eq!(body["error"]["message"], "missing model");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(body["error"]["code"].is_null());
+    }
+}

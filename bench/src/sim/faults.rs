@@ -1,0 +1,115 @@
+//! Fault knobs: set from the CLI at start and changed at run time through `POST /debug/faults`.
+//! Per-request decisions are pseudo-random but deterministic in the request's sequence number,
+//! so a failing test run can be replayed exactly.
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::error::ApiError;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Faults {
+    /// Fraction of POST requests answered 500.
+    pub fail_rate: f64,
+    /// Fraction of POST requests that are accepted and never answered.
+    pub hang_rate: f64,
+    /// While set, every POST request is held unanswered until it is cleared.
+    pub hang: bool,
+    /// While set, `/health` answers 503.
+    pub unhealthy: bool,
+}
+
+/// A partial change; absent fields keep their value. Unknown fields are rejected so that a typo
+/// in a test does not silently leave a fault off.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultUpdate {
+    pub fail_rate: Option<f64>,
+    pub hang_rate: Option<f64>,
+    pub hang: Option<bool>,
+    pub unhealthy: Option<bool>,
+}
+
+impl FaultUpdate {
+    pub fn validate(&self) -> Result<(), ApiError> {
+        for (name, rate) in [("fail_rate", self.fail_rate), ("hang_rate", self.hang_rate)] {
+            if let Some(rate) = rate {
+                check_rate(name, rate).map_err(ApiError::bad_request)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Faults {
+    /// Applies an update that `FaultUpdate::validate` accepted.
+    pub fn apply(&mut self, update: &FaultUpdate) {
+        if let Some(v) = update.fail_rate {
+            self.fail_rate = v;
+        }
+        if let Some(v) = update.hang_rate {
+            self.hang_rate = v;
+        }
+        if let Some(v) = update.hang {
+            self.hang = v;
+        }
+        if let Some(v) = update.unhealthy {
+            self.unhealthy = v;
+        }
+    }
+}
+
+pub fn check_rate(name: &str, rate: f64) -> Result<(), String> {
+    if (0.0..=1.0).contains(&rate) {
+        Ok(())
+    } else {
+        Err(format!("{name} must be between 0 and 1, got {rate}"))
+    }
+}
+
+/// Salts keep the fail and hang draws of one request independent.
+pub const FAIL_SALT: u64 = 0x6661_696c;
+pub const HANG_SALT: u64 = 0x6861_6e67;
+
+/// True for about `rate` of all sequence numbers.
+pub fn hits(rate: f64, seq: u64, server: usize, salt: u64) -> bool {
+    if rate <= 0.0 {
+        return false;
+    }
+    let seed = salt ^ (server as u64).rotate_left(32);
+    let draw = xxh3_64_with_seed(&seq.to_le_bytes(), seed) >> 11;
+    (draw as f64 / (1u64 << 53) as f64) < rate
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hit_fraction_tracks_rate() {
+        let n = (0..10_000).filter(|&s| hits(0.3, s, 1, FAIL_SALT)).count();
+        assert!((2_700..3_300).contains(&n), "{n}");
+        assert!((0..1000).all(|s| !hits(0.0, s, 0, FAIL_SALT)));
+        assert!((0..1000).all(|s| hits(1.0, s, 0, FAIL_SALT)));
+    }
+
+    #[test]
+    fn update_applies_only_present_fields() {
+        let mut f = Faults {
+            fail_rate: 0.5,
+            ..Faults::default()
+        };
+        let u: FaultUpdate = serde_json::from_str(r#"{"hang":true}"#).unwrap();
+        u.validate().unwrap();
+        f.apply(&u);
+        assert!(f.hang);
+        assert_eq!(f.fail_rate, 0.5);
+    }
+
+    #[test]
+    fn update_rejects_bad_rate_and_unknown_field() {
+        let u: FaultUpdate = serde_json::from_str(r#"{"fail_rate":1.5}"#).unwrap();
+        assert!(u.validate().is_err());
+        assert!(serde_json::from_str::<FaultUpdate>(r#"{"fail":1}"#).is_err());
+    }
+}

@@ -1,0 +1,52 @@
+//! Deterministic output and its timing. Token i is the word `" tok{i}"`, so a replay can append
+//! the exact reply to the next turn; token i is due at `start + ttft + i * itl`, computed from
+//! the start rather than from the previous token so that scheduler delays do not accumulate.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub fn token_text(i: u64) -> String {
+    format!(" tok{i}")
+}
+
+/// The whole reply of `n` tokens.
+pub fn completion_text(n: u64) -> String {
+    (0..n).map(token_text).collect()
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule {
+    pub start: Instant,
+    pub ttft: Duration,
+    pub itl: Duration,
+}
+
+impl Schedule {
+    pub fn token_due(&self, i: u64) -> Instant {
+        let gaps = u32::try_from(i).unwrap_or(u32::MAX);
+        self.start + self.ttft + self.itl.saturating_mul(gaps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filler_is_deterministic() {
+        assert_eq!(completion_text(3), " tok0 tok1 tok2");
+        assert_eq!(completion_text(0), "");
+    }
+
+    #[test]
+    fn tokens_are_spaced_from_start() {
+        let s = Schedule {
+            start: Instant::now(),
+            ttft: Duration::from_millis(20),
+            itl: Duration::from_millis(5),
+        };
+        assert_eq!(s.token_due(0) - s.start, Duration::from_millis(20));
+        assert_eq!(s.token_due(4) - s.start, Duration::from_millis(40));
+    }
+}

@@ -1,0 +1,283 @@
+//! The POST endpoints. A request is logged on arrival, admitted (slow start, parse, hang and
+//! failure faults), then answered: in engine mode by the server's engine (`engine_answer`),
+//! in fixed-timing mode here, after a prefix-cache lookup, with the first token after the TTFT
+//! and then one token per inter-token interval.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use tokio::time::{sleep_until, Instant};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::engine_answer;
+use super::error::ApiError;
+use super::faults::{hits, FAIL_SALT, HANG_SALT};
+use super::generate::{completion_text, token_text, Schedule};
+use super::kvcache::{block_hashes, BLOCK_TOKENS};
+use super::metrics::Gauge;
+use super::openai::{self, Endpoint, SimRequest};
+use super::prompt::count_tokens;
+use super::reqlog::Entry;
+use super::response::{Answer, Usage};
+use super::server::{header_value, ServerState};
+use super::sse::{ChunkWriter, DONE};
+
+pub const BODY_HASH_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-xxh3");
+pub const BODY_LEN_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-len");
+const SESSION_HEADER: &str = "x-session-id";
+
+pub async fn chat(State(s): State<Arc<ServerState>>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, Endpoint::Chat, &headers, body).await
+}
+
+pub async fn completions(
+    State(s): State<Arc<ServerState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, Endpoint::Completions, &headers, body).await
+}
+
+pub async fn embeddings(
+    State(s): State<Arc<ServerState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, Endpoint::Embeddings, &headers, body).await
+}
+
+/// Formats a body hash as tests compute it: 16 lowercase hex digits, zero-padded.
+pub fn body_hash_hex(body: &[u8]) -> String {
+    format!("{:016x}", xxh3_64(body))
+}
+
+async fn handle(
+    s: Arc<ServerState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let arrived = Instant::now();
+    let hash = body_hash_hex(&body);
+    let session = headers
+        .get(SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let entry = Entry::arrival(endpoint.path(), session, body.len(), hash.clone());
+    let seq = s.log().push(entry);
+    let mut res = match admit(&s, seq, endpoint, &body).await {
+        Ok(admitted) => serve(s.clone(), admitted, arrived).await,
+        Err(e) => e.into_response(),
+    };
+    let status = res.status().as_u16();
+    s.log().update(seq, |e| e.status = Some(status));
+    let headers = res.headers_mut();
+    headers.insert(BODY_HASH_HEADER, header_value(&hash));
+    headers.insert(BODY_LEN_HEADER, HeaderValue::from(body.len()));
+    res
+}
+
+/// A request that passed admission, with its prefix-cache result (fixed mode; the engine
+/// looks up its own pool when it schedules the request).
+pub struct Admitted {
+    pub req: SimRequest,
+    pub seq: u64,
+    pub usage: Usage,
+    /// Chained hashes of the prompt's full blocks.
+    pub blocks: Vec<u64>,
+}
+
+async fn admit(
+    s: &Arc<ServerState>,
+    seq: u64,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<Admitted, ApiError> {
+    if s.in_slow_start() {
+        return Err(ApiError::unavailable("kvbench-sim: server is starting"));
+    }
+    let req = openai::parse(endpoint, body)?;
+    let prompt_tokens = count_tokens(req.prompt.len());
+    s.log().update(seq, |e| {
+        e.model = Some(req.model.clone());
+        e.stream = req.stream;
+        e.prompt_tokens = Some(prompt_tokens);
+    });
+    hold_if_hung(s, seq).await;
+    if hits(s.faults().fail_rate, seq, s.index, FAIL_SALT) {
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "kvbench-sim: injected failure",
+        ));
+    }
+    let mut usage = Usage {
+        prompt_tokens,
+        completion_tokens: req.max_tokens,
+        cached_tokens: 0,
+    };
+    // Embedding models keep no prefix cache.
+    let blocks = if endpoint == Endpoint::Embeddings {
+        Vec::new()
+    } else {
+        block_hashes(&req.prompt)
+    };
+    if endpoint != Endpoint::Embeddings && s.engine.is_none() {
+        usage.cached_tokens = s.kv().match_prefix(&blocks) as u64 * BLOCK_TOKENS;
+        s.stats.admitted(prompt_tokens, usage.cached_tokens);
+    }
+    if s.engine.is_none() || endpoint == Endpoint::Embeddings {
+        s.log()
+            .update(seq, |e| e.cached_tokens = Some(usage.cached_tokens));
+    }
+    Ok(Admitted {
+        req,
+        seq,
+        usage,
+        blocks,
+    })
+}
+
+/// Holds a request the hang faults select: forever for `hang_rate`, until the `hang` knob is
+/// cleared for `hang`. Only this request's task waits; the server keeps serving others.
+async fn hold_if_hung(s: &Arc<ServerState>, seq: u64) {
+    let faults = s.faults();
+    let by_rate = hits(faults.hang_rate, seq, s.index, HANG_SALT);
+    if !by_rate && !faults.hang {
+        return;
+    }
+    let _waiting = s.stats.start_waiting();
+    if by_rate {
+        std::future::pending::<()>().await;
+    }
+    let mut rx = s.faults.subscribe();
+    // Err only if the sender is gone, which means the server is going away: stop holding.
+    let _ = rx.wait_for(|f| !f.hang).await;
+}
+
+async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
+    let answer = Answer::new(a.req.endpoint, s.index, a.seq, &a.req.model);
+    if a.req.endpoint == Endpoint::Embeddings {
+        return Json(answer.embeddings(a.usage.prompt_tokens)).into_response();
+    }
+    if s.engine.is_some() {
+        return engine_answer::serve(s, a, answer, arrived).await;
+    }
+    let n = a.req.max_tokens;
+    let kv_blocks = (a.usage.prompt_tokens + n).div_ceil(BLOCK_TOKENS);
+    let mut gen = Generation {
+        running: s.stats.start_running(kv_blocks),
+        schedule: Schedule {
+            start: Instant::now(),
+            ttft: s.config.ttft,
+            itl: s.config.itl,
+        },
+        state: s,
+        arrived,
+        blocks: a.blocks,
+    };
+    if a.req.stream {
+        let stream = TokenStream {
+            gen,
+            writer: ChunkWriter::new(answer),
+            next: 0,
+            n,
+            usage: a.req.include_usage.then_some(a.usage),
+            done: false,
+        };
+        return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
+            let event = st.next_event().await?;
+            Some((Ok::<Bytes, Infallible>(event), st))
+        }));
+    }
+    gen.token(0).await;
+    gen.rest(n).await;
+    drop(gen.running);
+    Json(answer.completion(&completion_text(n), a.usage)).into_response()
+}
+
+/// One request on the simulated engine: holds its KV blocks (the running gauge) until dropped.
+struct Generation {
+    state: Arc<ServerState>,
+    schedule: Schedule,
+    arrived: Instant,
+    /// Prompt blocks, entered into the prefix cache once prefill is done.
+    blocks: Vec<u64>,
+    running: Gauge,
+}
+
+impl Generation {
+    /// Waits until token `i` is due and accounts for it.
+    async fn token(&mut self, i: u64) {
+        sleep_until(self.schedule.token_due(i)).await;
+        if i == 0 {
+            self.prefilled();
+        }
+        self.state.stats.generated(1);
+    }
+
+    /// Waits out tokens 1..n at once (the non-streaming answer is sent whole).
+    async fn rest(&mut self, n: u64) {
+        if n > 1 {
+            sleep_until(self.schedule.token_due(n - 1)).await;
+            self.state.stats.generated(n - 1);
+        }
+    }
+
+    /// The prompt's KV exists once prefill is done, so it is cached from the first token on:
+    /// a concurrent request with the same prefix hits it, as on vLLM.
+    fn prefilled(&mut self) {
+        let s = &self.state;
+        s.stats.observe_ttft(s.model_seconds_since(self.arrived));
+        let blocks = std::mem::take(&mut self.blocks);
+        s.kv().insert(&blocks);
+    }
+}
+
+/// Streamed answer: each event is produced by the body stream when its token is due, so it is
+/// written to the socket at that moment, and a client that disconnects drops the generation.
+struct TokenStream {
+    gen: Generation,
+    writer: ChunkWriter,
+    next: u64,
+    n: u64,
+    usage: Option<Usage>,
+    done: bool,
+}
+
+impl TokenStream {
+    async fn next_event(&mut self) -> Option<Bytes> {
+        if self.next < self.n {
+            let i = self.next;
+            self.next += 1;
+            self.gen.token(i).await;
+            return Some(self.writer.token(&token_text(i), i == 0, i + 1 == self.n));
+        }
+        if let Some(usage) = self.usage.take() {
+            return Some(self.writer.usage(usage));
+        }
+        if !self.done {
+            self.done = true;
+            return Some(Bytes::from_static(DONE));
+        }
+        None
+    }
+}
+
+pub fn sse_response<S>(events: S) -> Response
+where
+    S: futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
+    let mut res = Response::new(Body::from_stream(events));
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    res
+}

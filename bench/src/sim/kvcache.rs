@@ -1,0 +1,169 @@
+//! The engine's prefix cache, v1: which 16-token blocks of past prompts a server still holds.
+//!
+//! A block is 64 bytes of canonical prompt (16 stand-in tokens). Its hash is chained,
+//! `hash_i = xxh3_64_with_seed(block_i, hash_{i-1})` with `hash_{-1} = 0`, so a block's hash
+//! names the whole prefix up to it and a lookup can stop at the first miss. Only full blocks are
+//! cached, as in vLLM. The set is bounded by the KV pool's size and evicts least recently used
+//! blocks. Later work grows this into the full pool (reference counts held by running requests,
+//! preemption); the API below is the part the serving code depends on.
+
+use std::collections::{HashMap, VecDeque};
+
+pub const BLOCK_TOKENS: u64 = 16;
+pub const BLOCK_BYTES: usize = 64;
+
+/// Chained hashes of every full block of `canonical`.
+pub fn block_hashes(canonical: &[u8]) -> Vec<u64> {
+    let mut prev = 0u64;
+    canonical
+        .chunks_exact(BLOCK_BYTES)
+        .map(|block| {
+            prev = xxhash_rust::xxh3::xxh3_64_with_seed(block, prev);
+            prev
+        })
+        .collect()
+}
+
+pub struct KvCache {
+    capacity_blocks: usize,
+    /// Block hash -> tick of its last use.
+    last_use: HashMap<u64, u64>,
+    /// Uses in tick order; an entry is stale when `last_use` holds a newer tick for its hash.
+    /// Lazy deletion keeps touch O(1); `compact` bounds the garbage.
+    order: VecDeque<(u64, u64)>,
+    tick: u64,
+}
+
+impl KvCache {
+    pub fn new(capacity_blocks: usize) -> Self {
+        Self {
+            capacity_blocks: capacity_blocks.max(1),
+            last_use: HashMap::new(),
+            order: VecDeque::new(),
+            tick: 0,
+        }
+    }
+
+    /// Number of leading blocks of `hashes` already cached; those blocks count as used now.
+    pub fn match_prefix(&mut self, hashes: &[u64]) -> usize {
+        let hit = hashes
+            .iter()
+            .take_while(|h| self.last_use.contains_key(h))
+            .count();
+        self.touch_all(&hashes[..hit]);
+        hit
+    }
+
+    /// Records that the blocks were computed (prefilled), evicting the least recently used
+    /// blocks past capacity.
+    pub fn insert(&mut self, hashes: &[u64]) {
+        self.touch_all(hashes);
+        while self.last_use.len() > self.capacity_blocks {
+            self.evict_one();
+        }
+        if self.order.len() > 2 * self.capacity_blocks + 1024 {
+            self.compact();
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.last_use.len()
+    }
+
+    /// Touches the tail first so a prompt's first blocks are the most recent: when eviction
+    /// reaches this prompt it drops the tail, and the prefix that later requests share survives
+    /// (vLLM frees a request's blocks in reverse order for the same reason).
+    fn touch_all(&mut self, hashes: &[u64]) {
+        for &h in hashes.iter().rev() {
+            self.tick += 1;
+            self.last_use.insert(h, self.tick);
+            self.order.push_back((h, self.tick));
+        }
+    }
+
+    fn evict_one(&mut self) {
+        while let Some((h, tick)) = self.order.pop_front() {
+            if self.last_use.get(&h) == Some(&tick) {
+                self.last_use.remove(&h);
+                return;
+            }
+        }
+    }
+
+    fn compact(&mut self) {
+        let mut live: Vec<(u64, u64)> = self.last_use.iter().map(|(&h, &t)| (h, t)).collect();
+        live.sort_unstable_by_key(|&(_, t)| t);
+        self.order = live.into_iter().collect();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(n: usize, seed: u8) -> Vec<u8> {
+        (0..n)
+            .map(|i| b'a' + ((i + seed as usize) % 26) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn hashes_are_chained_and_full_blocks_only() {
+        let a = text(64 * 3 + 10, 0);
+        let h = block_hashes(&a);
+        assert_eq!(h.len(), 3);
+        assert_eq!(h[0], xxhash_rust::xxh3::xxh3_64_with_seed(&a[..64], 0));
+        assert_eq!(
+            h[1],
+            xxhash_rust::xxh3::xxh3_64_with_seed(&a[64..128], h[0])
+        );
+        // The same block content after a different prefix hashes differently.
+        let mut b = text(64, 5);
+        b.extend_from_slice(&a[64..128]);
+        assert_ne!(block_hashes(&b)[1], h[1]);
+    }
+
+    #[test]
+    fn repeated_prompt_is_fully_cached() {
+        let mut kv = KvCache::new(1000);
+        let h = block_hashes(&text(64 * 5 + 3, 0));
+        assert_eq!(kv.match_prefix(&h), 0);
+        kv.insert(&h);
+        assert_eq!(kv.match_prefix(&h) as u64 * BLOCK_TOKENS, 80);
+    }
+
+    #[test]
+    fn extended_prompt_hits_its_prefix() {
+        let mut kv = KvCache::new(1000);
+        let first = text(64 * 4 + 20, 0);
+        kv.insert(&block_hashes(&first));
+        let mut longer = first.clone();
+        longer.extend_from_slice(&text(200, 3));
+        let h = block_hashes(&longer);
+        assert_eq!(h.len(), 7);
+        assert_eq!(kv.match_prefix(&h), 4);
+        // A prompt that diverges in its first block shares nothing.
+        assert_eq!(kv.match_prefix(&block_hashes(&text(64 * 4, 1))), 0);
+    }
+
+    #[test]
+    fn bounded_with_lru_eviction_keeping_prefixes() {
+        let mut kv = KvCache::new(8);
+        let a = block_hashes(&text(64 * 4, 0));
+        let b = block_hashes(&text(64 * 4, 1));
+        kv.insert(&a);
+        kv.insert(&b);
+        assert_eq!(kv.match_prefix(&a), 4); // a is now the most recent
+        let c = block_hashes(&text(64 * 2, 2));
+        kv.insert(&c);
+        assert_eq!(kv.len(), 8);
+        // b lost its tail, not its head.
+        assert_eq!(kv.match_prefix(&b), 2);
+        assert_eq!(kv.match_prefix(&a), 4);
+        for i in 0..200u8 {
+            kv.insert(&block_hashes(&text(64 * 3, i)));
+        }
+        assert_eq!(kv.len(), 8);
+        assert!(kv.order.len() <= 2 * 8 + 1024 + 3);
+    }
+}

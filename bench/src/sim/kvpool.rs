@@ -1,0 +1,170 @@
+//! The engine's KV block pool, after vLLM's block manager.
+//!
+//! A pool of `total` blocks. A block held by a request is either *anonymous* (its content has
+//! no reusable identity: partial prompt blocks, output blocks, duplicates) or *hashed* (a full
+//! prompt block named by its chained prefix hash, see `kvcache::block_hashes`). Hashed blocks
+//! stay in the pool when their last holder lets go: they are then free for reuse by a request
+//! with the same prefix, and evictable, least recently released first. Only unreferenced blocks
+//! are ever evicted; when no block can be had, `allocate` says no and the scheduler preempts.
+
+use std::collections::{BTreeMap, HashMap};
+
+struct Entry {
+    refs: u32,
+    /// Key in `lru` while `refs == 0`.
+    tick: u64,
+}
+
+pub struct KvPool {
+    total: usize,
+    hashed: HashMap<u64, Entry>,
+    /// Unreferenced hashed blocks by release tick, oldest first.
+    lru: BTreeMap<u64, u64>,
+    tick: u64,
+    /// Referenced blocks: anonymous ones plus hashed ones with `refs > 0`.
+    used: usize,
+}
+
+impl KvPool {
+    pub fn new(total: usize) -> Self {
+        Self {
+            total: total.max(1),
+            hashed: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+            used: 0,
+        }
+    }
+
+    /// Blocks held by requests (what vLLM's `kv_cache_usage_perc` counts).
+    pub fn used(&self) -> usize {
+        self.used
+    }
+
+    /// Blocks that hold a reusable prefix, referenced or not.
+    pub fn cached(&self) -> usize {
+        self.hashed.len()
+    }
+
+    /// Number of leading `hashes` present in the pool.
+    pub fn lookup(&self, hashes: &[u64]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.hashed.contains_key(h))
+            .count()
+    }
+
+    /// Takes a reference on each of `hashes`, which `lookup` just found: a reused block leaves
+    /// the eviction order, so allocating right after cannot evict it.
+    pub fn acquire(&mut self, hashes: &[u64]) {
+        for h in hashes {
+            if let Some(e) = self.hashed.get_mut(h) {
+                if e.refs == 0 {
+                    self.lru.remove(&e.tick);
+                    self.used += 1;
+                }
+                e.refs += 1;
+            }
+        }
+    }
+
+    /// Takes `n` anonymous blocks, evicting unreferenced cached blocks as needed; false (and no
+    /// change) when fewer than `n` blocks are unreferenced.
+    pub fn allocate(&mut self, n: usize) -> bool {
+        if self.total - self.used < n {
+            return false;
+        }
+        while self.total - self.used - self.lru.len() < n {
+            match self.lru.pop_first() {
+                Some((_, h)) => {
+                    self.hashed.remove(&h);
+                }
+                None => return false,
+            }
+        }
+        self.used += n;
+        true
+    }
+
+    /// Gives one of the caller's anonymous blocks the identity `hash` now that it is computed.
+    /// False when the pool already has that block (a concurrent request computed the same
+    /// prefix): the caller's copy stays anonymous, as vLLM keeps such duplicates uncached.
+    pub fn promote(&mut self, hash: u64) -> bool {
+        if self.hashed.contains_key(&hash) {
+            return false;
+        }
+        self.hashed.insert(hash, Entry { refs: 1, tick: 0 });
+        true
+    }
+
+    /// Drops a request's blocks (`None` = anonymous). Released in reverse so that a prompt's
+    /// tail is evicted before its head: the head is what later requests share.
+    pub fn release(&mut self, held: &[Option<u64>]) {
+        for block in held.iter().rev() {
+            match block {
+                None => self.used -= 1,
+                Some(h) => {
+                    if let Some(e) = self.hashed.get_mut(h) {
+                        e.refs -= 1;
+                        if e.refs == 0 {
+                            self.tick += 1;
+                            e.tick = self.tick;
+                            self.lru.insert(self.tick, *h);
+                            self.used -= 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn released_prefix_is_reused_then_evicted_lru_tail_first() {
+        let mut pool = KvPool::new(6);
+        assert!(pool.allocate(4));
+        for h in [1, 2, 3] {
+            assert!(pool.promote(h));
+        }
+        assert_eq!(pool.used(), 4);
+        pool.release(&[Some(1), Some(2), Some(3), None]);
+        assert_eq!((pool.used(), pool.cached()), (0, 3));
+        assert_eq!(pool.lookup(&[1, 2, 3, 4]), 3);
+
+        // Reuse the head: it cannot be evicted while held.
+        pool.acquire(&[1]);
+        assert!(pool.allocate(5));
+        assert_eq!(pool.lookup(&[1, 2, 3]), 1);
+        assert_eq!(pool.used(), 6);
+        assert!(!pool.allocate(1));
+        pool.release(&[Some(1)]);
+        assert!(pool.allocate(1));
+        assert_eq!(pool.lookup(&[1]), 0);
+    }
+
+    #[test]
+    fn tail_goes_before_head() {
+        let mut pool = KvPool::new(4);
+        assert!(pool.allocate(3));
+        for h in [10, 11, 12] {
+            pool.promote(h);
+        }
+        pool.release(&[Some(10), Some(11), Some(12)]);
+        assert!(pool.allocate(2));
+        assert_eq!(pool.lookup(&[10, 11, 12]), 2);
+    }
+
+    #[test]
+    fn duplicate_stays_anonymous() {
+        let mut pool = KvPool::new(4);
+        assert!(pool.allocate(2));
+        assert!(pool.promote(7));
+        assert!(!pool.promote(7));
+        pool.release(&[Some(7), None]);
+        assert_eq!((pool.used(), pool.cached()), (0, 1));
+    }
+}

@@ -1,0 +1,124 @@
+//! `kvbench sim`: N simulated OpenAI-compatible inference servers in one process.
+//!
+//! # Features
+//! - `/v1/chat/completions` and `/v1/completions`, streaming (SSE) and not, with deterministic
+//!   filler output of exactly `max_tokens` tokens.
+//! - Engine mode (the default): per server, a vLLM-like engine with continuous batching,
+//!   chunked prefill, a KV block pool with prefix reuse, LRU eviction and preemption, and a
+//!   step-time model from a GPU profile (`--profile`, `--kv-tokens`).
+//! - Fixed-timing mode (when `--ttft-ms` or `--itl-ms` is given): every request gets its first
+//!   token after the TTFT and the rest one per inter-token interval, independent of load; a
+//!   per-server LRU prefix cache still reports `cached_tokens`. kvroute's integration tests
+//!   use this mode.
+//! - Both report `usage.prompt_tokens_details.cached_tokens` the way vLLM does.
+//! - Engine telemetry on `/metrics` in vLLM, SGLang or llama.cpp names.
+//! - Fault knobs (failure rate, hangs, unhealthy, slow start) and request introspection under
+//!   `/debug/*`, so kvroute's integration tests can see what each backend received.
+//!
+//! # How to use
+//! `kvbench sim --servers 2 --base-port 0` prints one `kvbench-sim listening ADDR index I` line
+//! per server, then `kvbench-sim ready`, on stdout.
+//!
+//! # Layout
+//! - `cli`: arguments and their validation into a `SimConfig`.
+//! - `config`: the validated, time-scaled settings shared by every server.
+//! - `server`: per-server state, the axum router and the listener task.
+//! - `inference`: the POST endpoints: admission, faults, fixed-timing answers.
+//! - `engine_answer`: engine-mode answers (waiting on the engine, SSE coalescing).
+//! - `engine`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
+//!   `kvpool`: its KV block pool; `profile`: GPU profiles and the step-time model.
+//! - `admin`: health, models, metrics and the `/debug` endpoints.
+//! - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer.
+//! - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
+//! - `generate`: filler text and token timing; `response` / `sse`: answer bodies.
+//! - `metrics`: counters and the Prometheus text; `faults`: fault knobs; `reqlog`: request log.
+//! - `error`: the one error type, rendered in OpenAI's error shape.
+
+mod admin;
+mod cli;
+mod config;
+mod engine;
+mod engine_answer;
+mod error;
+mod faults;
+mod generate;
+mod inference;
+mod kvcache;
+mod kvpool;
+mod metrics;
+mod openai;
+mod profile;
+mod prompt;
+mod reqlog;
+mod response;
+mod scheduler;
+mod server;
+mod sse;
+
+#[cfg(test)]
+mod e2e_tests;
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+pub use cli::SimArgs;
+pub use error::SimError;
+
+/// Binds every server, announces them on stdout, then serves until SIGTERM or SIGINT.
+pub async fn run(args: SimArgs) -> Result<(), SimError> {
+    let plan = args.validate()?;
+    let config = Arc::new(plan.config);
+    let mut bound = Vec::with_capacity(plan.listen.len());
+    for (index, addr) in plan.listen.iter().enumerate() {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| SimError::new(format!("cannot bind {addr}: {e}")))?;
+        let local = server::spawn(listener, index, config.clone())
+            .map_err(|e| SimError::new(format!("cannot serve on {addr}: {e}")))?;
+        bound.push(local);
+    }
+    announce(&bound).map_err(|e| SimError::new(format!("cannot write to stdout: {e}")))?;
+    log::info!(
+        "kvbench-sim: {} server(s), model {}, engine {:?}, time scale {}",
+        bound.len(),
+        config.model,
+        config.engine,
+        config.time_scale
+    );
+    wait_for_shutdown().await;
+    log::info!("kvbench-sim: shutting down");
+    Ok(())
+}
+
+/// Tests learn ports and readiness from these lines, so they are printed only once every
+/// listener is bound (connections queue in the kernel backlog until accepted) and flushed.
+fn announce(bound: &[SocketAddr]) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    for (index, addr) in bound.iter().enumerate() {
+        writeln!(out, "kvbench-sim listening {addr} index {index}")?;
+    }
+    writeln!(out, "kvbench-sim ready")?;
+    out.flush()
+}
+
+async fn wait_for_shutdown() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+                return;
+            }
+            Err(e) => log::warn!("cannot install SIGTERM handler: {e}"),
+        }
+    }
+    if let Err(e) = tokio::signal::ctrl_c().await {
+        log::warn!("cannot wait for ctrl-c: {e}");
+        std::future::pending::<()>().await;
+    }
+}

@@ -1,0 +1,173 @@
+//! Physics of the scheduler, in model time, with no sleeping.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::sim::profile::ProfileName;
+
+fn h100() -> Profile {
+    Profile::get(ProfileName::H100Llama8b)
+}
+
+/// Distinct block hashes for prompt `seed`.
+fn request(seed: u64, prompt_tokens: u64, max_tokens: u64) -> NewRequest {
+    let blocks = prompt_tokens / BLOCK_TOKENS;
+    NewRequest {
+        prompt_tokens,
+        hashes: (0..blocks).map(|j| (seed << 32) | j).collect(),
+        max_tokens,
+    }
+}
+
+/// What one request saw: model time to its first token, its cached tokens, its token count.
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    ttft: Option<f64>,
+    cached: Option<u64>,
+    generated: u64,
+    finished: bool,
+}
+
+/// Steps until idle (or `max_steps`), recording every request's view.
+fn run(s: &mut Scheduler, max_steps: usize) -> (f64, HashMap<u64, Seen>) {
+    let mut clock = 0.0;
+    let mut seen: HashMap<u64, Seen> = HashMap::new();
+    for _ in 0..max_steps {
+        if s.is_idle() {
+            break;
+        }
+        let out = s.step();
+        clock += out.seconds;
+        for a in out.admitted {
+            seen.entry(a.id).or_default().cached = Some(a.cached_tokens);
+        }
+        for e in out.emitted {
+            let v = seen.entry(e.id).or_default();
+            assert_eq!(e.generated, v.generated + 1, "tokens of {} in order", e.id);
+            assert!(!v.finished);
+            v.generated = e.generated;
+            v.finished = e.finished;
+            v.ttft.get_or_insert(clock);
+        }
+    }
+    (clock, seen)
+}
+
+#[test]
+fn ten_k_prompt_miss_then_hit() {
+    let p = h100();
+    let mut s = Scheduler::new(p);
+    let a = s.add(request(1, 10_000, 1));
+    let (_, seen) = run(&mut s, 100);
+    let ttft = seen[&a].ttft.unwrap();
+    // Two chunks (8192 + 1808): 0.4 s of prefill plus two step overheads.
+    let expected = 10_000.0 / 25_000.0 + 2.0 * p.t0;
+    assert!(
+        (ttft - expected).abs() / expected < 0.01,
+        "{ttft} vs {expected}"
+    );
+    assert!((ttft - 0.4).abs() / 0.4 < 0.10, "{ttft}");
+    assert_eq!(seen[&a].cached, Some(0));
+
+    let b = s.add(request(1, 10_000, 1));
+    let (_, seen) = run(&mut s, 100);
+    // vLLM recomputes the last token: 9999 rounded down to a block.
+    assert_eq!(seen[&b].cached, Some(9_984));
+    let hit_ttft = seen[&b].ttft.unwrap();
+    let one_step = p.t0 + 16.0 / p.prefill_rate;
+    assert!((hit_ttft - one_step).abs() < 1e-9, "{hit_ttft}");
+    assert_eq!(s.counters().prefix_hits, 9_984);
+    assert_eq!(s.counters().prefix_queries, 20_000);
+}
+
+#[test]
+fn small_pool_evicts_the_older_prompt() {
+    // 1000 blocks: A (500 blocks) then B (938 blocks) do not fit together.
+    let mut s = Scheduler::new(h100().with_kv_tokens(16_000));
+    s.add(request(1, 8_000, 1));
+    run(&mut s, 100);
+    assert_eq!(s.pool().cached(), 500);
+    s.add(request(2, 15_000, 1));
+    run(&mut s, 100);
+    let again = s.add(request(1, 8_000, 1));
+    let (_, seen) = run(&mut s, 100);
+    let cached = seen[&again].cached.unwrap();
+    // B evicted A's tail (least recently released first); at most A's head survives.
+    assert!(cached <= 16_000 - 15_000, "{cached}");
+    let ttft = seen[&again].ttft.unwrap();
+    assert!(
+        ttft > 0.25,
+        "A re-prefilled most of its 8000 tokens: {ttft}"
+    );
+}
+
+fn decode_step(streams: u64, context: u64) -> StepOutcome {
+    let mut s = Scheduler::new(h100());
+    for i in 0..streams {
+        s.add(request(i + 1, context, 1_000));
+    }
+    for _ in 0..1_000 {
+        let out = s.step();
+        if out.prefill_tokens == 0 && out.decode_seqs == streams {
+            return out;
+        }
+    }
+    panic!("never reached steady decode");
+}
+
+#[test]
+fn decode_step_grows_with_batch() {
+    let big = decode_step(64, 4_096);
+    // 5 ms + 64 * 0.05 ms + 64 * ~4100 * 40 ns.
+    let expected = 0.005 + 64.0 * 0.000_05 + 64.0 * 4_096.0 * 40e-9;
+    assert!(
+        (big.seconds - expected).abs() / expected < 0.02,
+        "{} vs {expected}",
+        big.seconds
+    );
+    let small = decode_step(8, 4_096);
+    assert!(small.seconds < big.seconds / 2.0, "{}", small.seconds);
+    let tiny = decode_step(1, 100);
+    assert!((tiny.seconds - 0.005).abs() < 0.000_1, "{}", tiny.seconds);
+}
+
+#[test]
+fn preemption_when_running_requests_outgrow_the_pool() {
+    // 200 blocks; 8 requests of 16 prompt blocks each grow to ~35 blocks.
+    let mut s = Scheduler::new(h100().with_kv_tokens(3_200));
+    let ids: Vec<u64> = (0..8).map(|i| s.add(request(i + 1, 256, 300))).collect();
+    let (_, seen) = run(&mut s, 100_000);
+    assert!(s.is_idle());
+    assert!(s.counters().preemptions > 0);
+    for id in ids {
+        assert_eq!(seen[&id].generated, 300, "request {id}");
+        assert!(seen[&id].finished);
+    }
+    assert_eq!(s.pool().used(), 0);
+}
+
+#[test]
+fn seats_budget_and_abort() {
+    let mut s = Scheduler::new(h100());
+    for i in 0..300 {
+        s.add(request(i + 1, 16, 10));
+    }
+    let out = s.step();
+    assert_eq!(s.running(), 256);
+    assert_eq!(s.waiting(), 44);
+    assert_eq!(out.prefill_tokens, 256 * 16);
+    // Budget: one 10k prompt is chunked to what is left of 8192.
+    let mut s = Scheduler::new(h100());
+    s.add(request(1, 100, 10));
+    s.add(request(2, 10_000, 10));
+    let out = s.step();
+    assert_eq!(out.prefill_tokens, 8_192);
+    let used = s.pool().used();
+    assert!(used > 0);
+    s.abort(1);
+    s.abort(0);
+    assert!(s.is_idle());
+    assert_eq!(s.pool().used(), 0);
+    assert!(h100().fits(499_000, 1_000));
+    assert!(!h100().fits(500_000, 1));
+}

@@ -1,0 +1,344 @@
+//! The `kvroute:` section of the YAML file: schema, defaults and validation.
+//!
+//! Pingora's own server keys (threads, pid_file, upgrade_sock, grace_period_seconds, ...) live at
+//! the top level of the same file and are read by Pingora. Unknown keys under `kvroute:` are
+//! errors, so a typo never silently falls back to a default.
+
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use crate::policy::PolicyKind;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    /// Dotted path of the offending key, e.g. `kvroute.routing.epsilon`.
+    pub key: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.key, self.reason)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Client traffic listener.
+    pub listen: String,
+    /// Metrics and health listener; must differ from `listen`.
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: String,
+    pub backends: Vec<BackendConfig>,
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    #[serde(default)]
+    pub health_check: HealthCheckConfig,
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    #[serde(default)]
+    pub timeouts: TimeoutsConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// `ip:port` of an OpenAI-compatible engine (vLLM, SGLang, llama.cpp server, ...).
+    pub addr: String,
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    pub policy: PolicyKind,
+    /// Load bound headroom: a backend takes a request while
+    /// `load + 1 <= ceil((1 + epsilon) * mean_load * weight_share) + slack`.
+    pub epsilon: f64,
+    /// Extra requests allowed over the bound, so low concurrency does not spill.
+    pub slack: u32,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            policy: PolicyKind::BoundedHash,
+            epsilon: 0.5,
+            slack: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthCheckConfig {
+    /// Path requested with `GET`; any 2xx is healthy.
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Consecutive results needed to flip a backend's state.
+    pub consecutive_success: usize,
+    pub consecutive_failure: usize,
+}
+
+impl Default for HealthCheckConfig {
+    fn default() -> Self {
+        HealthCheckConfig {
+            path: "/health".into(),
+            interval_ms: 1000,
+            timeout_ms: 1000,
+            consecutive_success: 1,
+            consecutive_failure: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request body accepted (413 above it).
+    pub max_body_bytes: usize,
+    /// Upstream attempts per request (first try included); only failures before the first
+    /// response byte are retried, each on a backend not tried yet.
+    pub max_attempts: u32,
+    /// Seconds suggested in `Retry-After` when no backend can take a request.
+    pub retry_after_seconds: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_body_bytes: 32 * 1024 * 1024,
+            max_attempts: 3,
+            retry_after_seconds: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsConfig {
+    /// TCP connect to a backend.
+    pub connect_ms: u64,
+    /// Longest silence while reading from a backend. Long prefills produce no bytes until the
+    /// first token, so this must exceed the worst TTFT you expect.
+    pub upstream_read_ms: u64,
+    /// Longest wait for each read of the client's request body.
+    pub client_body_read_ms: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        TimeoutsConfig {
+            connect_ms: 2000,
+            upstream_read_ms: 300_000,
+            client_body_read_ms: 30_000,
+        }
+    }
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:9090".into()
+}
+
+fn one() -> u32 {
+    1
+}
+
+#[derive(Deserialize)]
+struct FileRoot {
+    kvroute: Option<serde_yaml::Value>,
+}
+
+impl Config {
+    /// Read and validate the `kvroute:` section of a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| err(path.display().to_string(), format!("cannot read: {e}")))?;
+        Self::from_yaml(&text)
+    }
+
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        let root: FileRoot =
+            serde_yaml::from_str(text).map_err(|e| err("(file)", format!("invalid YAML: {e}")))?;
+        let section = root
+            .kvroute
+            .ok_or_else(|| err("kvroute", "missing section"))?;
+        let cfg: Config =
+            serde_yaml::from_value(section).map_err(|e| err("kvroute", e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let listen = parse_addr("kvroute.listen", &self.listen)?;
+        let admin = parse_addr("kvroute.admin_listen", &self.admin_listen)?;
+        if listen == admin {
+            return Err(err(
+                "kvroute.admin_listen",
+                "must differ from kvroute.listen (metrics never share the client port)",
+            ));
+        }
+        if self.backends.is_empty() {
+            return Err(err("kvroute.backends", "at least one backend is required"));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for (i, b) in self.backends.iter().enumerate() {
+            let key = format!("kvroute.backends[{i}].addr");
+            let addr = parse_addr(&key, &b.addr)?;
+            if !seen.insert(addr) {
+                return Err(err(key, format!("duplicate backend {addr}")));
+            }
+            if b.weight == 0 || b.weight > 1000 {
+                return Err(err(
+                    format!("kvroute.backends[{i}].weight"),
+                    "must be between 1 and 1000",
+                ));
+            }
+        }
+        let r = &self.routing;
+        if !(r.epsilon.is_finite() && r.epsilon >= 0.0 && r.epsilon <= 100.0) {
+            return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
+        }
+        let h = &self.health_check;
+        if !h.path.starts_with('/') {
+            return Err(err("kvroute.health_check.path", "must start with '/'"));
+        }
+        if h.interval_ms < 50 {
+            return Err(err(
+                "kvroute.health_check.interval_ms",
+                "must be at least 50",
+            ));
+        }
+        if h.timeout_ms == 0 {
+            return Err(err("kvroute.health_check.timeout_ms", "must be positive"));
+        }
+        if h.consecutive_success == 0 || h.consecutive_failure == 0 {
+            return Err(err(
+                "kvroute.health_check.consecutive_success",
+                "consecutive_success and consecutive_failure must be at least 1",
+            ));
+        }
+        let l = &self.limits;
+        if l.max_body_bytes == 0 {
+            return Err(err("kvroute.limits.max_body_bytes", "must be positive"));
+        }
+        if l.max_attempts == 0 || l.max_attempts > 16 {
+            return Err(err(
+                "kvroute.limits.max_attempts",
+                "must be between 1 and 16",
+            ));
+        }
+        let t = &self.timeouts;
+        for (key, v) in [
+            ("kvroute.timeouts.connect_ms", t.connect_ms),
+            ("kvroute.timeouts.upstream_read_ms", t.upstream_read_ms),
+            (
+                "kvroute.timeouts.client_body_read_ms",
+                t.client_body_read_ms,
+            ),
+        ] {
+            if v == 0 {
+                return Err(err(key, "must be positive"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_addr(key: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse()
+        .map_err(|_| err(key, format!("`{s}` is not an ip:port socket address")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+version: 1
+threads: 2
+kvroute:
+  listen: "127.0.0.1:8080"
+  backends:
+    - addr: "127.0.0.1:8001"
+    - addr: "127.0.0.1:8002"
+      weight: 2
+"#;
+
+    #[test]
+    fn minimal_file_gets_defaults() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.admin_listen, "127.0.0.1:9090");
+        assert_eq!(c.backends[0].weight, 1);
+        assert_eq!(c.backends[1].weight, 2);
+        assert_eq!(c.routing.policy, PolicyKind::BoundedHash);
+        assert_eq!(c.routing.slack, 1);
+        assert_eq!(c.health_check.path, "/health");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let text = MINIMAL.replace("  listen:", "  lisen: x\n  listen:");
+        let e = Config::from_yaml(&text).unwrap_err();
+        assert!(e.reason.contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            (
+                "listen: \"127.0.0.1:8080\"",
+                "listen: \"nope\"",
+                "kvroute.listen",
+            ),
+            ("weight: 2", "weight: 0", "kvroute.backends[1].weight"),
+            (
+                "- addr: \"127.0.0.1:8002\"",
+                "- addr: \"127.0.0.1:8001\"",
+                "kvroute.backends[1].addr",
+            ),
+        ];
+        for (from, to, key) in cases {
+            let e = Config::from_yaml(&MINIMAL.replace(from, to)).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
+        let e = Config::from_yaml(&format!("{MINIMAL}  routing:\n    epsilon: -1\n")).unwrap_err();
+        assert_eq!(e.key, "kvroute.routing.epsilon");
+        let e =
+            Config::from_yaml(&format!("{MINIMAL}  routing:\n    policy: magic\n")).unwrap_err();
+        assert!(e.reason.contains("magic"), "{e}");
+        let e = Config::from_yaml(&format!("{MINIMAL}  admin_listen: \"127.0.0.1:8080\"\n"))
+            .unwrap_err();
+        assert_eq!(e.key, "kvroute.admin_listen");
+    }
+
+    #[test]
+    fn missing_section_and_empty_backends() {
+        assert_eq!(
+            Config::from_yaml("version: 1\n").unwrap_err().key,
+            "kvroute"
+        );
+        let e =
+            Config::from_yaml("kvroute:\n  listen: \"127.0.0.1:1\"\n  backends: []\n").unwrap_err();
+        assert_eq!(e.key, "kvroute.backends");
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/kvroute.yaml");
+        Config::load(&path).unwrap();
+    }
+}

@@ -1,0 +1,161 @@
+//! The backends: their identity, health (Pingora's active HTTP checks), in-flight accounting and
+//! the snapshot placement decides from.
+
+use pingora::http::RequestHeader;
+use pingora_load_balancing::health_check::HttpHealthCheck;
+use pingora_load_balancing::selection::RoundRobin;
+use pingora_load_balancing::{Backend, LoadBalancer};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::{Config, HealthCheckConfig};
+use crate::policy::BackendLoad;
+use crate::ring::Ring;
+
+/// One configured backend. Shared by `Arc` so accounting outlives any fleet rebuild.
+pub struct BackendState {
+    pub addr: SocketAddr,
+    /// `ip:port`, the `backend` label in metrics and logs.
+    pub name: String,
+    pub weight: u32,
+    inflight: AtomicU64,
+    lb_backend: Backend,
+}
+
+impl BackendState {
+    pub fn inflight(&self) -> u64 {
+        self.inflight.load(Ordering::Relaxed)
+    }
+}
+
+/// Releases one in-flight charge when dropped, whatever way the request ends.
+pub struct InflightGuard {
+    backend: Arc<BackendState>,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.backend.inflight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+pub struct Fleet {
+    backends: Vec<Arc<BackendState>>,
+    ring: Ring,
+    /// Owns the health state; also picks backends for pass-through requests.
+    lb: Arc<LoadBalancer<RoundRobin>>,
+    tickets: AtomicU64,
+}
+
+impl Fleet {
+    /// Build the fleet. The returned load balancer must run as a Pingora background service for
+    /// health checks to happen.
+    pub fn new(cfg: &Config) -> Result<Fleet, String> {
+        let mut backends = Vec::with_capacity(cfg.backends.len());
+        for b in &cfg.backends {
+            let addr: SocketAddr = b
+                .addr
+                .parse()
+                .map_err(|_| format!("invalid backend address {}", b.addr))?;
+            let lb_backend = Backend::new(&b.addr).map_err(|e| e.to_string())?;
+            backends.push(Arc::new(BackendState {
+                addr,
+                name: b.addr.clone(),
+                weight: b.weight,
+                inflight: AtomicU64::new(0),
+                lb_backend,
+            }));
+        }
+        let ring = Ring::new(
+            &backends
+                .iter()
+                .map(|b| (b.addr, b.weight))
+                .collect::<Vec<_>>(),
+        );
+        let mut lb =
+            LoadBalancer::<RoundRobin>::try_from_iter(cfg.backends.iter().map(|b| b.addr.as_str()))
+                .map_err(|e| format!("backends: {e}"))?;
+        lb.set_health_check(health_check(&cfg.health_check)?);
+        lb.health_check_frequency = Some(Duration::from_millis(cfg.health_check.interval_ms));
+        lb.parallel_health_check = true;
+        Ok(Fleet {
+            backends,
+            ring,
+            lb: Arc::new(lb),
+            tickets: AtomicU64::new(0),
+        })
+    }
+
+    pub fn load_balancer(&self) -> Arc<LoadBalancer<RoundRobin>> {
+        self.lb.clone()
+    }
+
+    pub fn backends(&self) -> &[Arc<BackendState>] {
+        &self.backends
+    }
+
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    pub fn healthy(&self, i: usize) -> bool {
+        self.lb.backends().ready(&self.backends[i].lb_backend)
+    }
+
+    /// Current health and load of every backend, in ring-index order.
+    pub fn loads(&self) -> Vec<BackendLoad> {
+        self.backends
+            .iter()
+            .enumerate()
+            .map(|(i, b)| BackendLoad {
+                healthy: self.healthy(i),
+                weight: b.weight,
+                inflight: b.inflight(),
+            })
+            .collect()
+    }
+
+    /// A fresh round-robin ticket.
+    pub fn ticket(&self) -> u64 {
+        self.tickets.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Count a request against backend `i` until the guard drops.
+    pub fn charge(&self, i: usize) -> InflightGuard {
+        let backend = self.backends[i].clone();
+        backend.inflight.fetch_add(1, Ordering::Relaxed);
+        InflightGuard { backend }
+    }
+
+    /// A healthy backend not in `excluded`, for requests that are passed through unrouted.
+    pub fn pick_passthrough(&self, excluded: &[usize]) -> Option<usize> {
+        let n = self.backends.len();
+        let found = self.lb.select_with(b"", 4 * n, |b, healthy| {
+            healthy && self.index_of(b).is_some_and(|i| !excluded.contains(&i))
+        })?;
+        self.index_of(&found)
+    }
+
+    fn index_of(&self, b: &Backend) -> Option<usize> {
+        self.backends
+            .iter()
+            .position(|s| s.lb_backend.addr == b.addr)
+    }
+}
+
+fn health_check(cfg: &HealthCheckConfig) -> Result<Box<HttpHealthCheck>, String> {
+    let mut hc = HttpHealthCheck::new("localhost", false);
+    let mut req =
+        RequestHeader::build("GET", cfg.path.as_bytes(), None).map_err(|e| e.to_string())?;
+    req.append_header("Host", "localhost")
+        .map_err(|e| e.to_string())?;
+    hc.req = req;
+    let timeout = Some(Duration::from_millis(cfg.timeout_ms));
+    hc.peer_template.options.connection_timeout = timeout;
+    hc.peer_template.options.read_timeout = timeout;
+    hc.consecutive_success = cfg.consecutive_success;
+    hc.consecutive_failure = cfg.consecutive_failure;
+    Ok(Box::new(hc))
+}

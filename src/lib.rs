@@ -1,0 +1,41 @@
+//! kvroute: a KV-cache-aware edge proxy for OpenAI-compatible LLM inference fleets, built on
+//! Cloudflare's Pingora.
+//!
+//! # Features
+//! - Routes `POST /v1/chat/completions` and `/v1/completions` by a session key (explicit header
+//!   or body field, else a hash of the conversation's opening), so every turn of a conversation
+//!   lands on the GPU server that holds its KV cache.
+//! - Consistent hashing with bounded loads: a hot session spills to its next ring positions
+//!   instead of piling onto one server.
+//! - Active health checks, retry on another backend before the first response byte, OpenAI-shaped
+//!   errors, Prometheus metrics on a separate admin listener.
+//!
+//! # How to use
+//! `kvroute -c conf/kvroute.yaml` (Pingora's `-t`, `-u`, `-d` work as in Pingora). See README.md.
+//!
+//! # Layout
+//! - [`config`]: YAML schema, defaults, validation.
+//! - [`request`]: OpenAI body parsing and the canonical prompt -> [`request::RequestProfile`].
+//! - [`prefix`]: block hashing of the canonical prompt.
+//! - [`ring`]: Ketama ring walk and the bounded-load capacity.
+//! - [`policy`]: the placement decision (pure function of a snapshot and a profile).
+//! - [`fleet`]: backends, health, in-flight accounting, snapshot.
+//! - [`proxy`]: the Pingora `ProxyHttp` phases.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz` listener.
+//! - [`metrics`]: `kvroute_*` Prometheus families.
+//! - [`error`]: the client-facing error type (HTTP status + OpenAI error JSON).
+//! - [`state`]: shared process state (config, fleet, metrics).
+//! - [`server`]: process wiring of the Pingora services.
+
+pub mod admin;
+pub mod config;
+pub mod error;
+pub mod fleet;
+pub mod metrics;
+pub mod policy;
+pub mod prefix;
+pub mod proxy;
+pub mod request;
+pub mod ring;
+pub mod server;
+pub mod state;

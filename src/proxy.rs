@@ -1,0 +1,462 @@
+//! The Pingora `ProxyHttp` phases. Each phase only wires the request to the module that owns
+//! the work: parsing (`request`), placement (`policy`), accounting (`fleet`), metrics.
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::HttpPeer;
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::{Error, ErrorSource, ErrorType, Result};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::ApiError;
+use crate::fleet::{Fleet, InflightGuard};
+use crate::policy::{self, Params, Snapshot};
+use crate::prefix::DEFAULT_BLOCK_BYTES;
+use crate::request::{self, Endpoint, RequestProfile, SESSION_HEADER};
+use crate::state::State;
+
+/// Pingora forwards a body read in `request_filter` only through its retry buffer, which holds
+/// at most this much; see `read_body`.
+const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+
+pub struct Router {
+    pub state: Arc<State>,
+}
+
+/// Per-request state carried across phases.
+pub struct Ctx {
+    start: Instant,
+    profile: Option<RequestProfile>,
+    /// The whole request body, read before placement.
+    body: Option<Bytes>,
+    /// The fleet this request was placed on (indices below refer to it).
+    fleet: Option<Arc<Fleet>>,
+    backend: Option<usize>,
+    reason: &'static str,
+    /// Backends that failed this request before answering.
+    tried: Vec<usize>,
+    attempts: u32,
+    stale_conn_retried: bool,
+    guard: Option<InflightGuard>,
+    upstream_responded: bool,
+    first_byte: Option<Instant>,
+    /// A specific error to render instead of the generic one for the Pingora error.
+    error: Option<ApiError>,
+}
+
+impl Ctx {
+    fn backend_name(&self) -> &str {
+        match (&self.fleet, self.backend) {
+            (Some(f), Some(i)) => &f.backends()[i].name,
+            _ => "none",
+        }
+    }
+}
+
+/// Answer `err` now and end the request (for use in `request_filter`).
+async fn reject(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    err: ApiError,
+    body_unread: bool,
+) -> Result<bool> {
+    log::debug!("rejecting request: {err}");
+    err.send(session, !body_unread).await?;
+    ctx.error = Some(err);
+    Ok(true)
+}
+
+impl Router {
+    /// Read the whole body, so placement can see the prompt.
+    ///
+    /// Pingora then forwards only its retry buffer (at most 64 KiB). Buffering is switched on
+    /// once the rest of the body fits in it, so the buffer ends up holding exactly the tail;
+    /// `request_body_filter` swaps the full body in. A chunked body has no known length, so it
+    /// is buffered from the start and must fit.
+    async fn read_body(
+        &self,
+        session: &mut Session,
+        max: usize,
+        per_read: Duration,
+    ) -> std::result::Result<Bytes, ApiError> {
+        let declared = session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        if let Some(len) = declared {
+            if len > max {
+                return Err(ApiError::too_large(format!(
+                    "request body of {len} bytes exceeds the limit of {max} bytes"
+                )));
+            }
+        }
+        let expects_continue = session
+            .req_header()
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if expects_continue {
+            session.write_continue_response().await.map_err(|e| {
+                ApiError::bad_request("client_error", format!("cannot answer Expect: {e}"))
+            })?;
+        }
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(max));
+        loop {
+            let remaining = declared.map(|d| d.saturating_sub(buf.len()));
+            if remaining.is_none_or(|r| r <= RETRY_BUFFER_BYTES) {
+                session.enable_retry_buffering();
+            }
+            let chunk = match tokio::time::timeout(per_read, session.read_request_body()).await {
+                Err(_) => {
+                    return Err(ApiError::timeout(format!(
+                        "request body not received within {} ms",
+                        per_read.as_millis()
+                    )))
+                }
+                Ok(Err(e)) => {
+                    return Err(ApiError::bad_request(
+                        "invalid_body",
+                        format!("cannot read request body: {e}"),
+                    ))
+                }
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(c))) => c,
+            };
+            if buf.len() + chunk.len() > max {
+                return Err(ApiError::too_large(format!(
+                    "request body exceeds the limit of {max} bytes"
+                )));
+            }
+            buf.extend_from_slice(&chunk);
+        }
+        if !buf.is_empty() && session.get_retry_buffer().is_none() {
+            return Err(ApiError::length_required(format!(
+                "chunked request bodies over {} KiB are not supported; send Content-Length",
+                RETRY_BUFFER_BYTES / 1024
+            )));
+        }
+        Ok(buf.freeze())
+    }
+
+    fn place(&self, ctx: &mut Ctx, fleet: &Fleet) -> Option<usize> {
+        let Some(profile) = ctx.profile.as_ref() else {
+            ctx.reason = "passthrough";
+            return fleet.pick_passthrough(&ctx.tried);
+        };
+        let cfg = self.state.config();
+        let params = Params {
+            policy: cfg.routing.policy,
+            epsilon: cfg.routing.epsilon,
+            slack: cfg.routing.slack,
+        };
+        let loads = fleet.loads();
+        let snap = Snapshot {
+            backends: &loads,
+            ring: fleet.ring(),
+        };
+        let d = policy::choose(&params, profile, &snap, &ctx.tried, fleet.ticket())?;
+        log::debug!(
+            "placement key={:016x} source={:?} policy={} -> backend={} reason={} load={} bound={:?} tried={:?}",
+            profile.session_key,
+            profile.session_source,
+            params.policy.as_str(),
+            fleet.backends()[d.backend].name,
+            d.reason.as_str(),
+            d.load,
+            d.bound,
+            ctx.tried,
+        );
+        self.state
+            .metrics
+            .decisions
+            .with_label_values(&[params.policy.as_str(), d.reason.as_str()])
+            .inc();
+        ctx.reason = d.reason.as_str();
+        Some(d.backend)
+    }
+
+    /// After a failed attempt: exclude that backend and decide whether another is allowed.
+    fn after_failure(&self, ctx: &mut Ctx, kind: &str, stale_pooled_conn: bool) -> bool {
+        let max = self.state.config().limits.max_attempts;
+        ctx.guard = None;
+        self.state
+            .metrics
+            .upstream_failures
+            .with_label_values(&[ctx.backend_name(), kind])
+            .inc();
+        if stale_pooled_conn && !ctx.stale_conn_retried {
+            // A pooled keep-alive connection the backend had already closed says nothing
+            // about the backend: try it again once on a fresh connection.
+            ctx.stale_conn_retried = true;
+        } else if let Some(b) = ctx.backend {
+            ctx.tried.push(b);
+        }
+        ctx.attempts < max
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Router {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx {
+            start: Instant::now(),
+            profile: None,
+            body: None,
+            fleet: None,
+            backend: None,
+            reason: "",
+            tried: Vec::new(),
+            attempts: 0,
+            stale_conn_retried: false,
+            guard: None,
+            upstream_responded: false,
+            first_byte: None,
+            error: None,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        let Some(endpoint) = Endpoint::from_path(session.req_header().uri.path()) else {
+            return Ok(false);
+        };
+        if session.req_header().method != http::Method::POST {
+            let err = ApiError::method_not_allowed(format!(
+                "{} is not allowed on {}; use POST",
+                session.req_header().method,
+                session.req_header().uri.path()
+            ));
+            return reject(session, ctx, err, true).await;
+        }
+        let cfg = self.state.config();
+        let per_read = Duration::from_millis(cfg.timeouts.client_body_read_ms);
+        let body = match self
+            .read_body(session, cfg.limits.max_body_bytes, per_read)
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => return reject(session, ctx, e, true).await,
+        };
+        let header = session
+            .req_header()
+            .headers
+            .get(SESSION_HEADER)
+            .map(|v| v.as_bytes());
+        match request::profile(endpoint, &body, header, DEFAULT_BLOCK_BYTES) {
+            Ok(p) => {
+                ctx.profile = Some(p);
+                ctx.body = Some(body);
+                Ok(false)
+            }
+            Err(e) => reject(session, ctx, e, false).await,
+        }
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let fleet = ctx.fleet.get_or_insert_with(|| self.state.fleet()).clone();
+        ctx.attempts += 1;
+        let Some(idx) = self.place(ctx, &fleet) else {
+            let err = if ctx.tried.is_empty() {
+                ApiError::unavailable(
+                    "no_healthy_backend",
+                    "no healthy backend is available",
+                    self.state.config().limits.retry_after_seconds,
+                )
+            } else {
+                ApiError::upstream(format!(
+                    "{} backend(s) failed before responding and no other healthy backend is left",
+                    ctx.tried.len()
+                ))
+            };
+            ctx.error = Some(err.clone());
+            return Err(err.into_pingora());
+        };
+        ctx.backend = Some(idx);
+        ctx.guard = Some(fleet.charge(idx));
+        let cfg = self.state.config();
+        let mut peer = HttpPeer::new(fleet.backends()[idx].addr, false, String::new());
+        let t = &cfg.timeouts;
+        peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
+        peer.options.read_timeout = Some(Duration::from_millis(t.upstream_read_ms));
+        peer.options.write_timeout = Some(Duration::from_millis(t.upstream_read_ms));
+        peer.options.idle_timeout = Some(Duration::from_secs(60));
+        Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(body) = &ctx.body {
+            // The body is already here in full: the backend must not wait for a 100-continue
+            // handshake or a chunked stream.
+            upstream.remove_header(&http::header::EXPECT);
+            upstream.remove_header(&http::header::TRANSFER_ENCODING);
+            upstream.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())?;
+        }
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        if let Some(full) = &ctx.body {
+            // Replace Pingora's retry-buffer tail with the whole body (see `read_body`).
+            *body = Some(if end_of_stream {
+                full.clone()
+            } else {
+                Bytes::new()
+            });
+        }
+        Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        _upstream: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.upstream_responded = true;
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Duration>> {
+        if ctx.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
+            ctx.first_byte = Some(Instant::now());
+        }
+        Ok(None)
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        let retry = self.after_failure(ctx, "connect", false);
+        e.set_retry(retry);
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        _session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut Ctx,
+        client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {peer}"));
+        // Retry only while nothing has come back from the backend: once a response has started,
+        // the client may already hold part of it.
+        let retry = !ctx.upstream_responded
+            && *e.esource() == ErrorSource::Upstream
+            && self.after_failure(ctx, "io", client_reused);
+        e.set_retry(retry);
+        e
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        let api = ctx.error.clone().or_else(|| match e.etype() {
+            ErrorType::HTTPStatus(code) => Some(ApiError {
+                status: *code,
+                kind: "invalid_request_error",
+                code: "http_error",
+                message: e.to_string(),
+                retry_after: None,
+            }),
+            _ => match e.esource() {
+                ErrorSource::Upstream => Some(ApiError::upstream(format!(
+                    "upstream {} failed before responding: {}",
+                    ctx.backend_name(),
+                    e.etype().as_str()
+                ))),
+                // The client went away or sent garbage; there is nobody to answer.
+                ErrorSource::Downstream => match e.etype() {
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => {
+                        None
+                    }
+                    _ => Some(ApiError::bad_request("client_error", e.to_string())),
+                },
+                ErrorSource::Internal | ErrorSource::Unset => {
+                    Some(ApiError::internal("internal error"))
+                }
+            },
+        });
+        let mut code = 0;
+        if let Some(api) = api {
+            if session.response_written().is_none() {
+                code = api.status;
+                if let Err(werr) = api.send(session, false).await {
+                    log::debug!("could not send error response: {werr}");
+                }
+            } else {
+                code = session.response_written().map_or(0, |r| r.status.as_u16());
+            }
+            ctx.error = Some(api);
+        }
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        ctx.guard = None;
+        let status = session.response_written().map_or(0, |r| r.status.as_u16());
+        let backend = ctx.backend_name().to_owned();
+        let m = &self.state.metrics;
+        let elapsed = ctx.start.elapsed();
+        m.duration
+            .with_label_values(&[&backend])
+            .observe(elapsed.as_secs_f64());
+        let streamed = ctx.profile.as_ref().is_some_and(|p| p.stream);
+        let ttft = ctx.first_byte.map(|t| t.duration_since(ctx.start));
+        if let (true, Some(t), 200) = (streamed, ttft, status) {
+            m.ttft
+                .with_label_values(&[&backend])
+                .observe(t.as_secs_f64());
+        }
+        // Counted last: a scrape that sees the request counted sees its histograms too.
+        m.requests
+            .with_label_values(&[&backend, &status.to_string()])
+            .inc();
+        let req = session.req_header();
+        log::info!(
+            target: "kvroute::access",
+            "{} \"{} {}\" {} backend={} reason={} attempts={} dur_ms={:.1} ttft_ms={} body_bytes={}{}",
+            session
+                .client_addr()
+                .map_or_else(|| "-".to_string(), |a| a.to_string()),
+            req.method,
+            req.uri.path(),
+            status,
+            backend,
+            if ctx.reason.is_empty() { "-" } else { ctx.reason },
+            ctx.attempts,
+            elapsed.as_secs_f64() * 1000.0,
+            ttft.map_or_else(|| "-".to_string(), |t| format!("{:.1}", t.as_secs_f64() * 1000.0)),
+            ctx.body.as_ref().map_or(0, |b| b.len()),
+            e.map_or_else(String::new, |e| format!(" error=\"{e}\"")),
+        );
+    }
+}

@@ -1,0 +1,543 @@
+//! OpenAI request bodies: parse once, validate, and reduce to a [`RequestProfile`] that placement
+//! works from. Nothing here allocates per byte of prompt: message text is borrowed from the body
+//! where JSON escaping allows, and streamed through the block hasher.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::error::ApiError;
+use crate::prefix::BlockHasher;
+
+/// Which OpenAI endpoint a routed request is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        match path {
+            "/v1/chat/completions" => Some(Endpoint::Chat),
+            "/v1/completions" => Some(Endpoint::Completions),
+            _ => None,
+        }
+    }
+}
+
+/// Where the session key came from, in order of precedence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionSource {
+    Header,
+    User,
+    PromptCacheKey,
+    Content,
+}
+
+/// Everything placement needs to know about one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestProfile {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub stream: bool,
+    /// The client asked for the usage chunk at the end of a stream.
+    pub include_usage: bool,
+    pub session_key: u64,
+    pub session_source: SessionSource,
+    /// Chained hashes of the canonical prompt's full blocks.
+    pub prefix_blocks: Vec<u64>,
+    pub prompt_bytes: usize,
+    pub est_prompt_tokens: u64,
+    pub est_output_tokens: u64,
+}
+
+/// Header carrying an explicit session key.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// Output length assumed when the client sets no `max_tokens`.
+const DEFAULT_OUTPUT_TOKENS: u64 = 256;
+
+/// Completions prompts have no conversation structure; without an explicit key their affinity
+/// key is the first bytes of the prompt (prompts that grow by appending keep it).
+const COMPLETIONS_KEY_BYTES: usize = 1024;
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt_cache_key: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow)]
+    role: Cow<'a, str>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+}
+
+/// A message's `content`, decoded in the same pass as the rest of the body: text is borrowed
+/// from the body unless it has JSON escapes. Parts stay raw; non-text parts are identified by
+/// the hash of their JSON.
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<&'a RawValue>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = Content<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("message content as a string, an array of content parts, or null")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element::<&'de RawValue>()? {
+                    parts.push(p);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+/// Writes the canonical byte stream to the block hasher and, until the affinity prefix is
+/// complete, to the session hasher.
+struct Canon {
+    blocks: BlockHasher,
+    session: Option<Xxh3>,
+    bytes: usize,
+    token_ids: u64,
+}
+
+impl Canon {
+    fn new(block_bytes: usize, body_len: usize) -> Self {
+        let mut blocks = BlockHasher::new(block_bytes);
+        blocks.reserve_for(body_len);
+        Canon {
+            blocks,
+            session: Some(Xxh3::new()),
+            bytes: 0,
+            token_ids: 0,
+        }
+    }
+
+    fn write(&mut self, data: &[u8]) {
+        self.blocks.write(data);
+        self.bytes += data.len();
+        if let Some(s) = self.session.as_mut() {
+            s.update(data);
+        }
+    }
+
+    /// Separator bytes keep `("ab","c")` and `("a","bc")` apart.
+    fn field(&mut self, data: &[u8]) {
+        self.write(data);
+        self.write(&[0x1f]);
+    }
+
+    fn seal_session(&mut self) -> Option<u64> {
+        self.session.take().map(|s| s.digest())
+    }
+}
+
+fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
+    ApiError::bad_request(code, msg)
+}
+
+/// Parse and validate a routed request body.
+///
+/// `session_header` is the value of `x-session-id`, if any.
+pub fn profile(
+    endpoint: Endpoint,
+    body: &[u8],
+    session_header: Option<&[u8]>,
+    block_bytes: usize,
+) -> Result<RequestProfile, ApiError> {
+    if body.is_empty() {
+        return Err(bad(
+            "empty_body",
+            "request body is empty; expected a JSON object",
+        ));
+    }
+    // serde would also accept a struct written as a JSON array.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(bad("invalid_json", "request body must be a JSON object"));
+    }
+    let parsed: Body = serde_json::from_slice(body).map_err(|e| {
+        bad(
+            "invalid_json",
+            format!("request body is not valid JSON for this endpoint: {e}"),
+        )
+    })?;
+    let model = match parsed.model.as_deref() {
+        Some(m) if !m.is_empty() => m,
+        Some(_) => return Err(bad("invalid_model", "`model` must be a non-empty string")),
+        None => return Err(bad("missing_model", "`model` is required")),
+    };
+
+    let mut canon = Canon::new(block_bytes, body.len());
+    canon.field(model.as_bytes());
+    if let Some(tools) = parsed.tools {
+        canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
+    }
+
+    let content_key = match endpoint {
+        Endpoint::Chat => {
+            let messages = match &parsed.messages {
+                Some(m) if !m.is_empty() => m,
+                Some(_) => return Err(bad("invalid_messages", "`messages` must not be empty")),
+                None => return Err(bad("missing_messages", "`messages` is required")),
+            };
+            let mut key = None;
+            for (i, m) in messages.iter().enumerate() {
+                canon.field(m.role.as_bytes());
+                write_content(&mut canon, m.content.as_ref(), i)?;
+                if let Some(calls) = m.tool_calls {
+                    canon.field(&xxhash_rust::xxh3::xxh3_64(calls.get().as_bytes()).to_le_bytes());
+                }
+                if key.is_none() && m.role == "user" {
+                    key = canon.seal_session();
+                }
+            }
+            // A conversation with no user message yet keys on all it has.
+            key.or_else(|| canon.seal_session())
+        }
+        Endpoint::Completions => {
+            let prompt = parsed
+                .prompt
+                .ok_or_else(|| bad("missing_prompt", "`prompt` is required"))?;
+            write_prompt(&mut canon, prompt)?;
+            None
+        }
+    };
+
+    let (session_key, session_source) = if let Some(h) = session_header.filter(|h| !h.is_empty()) {
+        (keyed(model, b"h", h), SessionSource::Header)
+    } else if let Some(u) = parsed.user.as_deref().filter(|u| !u.is_empty()) {
+        (keyed(model, b"u", u.as_bytes()), SessionSource::User)
+    } else if let Some(k) = parsed.prompt_cache_key.as_deref().filter(|k| !k.is_empty()) {
+        (
+            keyed(model, b"p", k.as_bytes()),
+            SessionSource::PromptCacheKey,
+        )
+    } else if let Some(k) = content_key {
+        (k, SessionSource::Content)
+    } else {
+        (completions_key(model, &parsed), SessionSource::Content)
+    };
+
+    let prompt_bytes = canon.bytes;
+    let est_prompt_tokens = if canon.token_ids > 0 {
+        canon.token_ids
+    } else {
+        (prompt_bytes as u64).div_ceil(4)
+    };
+    Ok(RequestProfile {
+        endpoint,
+        model: model.to_owned(),
+        stream: parsed.stream.unwrap_or(false),
+        include_usage: parsed
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+        session_key,
+        session_source,
+        prefix_blocks: canon.blocks.finish(),
+        prompt_bytes,
+        est_prompt_tokens,
+        est_output_tokens: parsed
+            .max_completion_tokens
+            .or(parsed.max_tokens)
+            .unwrap_or(DEFAULT_OUTPUT_TOKENS),
+    })
+}
+
+fn keyed(model: &str, tag: &[u8], value: &[u8]) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(model.as_bytes());
+    h.update(&[0x1f]);
+    h.update(tag);
+    h.update(value);
+    h.digest()
+}
+
+fn completions_key(model: &str, parsed: &Body) -> u64 {
+    let prompt = parsed.prompt.map(|p| p.get()).unwrap_or("");
+    let end = floor_char_boundary(prompt, COMPLETIONS_KEY_BYTES);
+    keyed(model, b"c", &prompt.as_bytes()[..end])
+}
+
+fn floor_char_boundary(s: &str, max: usize) -> usize {
+    if s.len() <= max {
+        return s.len();
+    }
+    let mut i = max;
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+fn write_content(canon: &mut Canon, content: Option<&Content>, idx: usize) -> Result<(), ApiError> {
+    match content {
+        None => canon.field(b""),
+        Some(Content::Text(s)) => canon.field(s.as_bytes()),
+        Some(Content::Parts(parts)) => {
+            for part in parts {
+                let p: Part = serde_json::from_str(part.get()).map_err(|e| {
+                    bad(
+                        "invalid_messages",
+                        format!("messages[{idx}].content part: {e}"),
+                    )
+                })?;
+                match (p.kind.as_deref(), p.text) {
+                    (Some("text") | None, Some(t)) => canon.write(t.as_bytes()),
+                    // Images, audio, files: identified by the hash of their JSON.
+                    _ => canon
+                        .write(&xxhash_rust::xxh3::xxh3_64(part.get().as_bytes()).to_le_bytes()),
+                }
+            }
+            canon.field(b"");
+        }
+    }
+    Ok(())
+}
+
+fn write_prompt(canon: &mut Canon, prompt: &RawValue) -> Result<(), ApiError> {
+    let text = prompt.get();
+    let invalid = || {
+        bad(
+            "invalid_prompt",
+            "`prompt` must be a string, a list of strings, a list of token ids, or a list of token-id lists",
+        )
+    };
+    match text.as_bytes().first() {
+        Some(b'"') => {
+            let s: Cow<str> = serde_json::from_str(text).map_err(|_| invalid())?;
+            canon.field(s.as_bytes());
+        }
+        Some(b'[') => {
+            let items: Vec<&RawValue> = serde_json::from_str(text).map_err(|_| invalid())?;
+            for item in items {
+                let t = item.get();
+                match t.as_bytes().first() {
+                    Some(b'"') => {
+                        let s: Cow<str> = serde_json::from_str(t).map_err(|_| invalid())?;
+                        canon.field(s.as_bytes());
+                    }
+                    Some(b'[') => {
+                        let ids: Vec<u32> = serde_json::from_str(t).map_err(|_| invalid())?;
+                        write_ids(canon, &ids);
+                        canon.field(b"");
+                    }
+                    _ => {
+                        let id: u32 = serde_json::from_str(t).map_err(|_| invalid())?;
+                        write_ids(canon, &[id]);
+                    }
+                }
+            }
+        }
+        _ => return Err(invalid()),
+    }
+    Ok(())
+}
+
+fn write_ids(canon: &mut Canon, ids: &[u32]) {
+    for id in ids {
+        canon.write(&id.to_le_bytes());
+    }
+    canon.token_ids += ids.len() as u64;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(body: serde_json::Value) -> Result<RequestProfile, ApiError> {
+        profile(Endpoint::Chat, body.to_string().as_bytes(), None, 64)
+    }
+
+    fn conv(turns: usize) -> serde_json::Value {
+        let mut messages =
+            vec![json!({"role":"system","content":"You are a helpful assistant. ".repeat(20)})];
+        for t in 0..turns {
+            messages.push(json!({"role":"user","content":format!("question number {t} about topic {}", "x".repeat(100))}));
+            messages.push(
+                json!({"role":"assistant","content":format!("answer {t} {}", "y".repeat(200))}),
+            );
+        }
+        messages.push(json!({"role":"user","content":"and then?"}));
+        json!({"model":"m","messages":messages,"stream":true})
+    }
+
+    #[test]
+    fn turns_share_session_key_and_prefix_blocks() {
+        let t1 = chat(conv(1)).unwrap();
+        let t3 = chat(conv(3)).unwrap();
+        assert_eq!(t1.session_key, t3.session_key);
+        assert_eq!(t1.session_source, SessionSource::Content);
+        let n = t1.prefix_blocks.len() - 1; // the last block of t1 ends in its final question
+        assert!(n > 5);
+        assert_eq!(t1.prefix_blocks[..n], t3.prefix_blocks[..n]);
+        assert!(t3.stream);
+    }
+
+    #[test]
+    fn shared_system_prompt_different_first_question_spreads() {
+        let a = chat(json!({"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"a"}]})).unwrap();
+        let b = chat(json!({"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"b"}]})).unwrap();
+        assert_ne!(a.session_key, b.session_key);
+    }
+
+    #[test]
+    fn model_is_mixed_into_key() {
+        let a = chat(json!({"model":"m1","messages":[{"role":"user","content":"a"}]})).unwrap();
+        let b = chat(json!({"model":"m2","messages":[{"role":"user","content":"a"}]})).unwrap();
+        assert_ne!(a.session_key, b.session_key);
+    }
+
+    #[test]
+    fn explicit_keys_take_precedence() {
+        let body = json!({"model":"m","messages":[{"role":"user","content":"a"}],"user":"alice","prompt_cache_key":"pck"});
+        let bytes = body.to_string();
+        let h = profile(Endpoint::Chat, bytes.as_bytes(), Some(b"s1"), 64).unwrap();
+        assert_eq!(h.session_source, SessionSource::Header);
+        let u = profile(Endpoint::Chat, bytes.as_bytes(), None, 64).unwrap();
+        assert_eq!(u.session_source, SessionSource::User);
+        let body = json!({"model":"m","messages":[{"role":"user","content":"zzz"}],"prompt_cache_key":"pck"});
+        let p = chat(body).unwrap();
+        assert_eq!(p.session_source, SessionSource::PromptCacheKey);
+        // Same header, different content: same key.
+        let other = json!({"model":"m","messages":[{"role":"user","content":"other"}]}).to_string();
+        let h2 = profile(Endpoint::Chat, other.as_bytes(), Some(b"s1"), 64).unwrap();
+        assert_eq!(h.session_key, h2.session_key);
+    }
+
+    #[test]
+    fn content_parts_equal_plain_text() {
+        let a = chat(json!({"model":"m","messages":[{"role":"user","content":"hello world"}]}))
+            .unwrap();
+        let b = chat(json!({"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"hello "},{"type":"text","text":"world"}]}]})).unwrap();
+        assert_eq!(a.session_key, b.session_key);
+        let c = chat(json!({"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:x"}}]}]})).unwrap();
+        assert_ne!(a.session_key, c.session_key);
+    }
+
+    #[test]
+    fn completions_prompt_forms() {
+        for p in [
+            json!("a prompt"),
+            json!(["a", "b"]),
+            json!([1, 2, 3]),
+            json!([[1, 2], [3]]),
+        ] {
+            let body = json!({"model":"m","prompt":p}).to_string();
+            let r = profile(Endpoint::Completions, body.as_bytes(), None, 64).unwrap();
+            assert_eq!(r.endpoint, Endpoint::Completions);
+        }
+        let ids = json!({"model":"m","prompt":[1,2,3,4,5]}).to_string();
+        let r = profile(Endpoint::Completions, ids.as_bytes(), None, 64).unwrap();
+        assert_eq!(r.est_prompt_tokens, 5);
+        for p in [
+            json!(5),
+            json!({"a":1}),
+            json!([1.5]),
+            json!([true]),
+            json!([-1]),
+        ] {
+            let body = json!({"model":"m","prompt":p}).to_string();
+            let e = profile(Endpoint::Completions, body.as_bytes(), None, 64).unwrap_err();
+            assert_eq!((e.status, e.code), (400, "invalid_prompt"), "{p}");
+        }
+    }
+
+    #[test]
+    fn malformed_inputs_are_400_with_codes() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"", "empty_body"),
+            (b"{", "invalid_json"),
+            (b"[]", "invalid_json"),
+            (b"{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}]}", "missing_model"),
+            (b"{\"model\":\"\",\"messages\":[]}", "invalid_model"),
+            (b"{\"model\":5,\"messages\":[]}", "invalid_json"),
+            (b"{\"model\":\"m\"}", "missing_messages"),
+            (b"{\"model\":\"m\",\"messages\":[]}", "invalid_messages"),
+            (b"{\"model\":\"m\",\"messages\":[{\"content\":\"a\"}]}", "invalid_json"),
+            (b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":7}]}", "invalid_json"),
+            (b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":[7]}]}", "invalid_messages"),
+            (b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"max_tokens\":-3}", "invalid_json"),
+            (b"\xff\xfe", "invalid_json"),
+        ];
+        for (body, code) in cases {
+            let e = profile(Endpoint::Chat, body, None, 64).unwrap_err();
+            assert_eq!(
+                (e.status, e.code),
+                (400, *code),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn output_and_usage_fields() {
+        let r = chat(json!({"model":"m","messages":[{"role":"user","content":"a"}],"max_tokens":7,"stream":true,"stream_options":{"include_usage":true}})).unwrap();
+        assert_eq!(r.est_output_tokens, 7);
+        assert!(r.include_usage);
+        let r = chat(json!({"model":"m","messages":[{"role":"user","content":"a"}],"max_completion_tokens":9})).unwrap();
+        assert_eq!(r.est_output_tokens, 9);
+        assert!(!r.include_usage && !r.stream);
+    }
+}

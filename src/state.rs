@@ -1,0 +1,35 @@
+//! Process-wide state shared by the proxy, the admin listener and background services.
+
+use arc_swap::ArcSwap;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+
+pub struct State {
+    config: ArcSwap<Config>,
+    fleet: ArcSwap<Fleet>,
+    pub metrics: Metrics,
+}
+
+impl State {
+    pub fn new(config: Config, fleet: Fleet, metrics: Metrics) -> State {
+        State {
+            config: ArcSwap::from_pointee(config),
+            fleet: ArcSwap::from_pointee(fleet),
+            metrics,
+        }
+    }
+
+    /// The config in force; a request keeps the one it started with.
+    pub fn config(&self) -> Arc<Config> {
+        self.config.load_full()
+    }
+
+    /// The fleet in force; a request keeps the one it was placed with, so backend indices in
+    /// its context stay valid.
+    pub fn fleet(&self) -> Arc<Fleet> {
+        self.fleet.load_full()
+    }
+}

@@ -1,0 +1,284 @@
+//! Test harness: real processes on 127.0.0.1. `Sim::start` runs one simulated GPU server
+//! (`kvbench sim`) per process so a test can kill one; `Kvroute::start` runs the proxy binary
+//! against them. Readiness is a printed line or a successful HTTP answer, never a fixed sleep.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The kvbench binary, built by `cargo test --workspace` next to this test's binary.
+fn kvbench_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let bin = dir.join("kvbench");
+    assert!(
+        bin.exists(),
+        "{} not found: run the tests with `cargo test --workspace` (or `cargo build -p kvbench` first)",
+        bin.display()
+    );
+    bin
+}
+
+pub struct Sim {
+    child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Sim {
+    /// One simulated server; `args` are extra `kvbench sim` flags (e.g. `--ttft-ms 50`).
+    pub fn start(args: &[&str]) -> Sim {
+        let mut child = Command::new(kvbench_bin())
+            .args(["sim", "--servers", "1", "--base-port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kvbench sim");
+        let stdout = child.stdout.take().expect("stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let mut addr = None;
+        for line in lines.by_ref() {
+            let line = line.expect("read sim stdout");
+            if let Some(rest) = line.strip_prefix("kvbench-sim listening ") {
+                let a = rest.split_whitespace().next().expect("addr");
+                addr = Some(a.parse().expect("sim addr"));
+            }
+            if line == "kvbench-sim ready" {
+                break;
+            }
+        }
+        // Keep draining stdout so the simulator never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Sim {
+            child,
+            addr: addr.expect("sim printed no address"),
+        }
+    }
+
+    pub fn start_n(n: usize, args: &[&str]) -> Vec<Sim> {
+        (0..n).map(|_| Sim::start(args)).collect()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Requests this server has received (`GET /debug/requests`).
+    pub fn requests(&self) -> Vec<serde_json::Value> {
+        let (status, body) = http_get(self.addr, "/debug/requests");
+        assert_eq!(status, 200);
+        serde_json::from_slice(&body).expect("debug/requests json")
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A free loopback port (bound, then released for the child to take).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+pub struct Kvroute {
+    child: Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub dir: PathBuf,
+}
+
+impl Kvroute {
+    /// Start kvroute in front of `backends`. `extra` is YAML appended under `kvroute:`
+    /// (indented two spaces), e.g. `"  routing:\n    policy: session_hash\n"`.
+    pub fn start(backends: &[SocketAddr], extra: &str) -> Kvroute {
+        let k = Self::start_unready(backends, extra);
+        k.wait_ready();
+        k
+    }
+
+    /// Start without waiting for a healthy backend: waits only for the listeners.
+    pub fn start_unready(backends: &[SocketAddr], extra: &str) -> Kvroute {
+        let dir = std::env::temp_dir().join(format!(
+            "kvroute-test-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut yaml = format!(
+            "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/upgrade.sock\n\
+             grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\n\
+             kvroute:\n  listen: \"{addr}\"\n  admin_listen: \"{admin}\"\n  backends:\n",
+            d = dir.display()
+        );
+        for b in backends {
+            yaml.push_str(&format!("    - addr: \"{b}\"\n"));
+        }
+        yaml.push_str(extra);
+        let conf = dir.join("kvroute.yaml");
+        std::fs::write(&conf, yaml).expect("write config");
+        let log = std::fs::File::create(dir.join("kvroute.log")).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .arg("-c")
+            .arg(&conf)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn kvroute");
+        let k = Kvroute {
+            child,
+            addr,
+            admin,
+            dir,
+        };
+        k.wait_for(|| {
+            TcpStream::connect(k.addr).is_ok() && try_http_get(k.admin, "/healthz").is_some()
+        });
+        k
+    }
+
+    fn wait_ready(&self) {
+        self.wait_for(|| matches!(try_http_get(self.admin, "/readyz"), Some((200, _))));
+    }
+
+    fn wait_for(&self, ok: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("kvroute did not start; log:\n{}", self.log());
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("kvroute.log")).unwrap_or_default()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn metrics(&self) -> String {
+        let (status, body) = http_get(self.admin, "/metrics");
+        assert_eq!(status, 200);
+        String::from_utf8(body).expect("utf8 metrics")
+    }
+
+    /// Metrics text once `name{labels}` sums to at least `min` (the access-log phase that
+    /// records a request runs just after its last byte reaches the client).
+    pub fn metrics_when(&self, name: &str, labels: &[(&str, &str)], min: f64) -> String {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let text = self.metrics();
+            if metric_sum(&text, name, labels) >= min || Instant::now() > deadline {
+                return text;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sum of a metric's samples whose label set contains every `labels` pair.
+    pub fn metric_sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        metric_sum(&self.metrics(), name, labels)
+    }
+}
+
+impl Drop for Kvroute {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn try_http_get(addr: SocketAddr, path: &str) -> Option<(u16, Vec<u8>)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    parse_response(&raw)
+}
+
+pub fn http_get(addr: SocketAddr, path: &str) -> (u16, Vec<u8>) {
+    try_http_get(addr, path).unwrap_or_else(|| panic!("GET {path} on {addr} failed"))
+}
+
+/// Status and de-chunked body of a raw HTTP/1.1 response read to EOF.
+pub fn parse_response(raw: &[u8]) -> Option<(u16, Vec<u8>)> {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = std::str::from_utf8(&raw[..end]).ok()?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    let body = &raw[end + 4..];
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase().starts_with("transfer-encoding:")
+            && l.to_ascii_lowercase().contains("chunked")
+    });
+    if !chunked {
+        return Some((status, body.to_vec()));
+    }
+    let mut out = Vec::new();
+    let mut rest = body;
+    loop {
+        let nl = rest.windows(2).position(|w| w == b"\r\n")?;
+        let size = usize::from_str_radix(std::str::from_utf8(&rest[..nl]).ok()?.trim(), 16).ok()?;
+        rest = &rest[nl + 2..];
+        if size == 0 {
+            return Some((status, out));
+        }
+        out.extend_from_slice(rest.get(..size)?);
+        rest = rest.get(size + 2..)?;
+    }
+}
+
+pub fn chat_body(
+    model: &str,
+    messages: serde_json::Value,
+    stream: bool,
+    max_tokens: u32,
+) -> serde_json::Value {
+    serde_json::json!({"model": model, "messages": messages, "stream": stream, "max_tokens": max_tokens})
+}
+
+pub const MODEL: &str = "sim-llama-8b";
+
+/// The OpenAI error object of a JSON error body, asserting its shape.
+pub fn error_of(body: &[u8]) -> serde_json::Value {
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .unwrap_or_else(|_| panic!("error body is not JSON: {}", String::from_utf8_lossy(body)));
+    let e = v["error"].clone();
+    assert!(e["message"].is_string(), "no error.message in {v}");
+    assert!(e["type"].is_string(), "no error.type in {v}");
+    assert!(e.get("code").is_some(), "no error.code in {v}");
+    e
+}
