@@ -20,6 +20,7 @@
 //! - [`ring`]: Ketama ring walk and the bounded-load capacity.
 //! - [`policy`]: the placement decision (pure function of a snapshot and a profile).
 //! - [`fleet`]: backends, health, in-flight accounting, snapshot.
+//! - [`index`]: prefix index (per-backend LRU of block hashes, reverse map for longest match).
 //! - [`proxy`]: the Pingora `ProxyHttp` phases.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz` listener.
 //! - [`metrics`]: `kvroute_*` Prometheus families.
@@ -31,6 +32,7 @@ pub mod admin;
 pub mod config;
 pub mod error;
 pub mod fleet;
+pub mod index;
 pub mod metrics;
 pub mod policy;
 pub mod prefix;

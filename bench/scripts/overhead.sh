@@ -181,7 +181,9 @@ for mode in plain stream; do
   KPID=$!; PIDS+=("$KPID")
   wait_port $NGINX_RR; wait_port $KV
   sleep 0.5
-  RRPIDS=$(pgrep -f "nginx.*$WORK/rr.conf" | tr '\n' ' ')
+  # nginx workers do not carry the config path in their command line: take the master's children.
+  RRMASTER=$(cat "$WORK/rr.pid")
+  RRPIDS="$RRMASTER $(pgrep -P "$RRMASTER" | tr '\n' ' ')"
   for size in 1000 100000; do
     stem="$WORK/body_${size}_${mode}"
     run_case direct $backend "$stem"

@@ -4,11 +4,16 @@
 //! - `sim`: simulated OpenAI-compatible inference servers (`kvbench sim`), the backend of both
 //!   the placement benchmarks and kvroute's integration tests.
 //! - `replay`: drives one target with a workload and writes a report (`kvbench replay`).
+//! - `compare`: a fleet and a kvroute per policy, one replay each, side-by-side results.
+//! - `demo`: the README's first command, a small `compare`.
+//! - `kvbench proxy -c FILE`: kvroute itself (the library), so comparisons need one binary.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod compare;
+mod demo;
 mod replay;
 mod sim;
 
@@ -25,24 +30,55 @@ enum Command {
     Sim(sim::SimArgs),
     /// Drive one loopback target with a workload, measure every request, write a report.
     Replay(replay::ReplayArgs),
+    /// Compare routing policies across workloads on fresh simulated fleets.
+    Compare(compare::CompareArgs),
+    /// Round robin vs kvroute's default policy on a small fleet, in about two minutes.
+    Demo(demo::DemoArgs),
+    /// Run kvroute (same as the `kvroute` binary) with a config file.
+    Proxy {
+        #[arg(short = 'c', long)]
+        conf: String,
+    },
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     // Logs go to stderr: stdout carries the readiness lines that tests parse.
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .target(env_logger::Target::Stderr)
         .init();
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Sim(args) => sim::run(args).await,
-        Command::Replay(args) => return replay::main(args).await,
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("kvbench: {e}");
-            ExitCode::FAILURE
-        }
+    if let Command::Proxy { conf } = cli.command {
+        // Pingora builds its own runtimes: it must not start inside one.
+        let opt = pingora::server::configuration::Opt {
+            conf: Some(conf),
+            ..Default::default()
+        };
+        kvroute::server::run(opt);
     }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvbench: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        let result = match cli.command {
+            Command::Replay(args) => return replay::main(args).await,
+            Command::Sim(args) => sim::run(args).await.map_err(|e| e.to_string()),
+            Command::Compare(args) => compare::run(args).await,
+            Command::Demo(args) => demo::run(args).await,
+            Command::Proxy { .. } => Ok(()),
+        };
+        match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvbench: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
 }

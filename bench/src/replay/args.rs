@@ -18,6 +18,8 @@ pub enum WorkloadKind {
     HeavyMix,
     /// Shared-prefix rate ladder (llm-d's method).
     Ladder,
+    /// Single-turn prompts from `--file` (aiperf's `single_turn` JSONL), closed loop.
+    Prompts,
 }
 
 impl WorkloadKind {
@@ -28,6 +30,7 @@ impl WorkloadKind {
             Self::HotPrefix => "hot_prefix",
             Self::HeavyMix => "heavy_mix",
             Self::Ladder => "ladder",
+            Self::Prompts => "prompts",
         }
     }
 
@@ -40,7 +43,7 @@ impl WorkloadKind {
             Self::Mooncake => Some("../shared/data/traces/mooncake/synthetic_trace.jsonl"),
             Self::HotPrefix => Some("../shared/data/traces/synthetic/hot_prefix.jsonl"),
             Self::HeavyMix => Some("../shared/data/traces/synthetic/heavy_mix.jsonl"),
-            Self::Ladder => None,
+            Self::Ladder | Self::Prompts => None,
         }
     }
 }
@@ -79,10 +82,11 @@ pub struct ReplayArgs {
     /// Send the workload's session id as `x-session-id`.
     #[arg(long)]
     pub session_header: bool,
-    /// sharegpt: conversations in flight at once.
+    /// sharegpt, prompts: conversations (closed-loop workers) in flight at once.
     #[arg(long, default_value_t = 16)]
     pub conversations: u32,
-    /// sharegpt: cap on max_tokens per turn.
+    /// sharegpt: cap on max_tokens per turn; prompts: max_tokens of a line without
+    /// output_length.
     #[arg(long, default_value_t = 512)]
     pub max_output_tokens: u32,
     /// ladder: arrival times and question text.
@@ -139,6 +143,9 @@ impl ReplayArgs {
         }
         if self.model.is_empty() {
             return Err("--model must not be empty".into());
+        }
+        if self.workload == WorkloadKind::Prompts && self.file.is_none() {
+            return Err("--workload prompts needs --file".into());
         }
         if self.workload == WorkloadKind::Ladder {
             positive("--step-s", self.step_s)?;

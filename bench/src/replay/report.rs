@@ -32,8 +32,7 @@ pub struct Report {
 }
 
 impl Report {
-    /// Reads a report.json back (for `compare`, which is not written yet).
-    #[allow(dead_code)]
+    /// Reads a report.json back (`compare` builds its tables from these).
     pub fn load(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;

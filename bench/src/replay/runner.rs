@@ -13,17 +13,20 @@ use super::args::{ReplayArgs, WorkloadKind};
 use super::client::{self, Ctx};
 use super::metrics::{self, LoadSample};
 use super::progress::{self, Counters};
-use super::record::RequestRecord;
+use super::record::{ChatRequest, RequestRecord};
 use super::report::{self, Report};
 use super::stats::{summarize, Summary};
 use super::target::loopback_url;
 use super::workloads::ladder::LadderSchedule;
 use super::workloads::mooncake::{self, MooncakeSchedule};
+use super::workloads::prompts;
 use super::workloads::sharegpt::{self, Chat, Conversation};
 use super::workloads::OpenLoop;
 
 enum Plan {
     Closed(Vec<Conversation>),
+    /// Independent requests, closed loop.
+    Queue(Vec<ChatRequest>),
     Open(Box<dyn OpenLoop>),
 }
 
@@ -56,6 +59,9 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     let plan = match (args.workload, &file) {
         (WorkloadKind::Ladder, _) => Plan::Open(Box::new(LadderSchedule::new(args.ladder()))),
         (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(sharegpt::load(f)?),
+        (WorkloadKind::Prompts, Some(f)) => {
+            Plan::Queue(prompts::requests(prompts::load(f)?, args.max_output_tokens))
+        }
         (_, Some(f)) => Plan::Open(Box::new(MooncakeSchedule::new(
             mooncake::load(f)?,
             args.time_scale,
@@ -115,6 +121,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         Plan::Closed(convs) => {
             run_closed(&shared, convs, args.conversations, args.max_output_tokens).await
         }
+        Plan::Queue(reqs) => run_queue(&shared, reqs, args.conversations).await,
         Plan::Open(sched) => run_open(&shared, sched, t_start, duration).await,
     }
     done.store(true, Ordering::Relaxed);
@@ -149,7 +156,8 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "slo_ttft_ms": args.slo_ttft_ms,
         "model": args.model,
         "session_header": args.session_header,
-        "conversations": (args.workload == WorkloadKind::Sharegpt).then_some(args.conversations),
+        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::Prompts)
+            .then_some(args.conversations),
         "ladder": (args.workload == WorkloadKind::Ladder).then(|| args.ladder()),
         "metrics_urls": args.metrics_urls,
         "requests_sent": records.len(),
@@ -202,6 +210,29 @@ async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32
                     }
                     chat.record_reply(out.text);
                 }
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// C workers; each sends the next request in order once its previous one has finished.
+async fn run_queue(shared: &Arc<Shared>, reqs: Vec<ChatRequest>, workers: u32) {
+    let reqs = Arc::new(reqs);
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = JoinSet::new();
+    for _ in 0..workers {
+        let (shared, reqs, next) = (shared.clone(), reqs.clone(), next.clone());
+        tasks.spawn(async move {
+            while TokioInstant::now() < shared.stop_at {
+                let Some(req) = reqs.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                    return;
+                };
+                let Some(id) = shared.counters.try_send(shared.max_requests) else {
+                    return;
+                };
+                let out = client::send(&shared.ctx, id, req.clone()).await;
+                shared.finish(out.record);
             }
         });
     }

@@ -381,3 +381,57 @@ async fn engine_mode_rejects_what_cannot_fit_and_keeps_faults() {
     let small = json!({"model": "m", "prompt": "x", "max_tokens": 1});
     assert_eq!(sim.post("/v1/completions", &small).await.status(), 500);
 }
+
+/// A conversation's next turn sends the reply back after its prompt; both modes keep the
+/// reply cached with the prompt, so the next turn misses only what it adds (and the partial
+/// block before it).
+#[tokio::test]
+async fn next_turn_hits_the_previous_reply_in_both_modes() {
+    const N: u64 = 40;
+    for sim in [Sim::start().await, engine_sim().await] {
+        let question = json!({"role": "user", "content": "Tell me about caches. ".repeat(30)});
+        let turn1 = json!({"model": "m", "messages": [question], "max_tokens": N, "stream": true});
+        let res = sim.post("/v1/chat/completions", &turn1).await;
+        assert!(res.text().await.unwrap().contains("[DONE]"));
+        let turn2 = json!({"model": "m", "max_tokens": 1, "messages": [
+            question,
+            {"role": "assistant", "content": completion_text(N)},
+            {"role": "user", "content": "More."},
+        ]});
+        let v: Value = sim
+            .post("/v1/chat/completions", &turn2)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        // "<|im_start|>user\nMore.<|im_end|>\n<|im_start|>assistant\n" is 14 tokens.
+        assert!(prompt - cached < 14 + 16, "{prompt} {cached}");
+
+        let story = "Once upon a time, ".repeat(40);
+        let body = json!({"model": "m", "prompt": story, "max_tokens": N});
+        let r: Value = sim
+            .post("/v1/completions", &body)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let reply = r["choices"][0]["text"].as_str().unwrap();
+        let next =
+            json!({"model": "m", "prompt": format!("{story}{reply} The end."), "max_tokens": 1});
+        let v: Value = sim
+            .post("/v1/completions", &next)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(prompt - cached < 3 + 16, "{prompt} {cached}");
+    }
+}

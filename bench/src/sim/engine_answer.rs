@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use super::engine::Progress;
 use super::error::ApiError;
 use super::generate::{completion_text, token_text};
-use super::inference::{sse_response, Admitted};
+use super::inference::{reply_hashes, sse_response, Admitted};
 use super::response::{Answer, Usage};
 use super::scheduler::NewRequest;
 use super::server::ServerState;
@@ -41,9 +41,12 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         );
         return ApiError::bad_request(msg).into_response();
     }
+    // Only now that `n` is known to fit the pool: the hashes cost a few bytes per token.
+    let reply_hashes = reply_hashes(a.req.endpoint, &a.req.prompt, &a.blocks, n);
     let req = NewRequest {
         prompt_tokens,
         hashes: a.blocks,
+        reply_hashes,
         max_tokens: n,
     };
     let Some(rx) = engine.submit(req) else {

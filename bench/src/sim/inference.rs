@@ -18,10 +18,10 @@ use super::engine_answer;
 use super::error::ApiError;
 use super::faults::{hits, FAIL_SALT, HANG_SALT};
 use super::generate::{completion_text, token_text, Schedule};
-use super::kvcache::{block_hashes, BLOCK_TOKENS};
+use super::kvcache::{block_hashes, continued_hashes, BLOCK_TOKENS};
 use super::metrics::Gauge;
 use super::openai::{self, Endpoint, SimRequest};
-use super::prompt::count_tokens;
+use super::prompt::{count_tokens, TURN_END};
 use super::reqlog::Entry;
 use super::response::{Answer, Usage};
 use super::server::{header_value, ServerState};
@@ -142,6 +142,23 @@ async fn admit(
     })
 }
 
+/// The chain of `prompt_hashes` continued over `n` tokens of reply and what the client puts
+/// after it when it sends the reply back: a chat template closes the assistant turn, a
+/// completions client appends the text as is. These are the blocks past the prompt's that a
+/// server keeps cached after answering, and that the conversation's next turn starts with.
+pub fn reply_hashes(endpoint: Endpoint, prompt: &[u8], prompt_hashes: &[u64], n: u64) -> Vec<u64> {
+    let end = match endpoint {
+        Endpoint::Chat => TURN_END,
+        Endpoint::Completions | Endpoint::Embeddings => "",
+    };
+    let reply = (0..n).map(token_text);
+    continued_hashes(
+        prompt,
+        prompt_hashes,
+        reply.chain(std::iter::once(end.to_owned())),
+    )
+}
+
 /// Holds a request the hang faults select: forever for `hang_rate`, until the `hang` knob is
 /// cleared for `hang`. Only this request's task waits; the server keeps serving others.
 async fn hold_if_hung(s: &Arc<ServerState>, seq: u64) {
@@ -169,6 +186,8 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
     }
     let n = a.req.max_tokens;
     let kv_blocks = (a.usage.prompt_tokens + n).div_ceil(BLOCK_TOKENS);
+    let stream = a.req.stream;
+    let include_usage = a.req.include_usage;
     let mut gen = Generation {
         running: s.stats.start_running(kv_blocks),
         schedule: Schedule {
@@ -179,14 +198,16 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
         state: s,
         arrived,
         blocks: a.blocks,
+        endpoint: a.req.endpoint,
+        prompt: a.req.prompt,
     };
-    if a.req.stream {
+    if stream {
         let stream = TokenStream {
             gen,
             writer: ChunkWriter::new(answer),
             next: 0,
             n,
-            usage: a.req.include_usage.then_some(a.usage),
+            usage: include_usage.then_some(a.usage),
             done: false,
         };
         return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
@@ -196,6 +217,7 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
     }
     gen.token(0).await;
     gen.rest(n).await;
+    gen.replied(n);
     drop(gen.running);
     Json(answer.completion(&completion_text(n), a.usage)).into_response()
 }
@@ -207,6 +229,9 @@ struct Generation {
     arrived: Instant,
     /// Prompt blocks, entered into the prefix cache once prefill is done.
     blocks: Vec<u64>,
+    endpoint: Endpoint,
+    /// Canonical prompt, to continue the block chain over the reply once it is out.
+    prompt: Vec<u8>,
     running: Gauge,
 }
 
@@ -233,8 +258,17 @@ impl Generation {
     fn prefilled(&mut self) {
         let s = &self.state;
         s.stats.observe_ttft(s.model_seconds_since(self.arrived));
-        let blocks = std::mem::take(&mut self.blocks);
-        s.kv().insert(&blocks);
+        s.kv().insert(&self.blocks);
+    }
+
+    /// The whole reply is out: the next turn will send it back after this prompt, so its
+    /// blocks are cached too, as the engine mode's pool does. Prompt and reply go in together
+    /// so that the cache's LRU order keeps the prompt's head the most recent.
+    fn replied(&mut self, n: u64) {
+        let prompt = std::mem::take(&mut self.prompt);
+        let mut blocks = std::mem::take(&mut self.blocks);
+        blocks.extend(reply_hashes(self.endpoint, &prompt, &blocks, n));
+        self.state.kv().insert(&blocks);
     }
 }
 
@@ -255,7 +289,11 @@ impl TokenStream {
             let i = self.next;
             self.next += 1;
             self.gen.token(i).await;
-            return Some(self.writer.token(&token_text(i), i == 0, i + 1 == self.n));
+            let last = i + 1 == self.n;
+            if last {
+                self.gen.replied(self.n);
+            }
+            return Some(self.writer.token(&token_text(i), i == 0, last));
         }
         if let Some(usage) = self.usage.take() {
             return Some(self.writer.usage(usage));

@@ -1,4 +1,5 @@
-//! The engine's prefix cache, v1: which 16-token blocks of past prompts a server still holds.
+//! The engine's prefix cache, v1: which 16-token blocks of past prompts (and the replies that
+//! followed them, see `continued_hashes`) a server still holds.
 //!
 //! A block is 64 bytes of canonical prompt (16 stand-in tokens). Its hash is chained,
 //! `hash_i = xxh3_64_with_seed(block_i, hash_{i-1})` with `hash_{-1} = 0`, so a block's hash
@@ -22,6 +23,35 @@ pub fn block_hashes(canonical: &[u8]) -> Vec<u64> {
             prev
         })
         .collect()
+}
+
+/// Hashes of the full blocks past `hashes` (= `block_hashes(canonical)`) of `canonical`
+/// followed by the `appended` pieces, continuing the chain: a request's reply extends its
+/// prompt's stream. Only the prompt's last partial block is rehashed, and the appended text is
+/// never held whole, so a long reply costs one block of memory besides the result.
+pub fn continued_hashes<I, B>(canonical: &[u8], hashes: &[u64], appended: I) -> Vec<u64>
+where
+    I: IntoIterator<Item = B>,
+    B: AsRef<[u8]>,
+{
+    let start = (hashes.len() * BLOCK_BYTES).min(canonical.len());
+    let mut prev = hashes.last().copied().unwrap_or(0);
+    let mut pending: Vec<u8> = Vec::with_capacity(2 * BLOCK_BYTES);
+    let mut out = Vec::new();
+    let mut feed = |bytes: &[u8], pending: &mut Vec<u8>| {
+        pending.extend_from_slice(bytes);
+        let full = pending.len() / BLOCK_BYTES * BLOCK_BYTES;
+        for block in pending[..full].chunks_exact(BLOCK_BYTES) {
+            prev = xxhash_rust::xxh3::xxh3_64_with_seed(block, prev);
+            out.push(prev);
+        }
+        pending.drain(..full);
+    };
+    feed(&canonical[start..], &mut pending);
+    for piece in appended {
+        feed(piece.as_ref(), &mut pending);
+    }
+    out
 }
 
 pub struct KvCache {
@@ -121,6 +151,22 @@ mod tests {
         let mut b = text(64, 5);
         b.extend_from_slice(&a[64..128]);
         assert_ne!(block_hashes(&b)[1], h[1]);
+    }
+
+    #[test]
+    fn continued_hashes_extend_the_chain() {
+        let prompt = text(64 * 3 + 10, 0);
+        let reply = text(150, 7);
+        let mut whole = prompt.clone();
+        whole.extend_from_slice(&reply);
+        whole.extend_from_slice(b"<end>");
+        let h = block_hashes(&prompt);
+        let more = continued_hashes(&prompt, &h, [&reply[..20], &reply[20..], &b"<end>"[..]]);
+        let all = block_hashes(&whole);
+        assert_eq!(all.len(), 5);
+        assert_eq!(&all[..3], &h[..]);
+        assert_eq!(&all[3..], &more[..]);
+        assert!(continued_hashes(&prompt, &h, [b""]).is_empty());
     }
 
     #[test]

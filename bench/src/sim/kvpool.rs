@@ -1,11 +1,16 @@
 //! The engine's KV block pool, after vLLM's block manager.
 //!
 //! A pool of `total` blocks. A block held by a request is either *anonymous* (its content has
-//! no reusable identity: partial prompt blocks, output blocks, duplicates) or *hashed* (a full
-//! prompt block named by its chained prefix hash, see `kvcache::block_hashes`). Hashed blocks
-//! stay in the pool when their last holder lets go: they are then free for reuse by a request
-//! with the same prefix, and evictable, least recently released first. Only unreferenced blocks
-//! are ever evicted; when no block can be had, `allocate` says no and the scheduler preempts.
+//! no reusable identity yet: partial prompt blocks, output blocks while decoding, duplicates)
+//! or *hashed* (a full block named by its chained prefix hash, see `kvcache::block_hashes`).
+//! Hashed blocks stay in the pool when their last holder lets go: they are then free for reuse
+//! by a request with the same prefix, and evictable, least recently released first. Only
+//! unreferenced blocks are ever evicted; when no block can be had, `allocate` says no and the
+//! scheduler preempts.
+//!
+//! A finished request's output is named too (`release_finished`): vLLM keeps every full block
+//! of prompt + output cached, and a chat client sends that output back as the prefix of its
+//! next turn.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -97,6 +102,45 @@ impl KvPool {
         true
     }
 
+    /// Drops a finished request's blocks after naming its output: block `from + k` becomes
+    /// `names[k]`, the chained hashes of the stream the next turn will send (prompt + reply).
+    ///
+    /// The stand-in tokenizer counts the reply's text as more tokens than the engine generated
+    /// (`" tok17"` is one generated token but 6 bytes), so `names` can outrun the blocks held:
+    /// the rest are allocated here, evicting older cached blocks, so that the next turn finds
+    /// as many blocks as its own prompt count says the reply takes. That stops at the first
+    /// block that cannot be had, since nothing past a hole in the chain is reachable. A name
+    /// the pool already has (a concurrent identical request) is held rather than duplicated,
+    /// which also keeps it from being evicted by the allocations after it.
+    pub fn release_finished(&mut self, mut held: Vec<Option<u64>>, from: usize, names: &[u64]) {
+        for (j, &h) in (from..).zip(names) {
+            if j > held.len() {
+                break;
+            }
+            let ours = held.get(j).copied();
+            if matches!(ours, Some(Some(_))) {
+                continue;
+            }
+            let have = ours.is_some();
+            if self.hashed.contains_key(&h) {
+                self.acquire(&[h]);
+                if have {
+                    self.used -= 1;
+                }
+            } else if have || self.allocate(1) {
+                self.hashed.insert(h, Entry { refs: 1, tick: 0 });
+            } else {
+                break;
+            }
+            if have {
+                held[j] = Some(h);
+            } else {
+                held.push(Some(h));
+            }
+        }
+        self.release(&held);
+    }
+
     /// Drops a request's blocks (`None` = anonymous). Released in reverse so that a prompt's
     /// tail is evicted before its head: the head is what later requests share.
     pub fn release(&mut self, held: &[Option<u64>]) {
@@ -156,6 +200,43 @@ mod tests {
         pool.release(&[Some(10), Some(11), Some(12)]);
         assert!(pool.allocate(2));
         assert_eq!(pool.lookup(&[10, 11, 12]), 2);
+    }
+
+    #[test]
+    fn finished_output_is_cached_and_evictable() {
+        let mut pool = KvPool::new(6);
+        // A request with one prompt block (1) and two output blocks; its reply names three.
+        assert!(pool.allocate(3));
+        assert!(pool.promote(1));
+        pool.release_finished(vec![Some(1), None, None], 1, &[2, 3, 4]);
+        assert_eq!((pool.used(), pool.cached()), (0, 4));
+        assert_eq!(pool.lookup(&[1, 2, 3, 4, 5]), 4);
+        // Unreferenced, so evictable: the tail goes first.
+        assert!(pool.allocate(3));
+        assert_eq!(pool.lookup(&[1, 2, 3, 4]), 3);
+        assert!(pool.allocate(2));
+        assert_eq!(pool.lookup(&[1, 2, 3, 4]), 1);
+        assert_eq!(pool.used(), 5);
+    }
+
+    #[test]
+    fn finished_output_shares_and_stops_when_full() {
+        let mut pool = KvPool::new(4);
+        assert!(pool.allocate(2));
+        pool.release_finished(vec![None, None], 0, &[1, 2]);
+        assert_eq!((pool.used(), pool.cached()), (0, 2));
+        // A second stream that starts like the first and then diverges, while a running
+        // request holds block 2: the pool's 1 replaces this request's copy, 9 is named in
+        // place, 3 gets the last free block and 4 finds none.
+        assert!(pool.allocate(2));
+        pool.acquire(&[2]);
+        assert_eq!(pool.used(), 3);
+        pool.release_finished(vec![None, None], 0, &[1, 9, 3, 4]);
+        assert_eq!(pool.used(), 1);
+        assert_eq!(pool.lookup(&[1, 9, 3, 4]), 3);
+        assert_eq!(pool.cached(), 4);
+        pool.release(&[Some(2)]);
+        assert_eq!((pool.used(), pool.cached()), (0, 4));
     }
 
     #[test]

@@ -18,7 +18,8 @@ pub fn count_tokens(canonical_len: usize) -> u64 {
 /// A ChatML-like template. The generation prompt at the end makes turn n's stream a prefix of
 /// turn n+1's once the reply is appended, as real chat templates do.
 const TURN_START: &str = "<|im_start|>";
-const TURN_END: &str = "<|im_end|>\n";
+/// Also what follows the reply in the next turn's stream, so the engine caches it with it.
+pub const TURN_END: &str = "<|im_end|>\n";
 const GENERATION_PROMPT: &str = "<|im_start|>assistant\n";
 
 /// Renders chat `messages` through the template.

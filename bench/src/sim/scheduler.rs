@@ -23,6 +23,10 @@ pub struct NewRequest {
     pub prompt_tokens: u64,
     /// Chained hashes of the prompt's full blocks.
     pub hashes: Vec<u64>,
+    /// The chain continued over the reply as the client will send it back (see
+    /// `inference::reply_hashes`): the blocks past `hashes` that stay cached once the request
+    /// finishes, so that the next turn of a conversation hits its previous reply too.
+    pub reply_hashes: Vec<u64>,
     pub max_tokens: u64,
 }
 
@@ -273,10 +277,11 @@ impl Scheduler {
 
     fn finish_done(&mut self) {
         let pool = &mut self.pool;
-        self.running.retain(|seq| {
+        self.running.retain_mut(|seq| {
             let done = seq.generated >= seq.req.max_tokens;
             if done {
-                pool.release(&seq.held);
+                let held = std::mem::take(&mut seq.held);
+                pool.release_finished(held, seq.req.hashes.len(), &seq.req.reply_hashes);
             }
             !done
         });
@@ -284,7 +289,9 @@ impl Scheduler {
 }
 
 /// Names the prompt blocks that became full this step, so later requests can reuse them.
-/// vLLM caches a block as soon as the step that fills it is scheduled; so does this.
+/// vLLM caches a block as soon as the step that fills it is scheduled; so does this. Output
+/// blocks are named when the request finishes (`finish_done`): only a later turn that sends
+/// the reply back can hit them, and it comes after the reply.
 fn promote_full_blocks(pool: &mut KvPool, seq: &mut Seq, before: u64) {
     let first = (before / BLOCK_TOKENS) as usize;
     let full = ((seq.computed / BLOCK_TOKENS) as usize).min(seq.req.hashes.len());

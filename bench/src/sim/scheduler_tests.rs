@@ -2,8 +2,15 @@
 
 use std::collections::HashMap;
 
+use serde_json::{json, Value};
+
 use super::*;
+use crate::sim::generate::completion_text;
+use crate::sim::inference::reply_hashes;
+use crate::sim::kvcache::block_hashes;
+use crate::sim::openai::{self, Endpoint};
 use crate::sim::profile::ProfileName;
+use crate::sim::prompt::{count_tokens, TURN_END};
 
 fn h100() -> Profile {
     Profile::get(ProfileName::H100Llama8b)
@@ -15,8 +22,43 @@ fn request(seed: u64, prompt_tokens: u64, max_tokens: u64) -> NewRequest {
     NewRequest {
         prompt_tokens,
         hashes: (0..blocks).map(|j| (seed << 32) | j).collect(),
+        reply_hashes: Vec::new(),
         max_tokens,
     }
+}
+
+/// The canonical prompt the server renders from chat `messages`.
+fn canonical(messages: &Value) -> Vec<u8> {
+    let body = json!({"model": "m", "messages": messages});
+    openai::parse(Endpoint::Chat, body.to_string().as_bytes())
+        .unwrap()
+        .prompt
+}
+
+/// A chat request as the server submits it to its engine.
+fn chat(messages: &Value, max_tokens: u64) -> NewRequest {
+    let prompt = canonical(messages);
+    let hashes = block_hashes(&prompt);
+    NewRequest {
+        prompt_tokens: count_tokens(prompt.len()),
+        reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, max_tokens),
+        hashes,
+        max_tokens,
+    }
+}
+
+/// Turn 1 of a conversation, and turn 2 sending turn 1's reply back with a new question.
+fn two_turns(reply_tokens: u64) -> (Value, Value) {
+    let turn1 = json!([
+        {"role": "system", "content": "You are a helpful assistant. ".repeat(70)},
+        {"role": "user", "content": "Explain prefix caching in three paragraphs."},
+    ]);
+    let mut turn2 = turn1.clone();
+    if let Some(list) = turn2.as_array_mut() {
+        list.push(json!({"role": "assistant", "content": completion_text(reply_tokens)}));
+        list.push(json!({"role": "user", "content": "And how does eviction work?"}));
+    }
+    (turn1, turn2)
 }
 
 /// What one request saw: model time to its first token, its cached tokens, its token count.
@@ -170,4 +212,74 @@ fn seats_budget_and_abort() {
     assert_eq!(s.pool().used(), 0);
     assert!(h100().fits(499_000, 1_000));
     assert!(!h100().fits(500_000, 1));
+}
+
+#[test]
+fn next_turn_hits_the_previous_reply() {
+    let p = h100();
+    let mut s = Scheduler::new(p);
+    let (turn1, turn2) = two_turns(200);
+    let first = chat(&turn1, 200);
+    let first_prompt = first.prompt_tokens;
+    let first_blocks = first.hashes.len() as u64;
+    s.add(first);
+    run(&mut s, 10_000);
+    assert_eq!(s.pool().used(), 0);
+
+    let second = chat(&turn2, 10);
+    let prompt_tokens = second.prompt_tokens;
+    let id = s.add(second);
+    let (_, seen) = run(&mut s, 10_000);
+    let cached = seen[&id].cached.unwrap();
+    // Everything turn 2 shares with turn 1's prompt + reply + turn end, to the block boundary:
+    // only the template's `<|im_start|>user` and the new question are left to prefill.
+    let shared = canonical(&turn1).len() + completion_text(200).len() + TURN_END.len();
+    assert!(canonical(&turn2).starts_with(&canonical(&turn1)));
+    assert_eq!(cached, (shared / 64) as u64 * BLOCK_TOKENS);
+    assert!(cached > first_prompt + 200, "{cached} vs {first_prompt}");
+    let new_tokens = count_tokens(canonical(&turn2).len() - shared);
+    assert!(
+        prompt_tokens - cached < new_tokens + BLOCK_TOKENS,
+        "{prompt_tokens} {cached}"
+    );
+    // Before, only turn 1's full prompt blocks were there to hit.
+    assert!(cached > first_blocks * BLOCK_TOKENS + 300);
+    // One step prefills the uncached rest and samples the first token.
+    let ttft = seen[&id].ttft.unwrap();
+    let expected = p.t0 + (prompt_tokens - cached) as f64 / p.prefill_rate;
+    assert!((ttft - expected).abs() < 1e-9, "{ttft} vs {expected}");
+
+    // Without turn 1 cached, turn 2 prefills everything.
+    let mut cold = Scheduler::new(p);
+    let id = cold.add(chat(&turn2, 10));
+    let (_, seen) = run(&mut cold, 10_000);
+    assert_eq!(seen[&id].cached, Some(0));
+    let cold_ttft = seen[&id].ttft.unwrap();
+    assert!(cold_ttft > ttft + 0.03, "{cold_ttft} vs {ttft}");
+}
+
+#[test]
+fn reply_blocks_are_evictable_once_unreferenced() {
+    // 100 blocks.
+    let mut s = Scheduler::new(h100().with_kv_tokens(1_600));
+    let (turn1, turn2) = two_turns(200);
+    let first = chat(&turn1, 200);
+    let prompt_blocks = first.hashes.len();
+    let stream_blocks = prompt_blocks + first.reply_hashes.len();
+    s.add(first);
+    run(&mut s, 10_000);
+    // The reply's blocks outnumber those the 200 generated tokens held: all are cached.
+    assert_eq!(s.pool().used(), 0);
+    assert_eq!(s.pool().cached(), stream_blocks);
+    let probe = chat(&turn2, 10).hashes;
+    assert_eq!(s.pool().lookup(&probe), stream_blocks);
+
+    // A 94-block request fits only by evicting, and the reply goes before the prompt.
+    s.add(request(9, 1_500, 1));
+    run(&mut s, 100);
+    assert_eq!(s.counters().preemptions, 0);
+    assert_eq!(s.pool().used(), 0);
+    let left = s.pool().lookup(&probe);
+    assert_eq!(left, 100 - 94);
+    assert!(left < prompt_blocks);
 }

@@ -1,8 +1,8 @@
 //! Workloads: where requests come from and when they are due.
 //!
 //! Open-loop workloads (trace replay, ladder) yield a time-ordered schedule and never wait
-//! for answers; the closed-loop chat workload needs each reply before its next turn, so it is
-//! driven by the runner's conversation workers instead.
+//! for answers; the closed-loop workloads (chat, which needs each reply before its next turn,
+//! and single-turn prompts) are driven by the runner's workers instead.
 
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ use super::record::ChatRequest;
 
 pub mod ladder;
 pub mod mooncake;
+pub mod prompts;
 pub mod sharegpt;
 
 /// One open-loop request and its due time (wall clock, from the run start).

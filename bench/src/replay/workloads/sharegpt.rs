@@ -2,6 +2,11 @@
 //!
 //! Closed loop: each turn carries the whole history, including the replies actually received,
 //! so a router that keeps a conversation on one backend finds its earlier turns cached.
+//!
+//! Oracle: the share of a turn's prompt that one infinite cache would hold, one that keeps the
+//! generated tokens as vLLM does: the longest common prefix of this turn's prompt with the
+//! previous turn's prompt followed by its reply, counted in bytes (~tokens), so that the run's
+//! rate weights each turn by its size.
 
 use std::path::Path;
 
@@ -36,8 +41,9 @@ pub struct Chat {
     conv: Conversation,
     next_turn: usize,
     history: Vec<Message>,
-    /// The previous prompt as rendered for oracle accounting.
-    prev_prompt: String,
+    /// What the ideal cache holds of this conversation, as rendered for oracle accounting:
+    /// the previous turn's prompt, then its reply once received.
+    prev_stream: String,
     max_tokens_cap: u32,
 }
 
@@ -47,7 +53,7 @@ impl Chat {
             conv,
             next_turn: 0,
             history: Vec::new(),
-            prev_prompt: String::new(),
+            prev_stream: String::new(),
             max_tokens_cap,
         }
     }
@@ -58,10 +64,9 @@ impl Chat {
         self.next_turn += 1;
         self.history.push(Message::new("user", turn.text.clone()));
         let rendered = render(&self.history);
-        // Oracle in bytes (~tokens): what this prompt shares with the previous one.
-        let hit = common_prefix(&self.prev_prompt, &rendered) as f64;
+        let hit = common_prefix(&self.prev_stream, &rendered) as f64;
         let total = rendered.len() as f64;
-        self.prev_prompt = rendered;
+        self.prev_stream = rendered;
         Some(ChatRequest {
             messages: self.history.clone(),
             max_tokens: turn.output_length.clamp(1, self.max_tokens_cap as u64) as u32,
@@ -72,9 +77,12 @@ impl Chat {
         })
     }
 
-    /// Appends the reply received for the last turn, as a chat client would.
+    /// Appends the reply received for the last turn, as a chat client would. The server
+    /// computed the reply's KV after the prompt's, so the ideal cache holds it too.
     pub fn record_reply(&mut self, text: String) {
-        self.history.push(Message::new("assistant", text));
+        let reply = Message::new("assistant", text);
+        render_message(&reply, &mut self.prev_stream);
+        self.history.push(reply);
     }
 }
 
@@ -82,12 +90,16 @@ impl Chat {
 fn render(history: &[Message]) -> String {
     let mut s = String::new();
     for m in history {
-        s.push_str(&m.role);
-        s.push('\n');
-        s.push_str(&m.content);
-        s.push('\n');
+        render_message(m, &mut s);
     }
     s
+}
+
+fn render_message(m: &Message, out: &mut String) {
+    out.push_str(&m.role);
+    out.push('\n');
+    out.push_str(&m.content);
+    out.push('\n');
 }
 
 fn common_prefix(a: &str, b: &str) -> usize {
@@ -133,9 +145,11 @@ mod tests {
             ]
         );
         assert_eq!(r2.max_tokens, 3);
-        // The whole first prompt repeats.
-        assert_eq!(r2.oracle_hit, r1.oracle_total);
-        assert!(r2.oracle_total > r1.oracle_total);
+        // The whole first prompt repeats, and so does the reply that followed it; only the new
+        // user turn is not in the ideal cache.
+        let new_turn = "user\nand then?\n".len() as f64;
+        assert_eq!(r2.oracle_hit, r2.oracle_total - new_turn);
+        assert!(r2.oracle_hit > r1.oracle_total + " tok0 tok1".len() as f64);
         assert!(c.next_request().is_none());
     }
 }

@@ -1,0 +1,132 @@
+//! The processes a comparison run needs, started from this same binary: a simulated fleet
+//! (`kvbench sim`) and kvroute (`kvbench proxy`, the kvroute library embedded). Both are
+//! killed when dropped, so a failed run leaves nothing behind.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+pub struct SimFleet {
+    _child: Child,
+    pub addrs: Vec<SocketAddr>,
+}
+
+impl SimFleet {
+    pub async fn start(
+        exe: &Path,
+        servers: u32,
+        sim_args: &[String],
+        log: &Path,
+    ) -> Result<SimFleet, String> {
+        let log = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let mut child = Command::new(exe)
+            .args(["sim", "--servers", &servers.to_string(), "--base-port", "0"])
+            .args(sim_args)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start kvbench sim: {e}"))?;
+        let stdout = child.stdout.take().ok_or("sim stdout")?;
+        let mut lines = BufReader::new(stdout).lines();
+        let mut addrs = Vec::new();
+        let ready = async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                if let Some(rest) = line.strip_prefix("kvbench-sim listening ") {
+                    let a = rest.split_whitespace().next().unwrap_or_default();
+                    addrs.push(a.parse().map_err(|_| format!("bad sim address {a}"))?);
+                }
+                if line == "kvbench-sim ready" {
+                    return Ok(());
+                }
+            }
+            Err("kvbench sim exited before it was ready".to_string())
+        };
+        tokio::time::timeout(Duration::from_secs(30), ready)
+            .await
+            .map_err(|_| "kvbench sim not ready after 30 s".to_string())??;
+        // Keep reading so the simulator never blocks on a full stdout pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(SimFleet {
+            _child: child,
+            addrs,
+        })
+    }
+}
+
+pub struct Proxy {
+    _child: Child,
+    pub url: String,
+    pub admin: SocketAddr,
+}
+
+fn free_addr() -> Result<SocketAddr, String> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port: {e}"))
+}
+
+impl Proxy {
+    /// kvroute with `policy` in front of `backends`; config and log go to `dir`.
+    pub async fn start(
+        exe: &Path,
+        backends: &[SocketAddr],
+        policy: &str,
+        dir: &Path,
+    ) -> Result<Proxy, String> {
+        let (listen, admin) = (free_addr()?, free_addr()?);
+        let mut yaml = format!(
+            "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/kvroute.sock\n\
+             grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\n\
+             kvroute:\n  listen: \"{listen}\"\n  admin_listen: \"{admin}\"\n  routing:\n    policy: {policy}\n  backends:\n",
+            d = dir.display()
+        );
+        for b in backends {
+            yaml.push_str(&format!("    - addr: \"{b}\"\n"));
+        }
+        let conf: PathBuf = dir.join("kvroute.yaml");
+        std::fs::write(&conf, yaml).map_err(|e| format!("{}: {e}", conf.display()))?;
+        let log_path = dir.join("kvroute.log");
+        let log =
+            std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+        let child = Command::new(exe)
+            .arg("proxy")
+            .arg("-c")
+            .arg(&conf)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start kvroute: {e}"))?;
+        let proxy = Proxy {
+            _child: child,
+            url: format!("http://{listen}"),
+            admin,
+        };
+        proxy.wait_ready(&log_path).await?;
+        Ok(proxy)
+    }
+
+    async fn wait_ready(&self, log: &Path) -> Result<(), String> {
+        let client = reqwest::Client::new();
+        let url = format!("http://{}/readyz", self.admin);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(r) = client.get(&url).send().await {
+                if r.status().is_success() {
+                    return Ok(());
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(format!(
+            "kvroute not ready after 30 s; see {}",
+            log.display()
+        ))
+    }
+}

@@ -1,0 +1,44 @@
+//! `kvbench demo`: the README's first command. A 4-server simulated fleet, a short multi-turn
+//! chat workload (shipped in `bench/data/`), replayed through round robin and through kvroute's
+//! default policy; prints the side-by-side table and where the charts are.
+
+use std::path::PathBuf;
+
+use crate::compare::{self, CompareArgs};
+use crate::replay::args::WorkloadKind;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Wall seconds of sending per policy.
+    #[arg(long, default_value_t = 40.0)]
+    pub duration_s: f64,
+    #[arg(long, default_value = "bench/results")]
+    pub results_dir: PathBuf,
+}
+
+pub async fn run(a: DemoArgs) -> Result<(), String> {
+    let default_policy = kvroute::config::RoutingConfig::default().policy.as_str();
+    let args = CompareArgs {
+        name: "demo".into(),
+        results_dir: a.results_dir,
+        policies: vec!["round_robin".into(), default_policy.into()],
+        workloads: vec![WorkloadKind::Sharegpt],
+        servers: 4,
+        time_scale: 10.0,
+        duration_s: a.duration_s,
+        max_requests: None,
+        slo_ttft_ms: 2000.0,
+        profile: "h100-llama8b".into(),
+        kv_tokens: None,
+        conversations: 48,
+        session_header: false,
+        rates: vec![],
+        step_s: 60.0,
+        groups: 96,
+        system_tokens: 8000,
+        sharegpt_file: Some(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/sharegpt_demo.jsonl"),
+        ),
+    };
+    compare::run(args).await
+}
