@@ -4,6 +4,7 @@
 //! `cargo bench --bench routing`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvroute::index::PrefixIndex;
 use kvroute::policy::{self, BackendLoad, Params, PolicyKind, Snapshot};
 use kvroute::prefix::DEFAULT_BLOCK_BYTES;
 use kvroute::request::{self, Endpoint};
@@ -39,20 +40,17 @@ fn fleet(n: usize) -> (Ring, Vec<BackendLoad>) {
         .collect();
     let loads = (0..n)
         .map(|i| BackendLoad {
-            healthy: true,
-            weight: 1,
             inflight: (i as u64 * 7) % 13,
+            queued_prefill: (i as u64 * 3_001) % 40_000,
+            decoding: (i as u64 * 5) % 31,
+            ..BackendLoad::idle()
         })
         .collect();
     (Ring::new(&addrs), loads)
 }
 
 fn routing(c: &mut Criterion) {
-    let params = Params {
-        policy: PolicyKind::BoundedHash,
-        epsilon: 0.5,
-        slack: 1,
-    };
+    let params = Params::new(PolicyKind::BoundedHash, 0.5, 1);
     let (ring, loads) = fleet(16);
     let mut g = c.benchmark_group("profile_and_place");
     for size in [1_000usize, 100_000] {
@@ -65,6 +63,7 @@ fn routing(c: &mut Criterion) {
                 let snap = Snapshot {
                     backends: &loads,
                     ring: &ring,
+                    matched: &[],
                 };
                 black_box(policy::choose(&params, &p, &snap, &[], 0))
             })
@@ -81,6 +80,7 @@ fn routing(c: &mut Criterion) {
                 let snap = Snapshot {
                     backends: &loads,
                     ring: &ring,
+                    matched: &[],
                 };
                 black_box(policy::choose(&params, black_box(&p), &snap, &[], 0))
             })
@@ -89,5 +89,50 @@ fn routing(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, routing);
+/// kv_aware's whole decision for a 100 KB prompt on 64 backends whose index holds 1 M blocks:
+/// parse and hash, longest-match lookup, cost model, ring walk.
+fn kv_aware(c: &mut Criterion) {
+    let n = 64;
+    let (ring, loads) = fleet(n);
+    let params = Params::new(PolicyKind::KvAware, 0.5, 1);
+    let b = body(100_000);
+    let p = request::profile(Endpoint::Chat, &b, None, DEFAULT_BLOCK_BYTES).unwrap();
+    let per_backend = 1_000_000 / n;
+    let mut index = PrefixIndex::new(&vec![per_backend; n]);
+    for slot in 0..n {
+        // Unrelated conversations fill each backend...
+        let mut filler = 0u64;
+        while index.blocks_of(slot) < per_backend - p.prefix_blocks.len() {
+            let blocks: Vec<u64> = (0..64)
+                .map(|k| ((slot as u64) << 40) ^ (filler << 8) ^ k)
+                .collect();
+            index.insert(slot, &blocks);
+            filler += 1;
+        }
+        // ...and some hold part of this prompt's prefix.
+        let share = p.prefix_blocks.len() * (slot % 4) / 4;
+        index.insert(slot, &p.prefix_blocks[..share]);
+    }
+    eprintln!(
+        "index: {} blocks, {:.1} bytes per block",
+        index.blocks(),
+        index.bytes() as f64 / index.blocks() as f64
+    );
+    let mut matched = vec![0u32; n];
+    c.bench_function("kv_aware_decision/100000B_64backends_1Mblocks", |bench| {
+        bench.iter(|| {
+            let p =
+                request::profile(Endpoint::Chat, black_box(&b), None, DEFAULT_BLOCK_BYTES).unwrap();
+            index.longest_matches(&p.prefix_blocks, &mut matched);
+            let snap = Snapshot {
+                backends: &loads,
+                ring: &ring,
+                matched: &matched,
+            };
+            black_box(policy::choose(&params, &p, &snap, &[], 0))
+        })
+    });
+}
+
+criterion_group!(benches, routing, kv_aware);
 criterion_main!(benches);

@@ -58,6 +58,20 @@ pub struct BackendConfig {
     pub addr: String,
     #[serde(default = "one")]
     pub weight: u32,
+    /// Prefill throughput of this backend's engine (kv_aware's cost model).
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// KV cache size of this backend's engine, which bounds its prefix index.
+    #[serde(default = "default_kv_capacity")]
+    pub kv_capacity_tokens: u64,
+}
+
+fn default_prefill_rate() -> f64 {
+    25_000.0
+}
+
+fn default_kv_capacity() -> u64 {
+    500_000
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -69,6 +83,35 @@ pub struct RoutingConfig {
     pub epsilon: f64,
     /// Extra requests allowed over the bound, so low concurrency does not spill.
     pub slack: u32,
+    /// kv_aware: prompt tokens that weigh as one more request in the load bound.
+    pub work_unit_tokens: u64,
+    /// kv_aware: ring positions considered besides backends holding a long prefix match.
+    pub candidates: usize,
+    /// kv_aware: requests with more uncached prompt tokens than this are placed by cost over
+    /// the whole fleet.
+    pub heavy_prefill_tokens: u64,
+    /// kv_aware: cost, per decoding stream on a backend, of each second of prefill there.
+    pub decode_stall_weight: f64,
+}
+
+impl RoutingConfig {
+    /// Estimated tokens per prefix block (blocks are 256 bytes, about 4 bytes a token).
+    pub fn block_tokens(&self) -> u64 {
+        (crate::prefix::DEFAULT_BLOCK_BYTES / 4) as u64
+    }
+
+    pub fn params(&self) -> crate::policy::Params {
+        crate::policy::Params {
+            policy: self.policy,
+            epsilon: self.epsilon,
+            slack: self.slack,
+            block_tokens: self.block_tokens(),
+            work_unit_tokens: self.work_unit_tokens,
+            candidates: self.candidates,
+            heavy_prefill_tokens: self.heavy_prefill_tokens,
+            decode_stall_weight: self.decode_stall_weight,
+        }
+    }
 }
 
 impl Default for RoutingConfig {
@@ -77,6 +120,10 @@ impl Default for RoutingConfig {
             policy: PolicyKind::BoundedHash,
             epsilon: 0.5,
             slack: 1,
+            work_unit_tokens: 4096,
+            candidates: 3,
+            heavy_prefill_tokens: 8192,
+            decode_stall_weight: 0.02,
         }
     }
 }
@@ -207,10 +254,40 @@ impl Config {
                     "must be between 1 and 1000",
                 ));
             }
+            if !(b.prefill_tokens_per_s.is_finite() && b.prefill_tokens_per_s >= 1.0) {
+                return Err(err(
+                    format!("kvroute.backends[{i}].prefill_tokens_per_s"),
+                    "must be at least 1",
+                ));
+            }
+            if b.kv_capacity_tokens < 1024 {
+                return Err(err(
+                    format!("kvroute.backends[{i}].kv_capacity_tokens"),
+                    "must be at least 1024",
+                ));
+            }
         }
         let r = &self.routing;
         if !(r.epsilon.is_finite() && r.epsilon >= 0.0 && r.epsilon <= 100.0) {
             return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
+        }
+        if r.policy == PolicyKind::KvAware && self.backends.len() > crate::index::MAX_BACKENDS {
+            return Err(err(
+                "kvroute.backends",
+                format!(
+                    "kv_aware tracks at most {} backends",
+                    crate::index::MAX_BACKENDS
+                ),
+            ));
+        }
+        if r.work_unit_tokens == 0 {
+            return Err(err("kvroute.routing.work_unit_tokens", "must be positive"));
+        }
+        if r.candidates == 0 {
+            return Err(err("kvroute.routing.candidates", "must be at least 1"));
+        }
+        if !(r.decode_stall_weight.is_finite() && r.decode_stall_weight >= 0.0) {
+            return Err(err("kvroute.routing.decode_stall_weight", "must be >= 0"));
         }
         let h = &self.health_check;
         if !h.path.starts_with('/') {

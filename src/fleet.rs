@@ -7,10 +7,11 @@ use pingora_load_balancing::selection::RoundRobin;
 use pingora_load_balancing::{Backend, LoadBalancer};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::config::{Config, HealthCheckConfig};
+use crate::index::PrefixIndex;
 use crate::policy::BackendLoad;
 use crate::ring::Ring;
 
@@ -20,7 +21,10 @@ pub struct BackendState {
     /// `ip:port`, the `backend` label in metrics and logs.
     pub name: String,
     pub weight: u32,
+    pub prefill_rate: f64,
     inflight: AtomicU64,
+    queued_prefill: AtomicU64,
+    decoding: AtomicU64,
     lb_backend: Backend,
 }
 
@@ -28,16 +32,47 @@ impl BackendState {
     pub fn inflight(&self) -> u64 {
         self.inflight.load(Ordering::Relaxed)
     }
+
+    pub fn queued_prefill(&self) -> u64 {
+        self.queued_prefill.load(Ordering::Relaxed)
+    }
+
+    pub fn decoding(&self) -> u64 {
+        self.decoding.load(Ordering::Relaxed)
+    }
 }
 
-/// Releases one in-flight charge when dropped, whatever way the request ends.
+/// One request's charge on a backend: in flight until dropped; its estimated prefill counts as
+/// queued until the first response byte, then it counts as a decoding stream. Dropping releases
+/// whatever is still charged, however the request ends.
 pub struct InflightGuard {
     backend: Arc<BackendState>,
+    prefill: u64,
+    decoding: bool,
+}
+
+impl InflightGuard {
+    /// The backend answered: its prefill is done and the request is decoding.
+    pub fn first_byte(&mut self) {
+        if !self.decoding {
+            self.decoding = true;
+            self.backend
+                .queued_prefill
+                .fetch_sub(self.prefill, Ordering::Relaxed);
+            self.backend.decoding.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        self.backend.inflight.fetch_sub(1, Ordering::Relaxed);
+        let b = &self.backend;
+        b.inflight.fetch_sub(1, Ordering::Relaxed);
+        if self.decoding {
+            b.decoding.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            b.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
+        }
     }
 }
 
@@ -47,6 +82,8 @@ pub struct Fleet {
     /// Owns the health state; also picks backends for pass-through requests.
     lb: Arc<LoadBalancer<RoundRobin>>,
     tickets: AtomicU64,
+    /// What each backend is believed to cache (slot = backend index).
+    index: Mutex<PrefixIndex>,
 }
 
 impl Fleet {
@@ -64,7 +101,10 @@ impl Fleet {
                 addr,
                 name: b.addr.clone(),
                 weight: b.weight,
+                prefill_rate: b.prefill_tokens_per_s,
                 inflight: AtomicU64::new(0),
+                queued_prefill: AtomicU64::new(0),
+                decoding: AtomicU64::new(0),
                 lb_backend,
             }));
         }
@@ -80,11 +120,17 @@ impl Fleet {
         lb.set_health_check(health_check(&cfg.health_check)?);
         lb.health_check_frequency = Some(Duration::from_millis(cfg.health_check.interval_ms));
         lb.parallel_health_check = true;
+        let capacities: Vec<usize> = cfg
+            .backends
+            .iter()
+            .map(|b| (b.kv_capacity_tokens / cfg.routing.block_tokens()).max(1) as usize)
+            .collect();
         Ok(Fleet {
             backends,
             ring,
             lb: Arc::new(lb),
             tickets: AtomicU64::new(0),
+            index: Mutex::new(PrefixIndex::new(&capacities)),
         })
     }
 
@@ -113,6 +159,9 @@ impl Fleet {
                 healthy: self.healthy(i),
                 weight: b.weight,
                 inflight: b.inflight(),
+                queued_prefill: b.queued_prefill(),
+                decoding: b.decoding(),
+                prefill_rate: b.prefill_rate,
             })
             .collect()
     }
@@ -122,11 +171,41 @@ impl Fleet {
         self.tickets.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Count a request against backend `i` until the guard drops.
-    pub fn charge(&self, i: usize) -> InflightGuard {
+    /// Count a request with `prefill` estimated uncached tokens against backend `i` until the
+    /// guard drops.
+    pub fn charge(&self, i: usize, prefill: u64) -> InflightGuard {
         let backend = self.backends[i].clone();
         backend.inflight.fetch_add(1, Ordering::Relaxed);
-        InflightGuard { backend }
+        backend.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
+        InflightGuard {
+            backend,
+            prefill,
+            decoding: false,
+        }
+    }
+
+    /// Per backend, how many of `blocks` (a request's prefix) its index holds.
+    pub fn matches(&self, blocks: &[u64]) -> Vec<u32> {
+        let mut out = vec![0; self.backends.len()];
+        if let Ok(idx) = self.index.lock() {
+            idx.longest_matches(blocks, &mut out);
+        }
+        out
+    }
+
+    /// Believe that backend `i` now caches `blocks` (it is being sent them).
+    pub fn record(&self, i: usize, blocks: &[u64]) {
+        if let Ok(mut idx) = self.index.lock() {
+            idx.insert(i, blocks);
+        }
+    }
+
+    /// Tracked (backend, block) pairs and the index's heap bytes.
+    pub fn index_size(&self) -> (usize, usize) {
+        self.index
+            .lock()
+            .map(|idx| (idx.blocks(), idx.bytes()))
+            .unwrap_or((0, 0))
     }
 
     /// A healthy backend not in `excluded`, for requests that are passed through unrouted.

@@ -19,6 +19,7 @@
 //! - [`prefix`]: block hashing of the canonical prompt.
 //! - [`ring`]: Ketama ring walk and the bounded-load capacity.
 //! - [`policy`]: the placement decision (pure function of a snapshot and a profile).
+//! - [`kv_aware`]: the kv_aware policy: work-bounded ring, prefix matches, TTFT cost model.
 //! - [`fleet`]: backends, health, in-flight accounting, snapshot.
 //! - [`index`]: prefix index (per-backend LRU of block hashes, reverse map for longest match).
 //! - [`proxy`]: the Pingora `ProxyHttp` phases.
@@ -33,6 +34,7 @@ pub mod config;
 pub mod error;
 pub mod fleet;
 pub mod index;
+pub mod kv_aware;
 pub mod metrics;
 pub mod policy;
 pub mod prefix;

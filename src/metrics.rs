@@ -1,8 +1,8 @@
 //! kvroute's Prometheus metrics, on a registry of their own (rendered by the admin listener).
 
 use prometheus::{
-    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::fleet::Fleet;
@@ -16,6 +16,11 @@ pub struct Metrics {
     pub healthy: IntGaugeVec,
     pub decisions: IntCounterVec,
     pub upstream_failures: IntCounterVec,
+    pub predicted_cached: IntCounter,
+    pub index_blocks: IntGauge,
+    pub index_bytes: IntGauge,
+    pub queued_prefill: IntGaugeVec,
+    pub decoding: IntGaugeVec,
 }
 
 fn counter(
@@ -99,6 +104,39 @@ impl Metrics {
                 "Failed upstream attempts before any response byte, by backend and kind (connect, io).",
                 &["backend", "kind"],
             )?,
+            predicted_cached: {
+                let c = IntCounter::new(
+                    "kvroute_predicted_cached_prompt_tokens_total",
+                    "Prompt tokens the prefix index predicted the chosen backend holds (kv_aware).",
+                )?;
+                r.register(Box::new(c.clone()))?;
+                c
+            },
+            index_blocks: {
+                let g = IntGauge::new(
+                    "kvroute_index_blocks",
+                    "(backend, block) pairs tracked by the prefix index.",
+                )?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
+            index_bytes: {
+                let g = IntGauge::new("kvroute_index_bytes", "Heap bytes held by the prefix index.")?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
+            queued_prefill: gauge(
+                &r,
+                "kvroute_backend_queued_prefill_tokens",
+                "Estimated prompt tokens dispatched to the backend and not yet answered.",
+                &["backend"],
+            )?,
+            decoding: gauge(
+                &r,
+                "kvroute_backend_decoding_requests",
+                "Requests streaming output from the backend.",
+                &["backend"],
+            )?,
             registry: r,
         })
     }
@@ -112,7 +150,16 @@ impl Metrics {
             self.healthy
                 .with_label_values(&[&b.name])
                 .set(fleet.healthy(i) as i64);
+            self.queued_prefill
+                .with_label_values(&[&b.name])
+                .set(b.queued_prefill() as i64);
+            self.decoding
+                .with_label_values(&[&b.name])
+                .set(b.decoding() as i64);
         }
+        let (blocks, bytes) = fleet.index_size();
+        self.index_blocks.set(blocks as i64);
+        self.index_bytes.set(bytes as i64);
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             log::error!("metrics encoding failed: {e}");

@@ -21,6 +21,9 @@ pub enum PolicyKind {
     /// Consistent hashing with bounded loads: the owner unless it is over its bound, then the
     /// next ring positions.
     BoundedHash,
+    /// Bounded hashing with the bound in work, plus the prefix index and a cost model: the
+    /// admissible candidate with the lowest estimated time to first token.
+    KvAware,
 }
 
 impl PolicyKind {
@@ -30,23 +33,47 @@ impl PolicyKind {
             PolicyKind::LeastLoad => "least_load",
             PolicyKind::SessionHash => "session_hash",
             PolicyKind::BoundedHash => "bounded_hash",
+            PolicyKind::KvAware => "kv_aware",
         }
     }
 }
 
 /// What placement sees of one backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BackendLoad {
     pub healthy: bool,
     pub weight: u32,
     /// Requests dispatched and not yet finished.
     pub inflight: u64,
+    /// Estimated prompt tokens dispatched and not yet prefilled (no first byte back yet).
+    pub queued_prefill: u64,
+    /// Requests streaming output (first byte seen, not finished).
+    pub decoding: u64,
+    /// Prefill throughput, tokens per second.
+    pub prefill_rate: f64,
+}
+
+impl BackendLoad {
+    /// A healthy, idle backend of weight 1 (tests and benchmarks).
+    pub fn idle() -> BackendLoad {
+        BackendLoad {
+            healthy: true,
+            weight: 1,
+            inflight: 0,
+            queued_prefill: 0,
+            decoding: 0,
+            prefill_rate: 25_000.0,
+        }
+    }
 }
 
 /// An immutable view of the fleet for one decision. `backends[i]` is ring index `i`.
 pub struct Snapshot<'a> {
     pub backends: &'a [BackendLoad],
     pub ring: &'a Ring,
+    /// Per backend, how many of this request's prefix blocks its index holds (empty when the
+    /// policy does not use the index).
+    pub matched: &'a [u32],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -54,6 +81,32 @@ pub struct Params {
     pub policy: PolicyKind,
     pub epsilon: f64,
     pub slack: u32,
+    /// Estimated tokens per prefix block.
+    pub block_tokens: u64,
+    /// Prompt tokens that count as one more request of load (the bound's work unit).
+    pub work_unit_tokens: u64,
+    /// Ring positions considered besides backends holding a long prefix match.
+    pub candidates: usize,
+    /// Above this many uncached prompt tokens a request is placed by cost over every backend.
+    pub heavy_prefill_tokens: u64,
+    /// Seconds of cost per second of prefill per stream decoding on the backend: the stall a
+    /// prefill imposes on the streams sharing its engine steps.
+    pub decode_stall_weight: f64,
+}
+
+impl Params {
+    pub fn new(policy: PolicyKind, epsilon: f64, slack: u32) -> Params {
+        Params {
+            policy,
+            epsilon,
+            slack,
+            block_tokens: 64,
+            work_unit_tokens: 4096,
+            candidates: 3,
+            heavy_prefill_tokens: 8192,
+            decode_stall_weight: 0.02,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +122,10 @@ pub enum Reason {
     /// Every eligible ring position was over its bound (cannot happen with the MTZ bound; kept
     /// so a future bound change degrades to least-load instead of failing).
     Fallback,
+    /// kv_aware: a backend holding a longer cached prefix than the owner.
+    CachedPrefix,
+    /// kv_aware: the owner could take it, but another candidate was estimated faster.
+    LeastCost,
 }
 
 impl Reason {
@@ -80,11 +137,13 @@ impl Reason {
             Reason::RoundRobin => "round_robin",
             Reason::LeastLoad => "least_load",
             Reason::Fallback => "fallback",
+            Reason::CachedPrefix => "cached_prefix",
+            Reason::LeastCost => "least_cost",
         }
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Decision {
     pub backend: usize,
     pub reason: Reason,
@@ -92,6 +151,10 @@ pub struct Decision {
     pub bound: Option<u64>,
     /// The chosen backend's in-flight count before this request.
     pub load: u64,
+    /// Prompt tokens the index believes the chosen backend holds (kv_aware).
+    pub predicted_cached_tokens: u64,
+    /// Estimated time to first token on the chosen backend, seconds (kv_aware).
+    pub est_ttft_s: f64,
 }
 
 /// Choose a backend, or `None` when no backend is healthy and untried.
@@ -126,15 +189,23 @@ pub fn choose(
             Some(decision(snap, backend, Reason::Failover, None))
         }
         PolicyKind::BoundedHash => bounded(params, profile.session_key, snap, &eligible, ticket),
+        PolicyKind::KvAware => crate::kv_aware::choose(params, profile, snap, &eligible, ticket),
     }
 }
 
-fn decision(snap: &Snapshot, backend: usize, reason: Reason, bound: Option<u64>) -> Decision {
+pub(crate) fn decision(
+    snap: &Snapshot,
+    backend: usize,
+    reason: Reason,
+    bound: Option<u64>,
+) -> Decision {
     Decision {
         backend,
         reason,
         bound,
         load: snap.backends[backend].inflight,
+        predicted_cached_tokens: 0,
+        est_ttft_s: 0.0,
     }
 }
 
@@ -182,7 +253,7 @@ fn bounded(
     least_load(snap, eligible, ticket, Reason::Fallback)
 }
 
-fn least_load(
+pub(crate) fn least_load(
     snap: &Snapshot,
     eligible: &dyn Fn(usize) -> bool,
     ticket: u64,
@@ -240,22 +311,11 @@ mod tests {
     }
 
     fn idle(n: usize) -> Vec<BackendLoad> {
-        vec![
-            BackendLoad {
-                healthy: true,
-                weight: 1,
-                inflight: 0
-            };
-            n
-        ]
+        vec![BackendLoad::idle(); n]
     }
 
     fn params(policy: PolicyKind) -> Params {
-        Params {
-            policy,
-            epsilon: 0.5,
-            slack: 1,
-        }
+        Params::new(policy, 0.5, 1)
     }
 
     #[test]
@@ -265,6 +325,7 @@ mod tests {
         let snap = Snapshot {
             backends: &loads,
             ring: &r,
+            matched: &[],
         };
         for key in 0..100 {
             let owner = r.walk(key, 1).next().unwrap();
@@ -283,6 +344,7 @@ mod tests {
         let snap = Snapshot {
             backends: &loads,
             ring: &r,
+            matched: &[],
         };
         let d = choose(&params(PolicyKind::BoundedHash), &req(key), &snap, &[], 0).unwrap();
         assert_eq!(
@@ -304,6 +366,7 @@ mod tests {
         let snap = Snapshot {
             backends: &loads,
             ring: &r,
+            matched: &[],
         };
         for p in [PolicyKind::BoundedHash, PolicyKind::SessionHash] {
             let d = choose(&params(p), &req(key), &snap, &[], 0).unwrap();
@@ -321,6 +384,7 @@ mod tests {
         let snap = Snapshot {
             backends: &loads,
             ring: &r,
+            matched: &[],
         };
         let picks: Vec<usize> = (0..6)
             .map(|t| {
@@ -337,6 +401,7 @@ mod tests {
         let snap = Snapshot {
             backends: &loads,
             ring: &r,
+            matched: &[],
         };
         let d = choose(&params(PolicyKind::LeastLoad), &req(0), &snap, &[], 0).unwrap();
         assert_eq!(d.backend, 2);
@@ -353,7 +418,7 @@ mod tests {
             let mut placed: Vec<usize> = Vec::new();
             for (step, key) in keys.iter().enumerate() {
                 let total: u64 = loads.iter().map(|b| b.inflight).sum();
-                let snap = Snapshot { backends: &loads, ring: &r };
+                let snap = Snapshot { backends: &loads, ring: &r, matched: &[] };
                 let d = choose(&params(PolicyKind::BoundedHash), &req(*key), &snap, &[], 0).unwrap();
                 prop_assert_ne!(d.reason, Reason::Fallback);
                 let cap = capacity(total, 1, n as u64, 0.5, 1);

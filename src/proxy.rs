@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::ApiError;
 use crate::fleet::{Fleet, InflightGuard};
-use crate::policy::{self, Params, Snapshot};
+use crate::policy::{self, PolicyKind, Snapshot};
 use crate::prefix::DEFAULT_BLOCK_BYTES;
 use crate::request::{self, Endpoint, RequestProfile, SESSION_HEADER};
 use crate::state::State;
@@ -40,6 +40,8 @@ pub struct Ctx {
     attempts: u32,
     stale_conn_retried: bool,
     guard: Option<InflightGuard>,
+    /// Estimated uncached prompt tokens charged to the chosen backend.
+    prefill: u64,
     upstream_responded: bool,
     first_byte: Option<Instant>,
     /// A specific error to render instead of the generic one for the Pingora error.
@@ -147,27 +149,31 @@ impl Router {
             ctx.reason = "passthrough";
             return fleet.pick_passthrough(&ctx.tried);
         };
-        let cfg = self.state.config();
-        let params = Params {
-            policy: cfg.routing.policy,
-            epsilon: cfg.routing.epsilon,
-            slack: cfg.routing.slack,
-        };
+        let params = self.state.config().routing.params();
         let loads = fleet.loads();
+        let matched = if params.policy == PolicyKind::KvAware {
+            fleet.matches(&profile.prefix_blocks)
+        } else {
+            Vec::new()
+        };
         let snap = Snapshot {
             backends: &loads,
             ring: fleet.ring(),
+            matched: &matched,
         };
         let d = policy::choose(&params, profile, &snap, &ctx.tried, fleet.ticket())?;
         log::debug!(
-            "placement key={:016x} source={:?} policy={} -> backend={} reason={} load={} bound={:?} tried={:?}",
+            "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,
             profile.session_source,
+            profile.est_prompt_tokens,
             params.policy.as_str(),
             fleet.backends()[d.backend].name,
             d.reason.as_str(),
             d.load,
             d.bound,
+            d.predicted_cached_tokens,
+            d.est_ttft_s * 1000.0,
             ctx.tried,
         );
         self.state
@@ -176,6 +182,16 @@ impl Router {
             .with_label_values(&[params.policy.as_str(), d.reason.as_str()])
             .inc();
         ctx.reason = d.reason.as_str();
+        ctx.prefill = profile
+            .est_prompt_tokens
+            .saturating_sub(d.predicted_cached_tokens);
+        if params.policy == PolicyKind::KvAware {
+            fleet.record(d.backend, &profile.prefix_blocks);
+            self.state
+                .metrics
+                .predicted_cached
+                .inc_by(d.predicted_cached_tokens);
+        }
         Some(d.backend)
     }
 
@@ -215,6 +231,7 @@ impl ProxyHttp for Router {
             attempts: 0,
             stale_conn_retried: false,
             guard: None,
+            prefill: 0,
             upstream_responded: false,
             first_byte: None,
             error: None,
@@ -277,7 +294,7 @@ impl ProxyHttp for Router {
             return Err(err.into_pingora());
         };
         ctx.backend = Some(idx);
-        ctx.guard = Some(fleet.charge(idx));
+        ctx.guard = Some(fleet.charge(idx, ctx.prefill));
         let cfg = self.state.config();
         let mut peer = HttpPeer::new(fleet.backends()[idx].addr, false, String::new());
         let t = &cfg.timeouts;
@@ -341,6 +358,9 @@ impl ProxyHttp for Router {
     ) -> Result<Option<Duration>> {
         if ctx.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
             ctx.first_byte = Some(Instant::now());
+            if let Some(g) = ctx.guard.as_mut() {
+                g.first_byte();
+            }
         }
         Ok(None)
     }

@@ -10,7 +10,7 @@ use crate::replay::args::WorkloadKind;
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
     /// Wall seconds of sending per policy.
-    #[arg(long, default_value_t = 40.0)]
+    #[arg(long, default_value_t = 30.0)]
     pub duration_s: f64,
     #[arg(long, default_value = "bench/results")]
     pub results_dir: PathBuf,
@@ -24,16 +24,16 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         policies: vec!["round_robin".into(), default_policy.into()],
         workloads: vec![WorkloadKind::Sharegpt],
         servers: 4,
-        time_scale: 10.0,
+        time_scale: 2.0,
         duration_s: a.duration_s,
         max_requests: None,
         slo_ttft_ms: 2000.0,
         profile: "h100-llama8b".into(),
         kv_tokens: None,
-        conversations: 48,
+        conversations: 150,
         session_header: false,
         rates: vec![],
-        step_s: 60.0,
+        step_s: 20.0,
         groups: 96,
         system_tokens: 8000,
         sharegpt_file: Some(

@@ -41,8 +41,9 @@ pub struct CompareArgs {
     /// Simulated GPU servers.
     #[arg(long, default_value_t = 8)]
     pub servers: u32,
-    /// Simulator speed-up; reported times are model time.
-    #[arg(long, default_value_t = 10.0)]
+    /// Simulator speed-up; reported times are model time. Wall-clock jitter is multiplied by
+    /// this factor in model time, so keep it small when TTFTs of tens of ms matter.
+    #[arg(long, default_value_t = 2.0)]
     pub time_scale: f64,
     /// Wall seconds of sending per run.
     #[arg(long, default_value_t = 60.0)]
@@ -58,7 +59,7 @@ pub struct CompareArgs {
     #[arg(long)]
     pub kv_tokens: Option<u64>,
     /// sharegpt: conversations in flight.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 128)]
     pub conversations: u32,
     /// Send the workload's session ids as `x-session-id` (default: content affinity only).
     #[arg(long)]
@@ -68,7 +69,7 @@ pub struct CompareArgs {
     #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,48")]
     pub rates: Vec<f64>,
     /// ladder: model seconds per rate step.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = 20.0)]
     pub step_s: f64,
     /// ladder: groups, each with its own system prompt. The default's prefixes (96 x 8000
     /// tokens) need more KV than one server holds, so a router must partition them.

@@ -1,0 +1,296 @@
+//! The `kv_aware` placement: consistent hashing with bounded loads, the bound measured in
+//! work, and among the admissible candidates the lowest estimated time to first token.
+//!
+//! For a request with `P` estimated prompt tokens and backend `b` holding `m(b)` of its prefix
+//! blocks (`B` tokens each) per the prefix index:
+//!
+//! ```text
+//! uncached(b) = max(0, P - m(b) * B)
+//! work(b)     = inflight(b) + queued_prefill(b) / U          (U = work_unit_tokens)
+//! cost(b)     = 1 + uncached(b) / U                          (this request, in work units)
+//! admissible  = healthy, untried, and work(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack
+//! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b)
+//! score(b)    = est_ttft(b) + decode_stall_weight * decoding(b) * uncached(b) / prefill_rate(b)
+//! ```
+//!
+//! `W` is the eligible fleet's work. As in the unit-request rule (`load + 1 <= bound`), a
+//! backend below its bound may take the request whatever its size: a request heavier than a
+//! fair share must still fit somewhere.
+//!
+//! Candidates, in ring order from the session key: the first `candidates` admissible ring
+//! positions, plus every admissible backend whose match is at least half the best match; a
+//! heavy request (uncached prefill above `heavy_prefill_tokens` even on the best match) may go
+//! to any admissible backend. The lowest score wins; ties go to ring order, so the decision is
+//! deterministic. When no backend is admissible (cannot happen with this bound), the least
+//! loaded eligible backend takes it.
+
+use crate::policy::{least_load, Decision, Params, Reason, Snapshot};
+use crate::request::RequestProfile;
+use crate::ring::capacity;
+
+/// The terms behind one backend's score, for the debug log and tests.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Terms {
+    pub backend: usize,
+    pub matched_tokens: u64,
+    pub uncached: u64,
+    /// The backend's work before this request.
+    pub work: f64,
+    pub bound: u64,
+    pub est_ttft_s: f64,
+    pub score: f64,
+}
+
+pub fn choose(
+    params: &Params,
+    profile: &RequestProfile,
+    snap: &Snapshot,
+    eligible: &dyn Fn(usize) -> bool,
+    ticket: u64,
+) -> Option<Decision> {
+    let n = snap.backends.len();
+    let unit = params.work_unit_tokens.max(1) as f64;
+    let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0) as u64 * params.block_tokens;
+    let work = |i: usize| {
+        let b = &snap.backends[i];
+        b.inflight as f64 + b.queued_prefill as f64 / unit
+    };
+    let (mut total_work, mut total_weight) = (0.0f64, 0u64);
+    let mut best_match = 0u64;
+    for i in (0..n).filter(|&i| eligible(i)) {
+        total_work += work(i);
+        total_weight += snap.backends[i].weight as u64;
+        best_match = best_match.max(matched(i));
+    }
+    let prompt = profile.est_prompt_tokens;
+    let heavy = prompt.saturating_sub(best_match) > params.heavy_prefill_tokens;
+
+    let terms = |i: usize| {
+        let b = &snap.backends[i];
+        let m = matched(i).min(prompt);
+        let uncached = prompt - m;
+        let cost = 1.0 + uncached as f64 / unit;
+        let bound = capacity(
+            (total_work + cost - 1.0).ceil() as u64,
+            b.weight,
+            total_weight,
+            params.epsilon,
+            params.slack,
+        );
+        let rate = b.prefill_rate.max(1.0);
+        let prefill_s = uncached as f64 / rate;
+        let est_ttft_s = b.queued_prefill as f64 / rate + prefill_s;
+        Terms {
+            backend: i,
+            matched_tokens: m,
+            uncached,
+            work: work(i),
+            bound,
+            est_ttft_s,
+            score: est_ttft_s + params.decode_stall_weight * b.decoding as f64 * prefill_s,
+        }
+    };
+
+    let mut best: Option<Terms> = None;
+    let mut owner = None;
+    let mut owner_admissible = false;
+    let mut ring_taken = 0usize;
+    for (rank, i) in snap.ring.walk(profile.session_key, n).enumerate() {
+        if rank == 0 {
+            owner = Some(i);
+        }
+        if !eligible(i) {
+            continue;
+        }
+        let t = terms(i);
+        if t.work >= t.bound as f64 {
+            continue;
+        }
+        if rank == 0 {
+            owner_admissible = true;
+        }
+        let long_match = best_match > 0 && t.matched_tokens * 2 >= best_match;
+        let in_ring_window = ring_taken < params.candidates;
+        ring_taken += 1;
+        if !(in_ring_window || long_match || heavy) {
+            continue;
+        }
+        if best.is_none_or(|b| t.score < b.score) {
+            best = Some(t);
+        }
+    }
+    let Some(t) = best else {
+        return least_load(snap, eligible, ticket, Reason::Fallback);
+    };
+    let reason = match owner {
+        Some(o) if o == t.backend => Reason::Affinity,
+        _ if t.matched_tokens > 0 && t.matched_tokens == best_match.min(prompt) => {
+            Reason::CachedPrefix
+        }
+        Some(o) if !eligible(o) => Reason::Failover,
+        _ if !owner_admissible => Reason::Spill,
+        _ => Reason::LeastCost,
+    };
+    log::debug!(
+        "kv_aware key={:016x} prompt={} best_match={} heavy={} -> {:?} reason={}",
+        profile.session_key,
+        prompt,
+        best_match,
+        heavy,
+        t,
+        reason.as_str()
+    );
+    Some(Decision {
+        backend: t.backend,
+        reason,
+        bound: Some(t.bound),
+        load: snap.backends[t.backend].inflight,
+        predicted_cached_tokens: t.matched_tokens,
+        est_ttft_s: t.est_ttft_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{choose as policy_choose, BackendLoad, PolicyKind};
+    use crate::request::{Endpoint, SessionSource};
+    use crate::ring::Ring;
+    use proptest::prelude::*;
+    use std::net::SocketAddr;
+
+    fn ring(n: usize) -> Ring {
+        let v: Vec<(SocketAddr, u32)> = (0..n)
+            .map(|i| (SocketAddr::from(([127, 0, 0, 1], 9100 + i as u16)), 1))
+            .collect();
+        Ring::new(&v)
+    }
+
+    fn req(key: u64, prompt: u64) -> RequestProfile {
+        RequestProfile {
+            endpoint: Endpoint::Chat,
+            model: "m".into(),
+            stream: true,
+            include_usage: false,
+            session_key: key,
+            session_source: SessionSource::Content,
+            prefix_blocks: vec![],
+            prompt_bytes: prompt as usize * 4,
+            est_prompt_tokens: prompt,
+            est_output_tokens: 100,
+        }
+    }
+
+    fn params() -> Params {
+        Params::new(PolicyKind::KvAware, 0.5, 1)
+    }
+
+    fn pick(loads: &[BackendLoad], r: &Ring, matched: &[u32], p: &RequestProfile) -> Decision {
+        let snap = Snapshot {
+            backends: loads,
+            ring: r,
+            matched,
+        };
+        policy_choose(&params(), p, &snap, &[], 0).unwrap()
+    }
+
+    #[test]
+    fn idle_fleet_without_matches_goes_to_the_owner() {
+        let r = ring(4);
+        let loads = vec![BackendLoad::idle(); 4];
+        for key in 0..50 {
+            let d = pick(&loads, &r, &[0; 4], &req(key, 1000));
+            assert_eq!(d.backend, r.walk(key, 1).next().unwrap());
+            assert_eq!(d.reason, Reason::Affinity);
+        }
+    }
+
+    #[test]
+    fn cached_prefix_found_off_the_ring_owner() {
+        let r = ring(4);
+        let key = 11;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let loads = vec![BackendLoad::idle(); 4];
+        let holder = order[3]; // last on the ring, outside the candidate window
+        let mut matched = [0u32; 4];
+        matched[holder] = 150; // 9,600 of 10,000 tokens
+        let d = pick(&loads, &r, &matched, &req(key, 10_000));
+        assert_eq!((d.backend, d.reason), (holder, Reason::CachedPrefix));
+        assert_eq!(d.predicted_cached_tokens, 9_600);
+        assert!((d.est_ttft_s - 400.0 / 25_000.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn queued_prefill_outweighs_a_short_match() {
+        let r = ring(3);
+        let key = 5;
+        let order: Vec<usize> = r.walk(key, 3).collect();
+        let mut loads = vec![BackendLoad::idle(); 3];
+        // The owner holds 640 tokens of this prompt but has 2 s of prefill queued.
+        loads[order[0]].queued_prefill = 50_000;
+        loads[order[0]].inflight = 2;
+        let mut matched = [0u32; 3];
+        matched[order[0]] = 10;
+        let d = pick(&loads, &r, &matched, &req(key, 2_000));
+        assert_ne!(d.backend, order[0]);
+        assert_eq!(d.reason, Reason::Spill);
+    }
+
+    #[test]
+    fn heavy_request_avoids_a_busy_decoder() {
+        let r = ring(3);
+        let key = 9;
+        let order: Vec<usize> = r.walk(key, 3).collect();
+        let mut loads = vec![BackendLoad::idle(); 3];
+        loads[order[0]].decoding = 60;
+        loads[order[0]].inflight = 1;
+        for l in loads.iter_mut() {
+            l.inflight = l.inflight.max(1);
+        }
+        let d = pick(&loads, &r, &[0; 3], &req(key, 30_000));
+        assert_ne!(
+            d.backend, order[0],
+            "a 30k-token prefill should not stall 60 streams"
+        );
+        assert_eq!(d.reason, Reason::LeastCost);
+    }
+
+    #[test]
+    fn tiny_request_avoids_a_queued_document() {
+        let r = ring(4);
+        let key = 3;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        loads[order[0]].queued_prefill = 30_000;
+        loads[order[0]].inflight = 1;
+        let d = pick(&loads, &r, &[0; 4], &req(key, 20));
+        assert_eq!(d.backend, order[1]);
+        assert!(d.est_ttft_s < 0.01);
+    }
+
+    proptest! {
+        /// Whatever the loads and matches, the chosen backend is eligible and under its work
+        /// bound, and the same inputs give the same decision.
+        #[test]
+        fn admissible_and_deterministic(
+            n in 2usize..9,
+            key in any::<u64>(),
+            prompt in 1u64..60_000,
+            loads in proptest::collection::vec((0u64..20, 0u64..100_000, 0u64..50, any::<bool>()), 9),
+            matched in proptest::collection::vec(0u32..1000, 9),
+        ) {
+            let r = ring(n);
+            let mut bl: Vec<BackendLoad> = loads[..n].iter().map(|&(inflight, q, dec, up)| BackendLoad {
+                healthy: up, inflight, queued_prefill: q, decoding: dec, ..BackendLoad::idle()
+            }).collect();
+            bl[0].healthy = true;
+            let snap = Snapshot { backends: &bl, ring: &r, matched: &matched[..n] };
+            let p = req(key, prompt);
+            let d = policy_choose(&params(), &p, &snap, &[], 0).unwrap();
+            prop_assert!(bl[d.backend].healthy);
+            prop_assert_ne!(d.reason, Reason::Fallback);
+            let again = policy_choose(&params(), &p, &snap, &[], 0).unwrap();
+            prop_assert_eq!(d, again);
+        }
+    }
+}

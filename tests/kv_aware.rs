@@ -1,0 +1,122 @@
+//! kv_aware through real processes: a conversation whose first turn spilled off its ring owner
+//! is found again, by its cached prefix, on the backend that served it.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::time::Duration;
+
+async fn post(
+    c: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+) -> (u16, String, serde_json::Value) {
+    let resp = c
+        .post(url)
+        .header("x-session-id", "conv")
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    let server = resp.headers()["x-kvbench-addr"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let v = resp.json().await.unwrap_or(serde_json::Value::Null);
+    (status, server, v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_prefix_is_found_after_the_owner_spilled() {
+    let sims = Sim::start_n(3, &["--ttft-ms", "1500", "--itl-ms", "0"]);
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let kv = Kvroute::start(&addrs, "  routing:\n    policy: kv_aware\n");
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let url = kv.url("/v1/chat/completions");
+    let hot = |i: usize| {
+        chat_body(
+            MODEL,
+            json!([{"role": "user", "content": format!("hot request {i}")}]),
+            false,
+            2,
+        )
+    };
+
+    // An idle fleet sends the session's first request to its ring owner.
+    let (status, owner, _) = post(&c, &url, &hot(0)).await;
+    assert_eq!(status, 200);
+
+    // Load the owner and send new conversations of the same session meanwhile: once the owner
+    // is at its bound, a conversation's first turn spills to another ring position.
+    let history = "Here is a long document to discuss. ".repeat(600);
+    let mut hot_tasks = Vec::new();
+    let mut probes = Vec::new();
+    for probe in 0..8 {
+        for i in 0..2 {
+            let (c, url, b) = (c.clone(), url.clone(), hot(10 * probe + i + 1));
+            hot_tasks.push(tokio::spawn(async move { post(&c, &url, &b).await }));
+        }
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let turn1 =
+            json!([{"role": "user", "content": format!("Conversation {probe}. {history}")}]);
+        let (c2, url2, b) = (
+            c.clone(),
+            url.clone(),
+            chat_body(MODEL, turn1.clone(), false, 8),
+        );
+        probes.push((
+            turn1,
+            tokio::spawn(async move { post(&c2, &url2, &b).await }),
+        ));
+    }
+    for t in hot_tasks {
+        assert_eq!(t.await.unwrap().0, 200);
+    }
+    let mut spilled = None;
+    for (turn1, task) in probes {
+        let (status, served, reply) = task.await.unwrap();
+        assert_eq!(status, 200);
+        if served != owner && spilled.is_none() {
+            spilled = Some((turn1, served, reply));
+        }
+    }
+    let (turn1, served, reply) =
+        spilled.unwrap_or_else(|| panic!("no conversation spilled; log:\n{}", kv.log()));
+
+    // Turn 2, with the owner idle again: kv_aware goes back to where turn 1's prefix lives.
+    let mut messages = turn1.as_array().unwrap().clone();
+    messages
+        .push(json!({"role": "assistant", "content": reply["choices"][0]["message"]["content"]}));
+    messages.push(json!({"role": "user", "content": "and a follow-up question"}));
+    let (status, served2, reply2) =
+        post(&c, &url, &chat_body(MODEL, json!(messages), false, 2)).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        served2, served,
+        "turn 2 went to {served2}, its prefix is on {served}"
+    );
+    let cached = reply2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = reply2["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached * 10 >= prompt * 9, "cached {cached} of {prompt}");
+    let text = kv.metrics_when(
+        "kvroute_routing_decisions_total",
+        &[("reason", "cached_prefix")],
+        1.0,
+    );
+    assert!(
+        metric_sum(
+            &text,
+            "kvroute_routing_decisions_total",
+            &[("reason", "cached_prefix")]
+        ) >= 1.0
+    );
+    assert!(metric_sum(&text, "kvroute_predicted_cached_prompt_tokens_total", &[]) > 0.0);
+    assert!(metric_sum(&text, "kvroute_index_blocks", &[]) > 0.0);
+}
