@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use crate::policy::PolicyKind;
+use crate::telemetry::EngineKind;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfigError {
@@ -49,6 +50,31 @@ pub struct Config {
     pub limits: LimitsConfig,
     #[serde(default)]
     pub timeouts: TimeoutsConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// Scrape each backend's engine metrics.
+    pub enabled: bool,
+    pub interval_ms: u64,
+    /// One scrape's deadline.
+    pub timeout_ms: u64,
+    /// Older samples are ignored; placement then uses kvroute's own accounting alone.
+    pub stale_after_ms: u64,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            enabled: true,
+            interval_ms: 1000,
+            timeout_ms: 500,
+            stale_after_ms: 3000,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -61,17 +87,29 @@ pub struct BackendConfig {
     /// Prefill throughput of this backend's engine (kv_aware's cost model).
     #[serde(default = "default_prefill_rate")]
     pub prefill_tokens_per_s: f64,
-    /// KV cache size of this backend's engine, which bounds its prefix index.
-    #[serde(default = "default_kv_capacity")]
-    pub kv_capacity_tokens: u64,
+    /// KV cache size of this backend's engine, which bounds its prefix index. Unset: learned
+    /// from `vllm:cache_config_info`, else `DEFAULT_KV_CAPACITY_TOKENS`.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
+    /// Which engine's metric names its `/metrics` uses.
+    #[serde(default)]
+    pub engine: EngineKind,
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
+    /// Optional DCGM exporter (`ip:port`, `GET /metrics`) for this backend's GPU.
+    #[serde(default)]
+    pub dcgm_addr: Option<String>,
 }
+
+/// KV cache assumed when neither configured nor reported: an 8B model on one H100.
+pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 500_000;
 
 fn default_prefill_rate() -> f64 {
     25_000.0
 }
 
-fn default_kv_capacity() -> u64 {
-    500_000
+fn default_metrics_path() -> String {
+    "/metrics".into()
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -92,6 +130,9 @@ pub struct RoutingConfig {
     pub heavy_prefill_tokens: u64,
     /// kv_aware: cost, per decoding stream on a backend, of each second of prefill there.
     pub decode_stall_weight: f64,
+    /// kv_aware: a backend whose engine reports more KV cache in use than this takes new
+    /// requests only when no other can.
+    pub kv_usage_ceiling: f64,
 }
 
 impl RoutingConfig {
@@ -110,6 +151,7 @@ impl RoutingConfig {
             candidates: self.candidates,
             heavy_prefill_tokens: self.heavy_prefill_tokens,
             decode_stall_weight: self.decode_stall_weight,
+            kv_usage_ceiling: self.kv_usage_ceiling,
         }
     }
 }
@@ -124,6 +166,7 @@ impl Default for RoutingConfig {
             candidates: 3,
             heavy_prefill_tokens: 8192,
             decode_stall_weight: 0.02,
+            kv_usage_ceiling: 0.9,
         }
     }
 }
@@ -260,11 +303,20 @@ impl Config {
                     "must be at least 1",
                 ));
             }
-            if b.kv_capacity_tokens < 1024 {
+            if b.kv_capacity_tokens.is_some_and(|t| t < 1024) {
                 return Err(err(
                     format!("kvroute.backends[{i}].kv_capacity_tokens"),
                     "must be at least 1024",
                 ));
+            }
+            if !b.metrics_path.starts_with('/') {
+                return Err(err(
+                    format!("kvroute.backends[{i}].metrics_path"),
+                    "must start with '/'",
+                ));
+            }
+            if let Some(d) = &b.dcgm_addr {
+                parse_addr(&format!("kvroute.backends[{i}].dcgm_addr"), d)?;
             }
         }
         let r = &self.routing;
@@ -288,6 +340,16 @@ impl Config {
         }
         if !(r.decode_stall_weight.is_finite() && r.decode_stall_weight >= 0.0) {
             return Err(err("kvroute.routing.decode_stall_weight", "must be >= 0"));
+        }
+        if !(r.kv_usage_ceiling > 0.0 && r.kv_usage_ceiling <= 1.0) {
+            return Err(err("kvroute.routing.kv_usage_ceiling", "must be in (0, 1]"));
+        }
+        let tm = &self.telemetry;
+        if tm.interval_ms < 100 || tm.timeout_ms == 0 || tm.stale_after_ms == 0 {
+            return Err(err(
+                "kvroute.telemetry",
+                "interval_ms must be at least 100, timeout_ms and stale_after_ms positive",
+            ));
         }
         let h = &self.health_check;
         if !h.path.starts_with('/') {

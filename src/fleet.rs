@@ -10,10 +10,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::config::{Config, HealthCheckConfig};
+use crate::config::{Config, HealthCheckConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::index::PrefixIndex;
 use crate::policy::BackendLoad;
 use crate::ring::Ring;
+use crate::telemetry::{EngineKind, EngineStats, Slot};
 
 /// One configured backend. Shared by `Arc` so accounting outlives any fleet rebuild.
 pub struct BackendState {
@@ -22,6 +23,12 @@ pub struct BackendState {
     pub name: String,
     pub weight: u32,
     pub prefill_rate: f64,
+    pub engine: EngineKind,
+    pub metrics_path: String,
+    pub dcgm: Option<SocketAddr>,
+    /// Configured KV capacity; `None` lets telemetry set it.
+    kv_capacity_configured: Option<u64>,
+    pub telemetry: Slot,
     inflight: AtomicU64,
     queued_prefill: AtomicU64,
     decoding: AtomicU64,
@@ -84,6 +91,8 @@ pub struct Fleet {
     tickets: AtomicU64,
     /// What each backend is believed to cache (slot = backend index).
     index: Mutex<PrefixIndex>,
+    block_tokens: u64,
+    stale_after: Duration,
 }
 
 impl Fleet {
@@ -97,11 +106,20 @@ impl Fleet {
                 .parse()
                 .map_err(|_| format!("invalid backend address {}", b.addr))?;
             let lb_backend = Backend::new(&b.addr).map_err(|e| e.to_string())?;
+            let dcgm = match &b.dcgm_addr {
+                Some(d) => Some(d.parse().map_err(|_| format!("invalid dcgm_addr {d}"))?),
+                None => None,
+            };
             backends.push(Arc::new(BackendState {
                 addr,
                 name: b.addr.clone(),
                 weight: b.weight,
                 prefill_rate: b.prefill_tokens_per_s,
+                engine: b.engine,
+                metrics_path: b.metrics_path.clone(),
+                dcgm,
+                kv_capacity_configured: b.kv_capacity_tokens,
+                telemetry: Slot::default(),
                 inflight: AtomicU64::new(0),
                 queued_prefill: AtomicU64::new(0),
                 decoding: AtomicU64::new(0),
@@ -123,7 +141,10 @@ impl Fleet {
         let capacities: Vec<usize> = cfg
             .backends
             .iter()
-            .map(|b| (b.kv_capacity_tokens / cfg.routing.block_tokens()).max(1) as usize)
+            .map(|b| {
+                let tokens = b.kv_capacity_tokens.unwrap_or(DEFAULT_KV_CAPACITY_TOKENS);
+                (tokens / cfg.routing.block_tokens()).max(1) as usize
+            })
             .collect();
         Ok(Fleet {
             backends,
@@ -131,6 +152,8 @@ impl Fleet {
             lb: Arc::new(lb),
             tickets: AtomicU64::new(0),
             index: Mutex::new(PrefixIndex::new(&capacities)),
+            block_tokens: cfg.routing.block_tokens(),
+            stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
         })
     }
 
@@ -155,13 +178,21 @@ impl Fleet {
         self.backends
             .iter()
             .enumerate()
-            .map(|(i, b)| BackendLoad {
-                healthy: self.healthy(i),
-                weight: b.weight,
-                inflight: b.inflight(),
-                queued_prefill: b.queued_prefill(),
-                decoding: b.decoding(),
-                prefill_rate: b.prefill_rate,
+            .map(|(i, b)| {
+                let engine = b.telemetry.fresh(self.stale_after);
+                BackendLoad {
+                    healthy: self.healthy(i),
+                    weight: b.weight,
+                    inflight: b.inflight(),
+                    queued_prefill: b.queued_prefill(),
+                    decoding: b.decoding(),
+                    prefill_rate: b.prefill_rate,
+                    engine_load: engine.and_then(|e| match (e.running, e.waiting) {
+                        (None, None) => None,
+                        (r, w) => Some((r.unwrap_or(0.0) + w.unwrap_or(0.0)).max(0.0) as u64),
+                    }),
+                    kv_usage: engine.and_then(|e| e.kv_usage),
+                }
             })
             .collect()
     }
@@ -198,6 +229,24 @@ impl Fleet {
         if let Ok(mut idx) = self.index.lock() {
             idx.insert(i, blocks);
         }
+    }
+
+    /// A telemetry scrape of backend `i`; a reported KV size bounds its index unless one is
+    /// configured.
+    pub fn observe(&self, i: usize, stats: EngineStats) {
+        let Some(b) = self.backends.get(i) else {
+            return;
+        };
+        if let (None, Some(tokens)) = (b.kv_capacity_configured, stats.kv_capacity_tokens) {
+            if let Ok(mut idx) = self.index.lock() {
+                idx.set_capacity(i, (tokens / self.block_tokens).max(1) as usize);
+            }
+        }
+        b.telemetry.store(stats);
+    }
+
+    pub fn stale_after(&self) -> Duration {
+        self.stale_after
     }
 
     /// Tracked (backend, block) pairs and the index's heap bytes.

@@ -51,9 +51,10 @@ pub fn choose(
     let n = snap.backends.len();
     let unit = params.work_unit_tokens.max(1) as f64;
     let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0) as u64 * params.block_tokens;
+    // Fresh engine telemetry counts requests other routers sent there too.
     let work = |i: usize| {
         let b = &snap.backends[i];
-        b.inflight as f64 + b.queued_prefill as f64 / unit
+        b.inflight.max(b.engine_load.unwrap_or(0)) as f64 + b.queued_prefill as f64 / unit
     };
     let (mut total_work, mut total_weight) = (0.0f64, 0u64);
     let mut best_match = 0u64;
@@ -91,34 +92,45 @@ pub fn choose(
         }
     };
 
-    let mut best: Option<Terms> = None;
-    let mut owner = None;
-    let mut owner_admissible = false;
-    let mut ring_taken = 0usize;
-    for (rank, i) in snap.ring.walk(profile.session_key, n).enumerate() {
-        if rank == 0 {
-            owner = Some(i);
+    // A backend whose KV cache is nearly full would evict or preempt: a last resort.
+    let scan = |allow_full: bool| {
+        let mut best: Option<Terms> = None;
+        let mut owner = None;
+        let mut owner_admissible = false;
+        let mut ring_taken = 0usize;
+        for (rank, i) in snap.ring.walk(profile.session_key, n).enumerate() {
+            if rank == 0 {
+                owner = Some(i);
+            }
+            if !eligible(i) {
+                continue;
+            }
+            let full = snap.backends[i]
+                .kv_usage
+                .is_some_and(|u| u > params.kv_usage_ceiling);
+            let t = terms(i);
+            if t.work >= t.bound as f64 || (full && !allow_full) {
+                continue;
+            }
+            if rank == 0 {
+                owner_admissible = true;
+            }
+            let long_match = best_match > 0 && t.matched_tokens * 2 >= best_match;
+            let in_ring_window = ring_taken < params.candidates;
+            ring_taken += 1;
+            if !(in_ring_window || long_match || heavy) {
+                continue;
+            }
+            if best.is_none_or(|b| t.score < b.score) {
+                best = Some(t);
+            }
         }
-        if !eligible(i) {
-            continue;
-        }
-        let t = terms(i);
-        if t.work >= t.bound as f64 {
-            continue;
-        }
-        if rank == 0 {
-            owner_admissible = true;
-        }
-        let long_match = best_match > 0 && t.matched_tokens * 2 >= best_match;
-        let in_ring_window = ring_taken < params.candidates;
-        ring_taken += 1;
-        if !(in_ring_window || long_match || heavy) {
-            continue;
-        }
-        if best.is_none_or(|b| t.score < b.score) {
-            best = Some(t);
-        }
-    }
+        (best, owner, owner_admissible)
+    };
+    let (best, owner, owner_admissible) = match scan(false) {
+        (None, ..) => scan(true),
+        found => found,
+    };
     let Some(t) = best else {
         return least_load(snap, eligible, ticket, Reason::Fallback);
     };
@@ -172,6 +184,7 @@ mod tests {
             model: "m".into(),
             stream: true,
             include_usage: false,
+            has_stream_options: false,
             session_key: key,
             session_source: SessionSource::Content,
             prefix_blocks: vec![],
@@ -253,6 +266,32 @@ mod tests {
             "a 30k-token prefill should not stall 60 streams"
         );
         assert_eq!(d.reason, Reason::LeastCost);
+    }
+
+    #[test]
+    fn full_kv_cache_is_a_last_resort() {
+        let r = ring(2);
+        let key = 21;
+        let order: Vec<usize> = r.walk(key, 2).collect();
+        let mut loads = vec![BackendLoad::idle(); 2];
+        loads[order[0]].kv_usage = Some(0.97);
+        let d = pick(&loads, &r, &[0; 2], &req(key, 100));
+        assert_eq!(d.backend, order[1]);
+        loads[order[1]].kv_usage = Some(0.99);
+        let d = pick(&loads, &r, &[0; 2], &req(key, 100));
+        assert_eq!(d.backend, order[0], "both full: back to ring order");
+    }
+
+    #[test]
+    fn engine_reported_load_counts_in_the_bound() {
+        let r = ring(3);
+        let key = 8;
+        let order: Vec<usize> = r.walk(key, 3).collect();
+        let mut loads = vec![BackendLoad::idle(); 3];
+        // Another router filled the owner: kvroute sent nothing there itself.
+        loads[order[0]].engine_load = Some(40);
+        let d = pick(&loads, &r, &[0; 3], &req(key, 100));
+        assert_ne!(d.backend, order[0]);
     }
 
     #[test]

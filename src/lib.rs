@@ -25,9 +25,11 @@
 //! - [`proxy`]: the Pingora `ProxyHttp` phases.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz` listener.
 //! - [`metrics`]: `kvroute_*` Prometheus families.
+//! - [`telemetry`]: engine /metrics scraping (vLLM, SGLang, llama.cpp, DCGM).
 //! - [`error`]: the client-facing error type (HTTP status + OpenAI error JSON).
 //! - [`state`]: shared process state (config, fleet, metrics).
 //! - [`server`]: process wiring of the Pingora services.
+//! - [`usage`]: engine-reported usage from responses (asked for on streams, then stripped).
 
 pub mod admin;
 pub mod config;
@@ -43,3 +45,5 @@ pub mod request;
 pub mod ring;
 pub mod server;
 pub mod state;
+pub mod telemetry;
+pub mod usage;

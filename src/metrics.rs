@@ -1,11 +1,12 @@
 //! kvroute's Prometheus metrics, on a registry of their own (rendered by the admin listener).
 
 use prometheus::{
-    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    exponential_buckets, Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::fleet::Fleet;
+use crate::telemetry::EngineStats;
 
 pub struct Metrics {
     registry: Registry,
@@ -17,11 +18,59 @@ pub struct Metrics {
     pub decisions: IntCounterVec,
     pub upstream_failures: IntCounterVec,
     pub predicted_cached: IntCounter,
+    pub prompt_tokens: IntCounterVec,
+    pub cached_prompt_tokens: IntCounterVec,
     pub index_blocks: IntGauge,
     pub index_bytes: IntGauge,
     pub queued_prefill: IntGaugeVec,
     pub decoding: IntGaugeVec,
+    /// Engine telemetry, one gauge family per scraped quantity.
+    engine: Vec<(GaugeVec, Pick)>,
+    telemetry_age: GaugeVec,
 }
+
+type Pick = fn(&EngineStats) -> Option<f64>;
+
+const ENGINE_GAUGES: &[(&str, &str, Pick)] = &[
+    (
+        "kvroute_backend_engine_waiting_requests",
+        "Requests waiting in the engine's queue (scraped).",
+        |e| e.waiting,
+    ),
+    (
+        "kvroute_backend_engine_running_requests",
+        "Requests the engine is running (scraped).",
+        |e| e.running,
+    ),
+    (
+        "kvroute_backend_kv_cache_usage_ratio",
+        "Fraction of the engine's KV cache in use (scraped).",
+        |e| e.kv_usage,
+    ),
+    (
+        "kvroute_backend_engine_prefix_cache_hit_ratio",
+        "Engine prefix cache hits / queries since it started (scraped, vLLM).",
+        |e| match (e.prefix_hits, e.prefix_queries) {
+            (Some(h), Some(q)) if q > 0.0 => Some(h / q),
+            _ => None,
+        },
+    ),
+    (
+        "kvroute_backend_kv_capacity_tokens",
+        "KV cache size the engine reports (vLLM cache_config_info).",
+        |e| e.kv_capacity_tokens.map(|t| t as f64),
+    ),
+    (
+        "kvroute_backend_gpu_utilization_ratio",
+        "GPU utilisation from the backend's DCGM exporter.",
+        |e| e.gpu_utilization,
+    ),
+    (
+        "kvroute_backend_gpu_memory_used_bytes",
+        "GPU framebuffer in use from the backend's DCGM exporter.",
+        |e| e.gpu_memory_used_bytes,
+    ),
+];
 
 fn counter(
     reg: &Registry,
@@ -112,6 +161,18 @@ impl Metrics {
                 r.register(Box::new(c.clone()))?;
                 c
             },
+            prompt_tokens: counter(
+                &r,
+                "kvroute_prompt_tokens_total",
+                "Prompt tokens of answered requests, as the engine reported them in usage.",
+                &["backend"],
+            )?,
+            cached_prompt_tokens: counter(
+                &r,
+                "kvroute_cached_prompt_tokens_total",
+                "Prompt tokens the engine reported as served from its prefix cache.",
+                &["backend"],
+            )?,
             index_blocks: {
                 let g = IntGauge::new(
                     "kvroute_index_blocks",
@@ -137,6 +198,25 @@ impl Metrics {
                 "Requests streaming output from the backend.",
                 &["backend"],
             )?,
+            engine: ENGINE_GAUGES
+                .iter()
+                .map(|(name, help, pick)| {
+                    let g = GaugeVec::new(Opts::new(*name, *help), &["backend"])?;
+                    r.register(Box::new(g.clone()))?;
+                    Ok((g, *pick))
+                })
+                .collect::<prometheus::Result<Vec<_>>>()?,
+            telemetry_age: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "kvroute_backend_telemetry_age_seconds",
+                        "Age of the backend's latest successful engine scrape.",
+                    ),
+                    &["backend"],
+                )?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
             registry: r,
         })
     }
@@ -156,6 +236,23 @@ impl Metrics {
             self.decoding
                 .with_label_values(&[&b.name])
                 .set(b.decoding() as i64);
+        }
+        for b in fleet.backends() {
+            let fresh = b.telemetry.fresh(fleet.stale_after());
+            for (g, pick) in &self.engine {
+                match fresh.as_ref().and_then(pick) {
+                    Some(v) => g.with_label_values(&[&b.name]).set(v),
+                    // Stale or not exported: no sample rather than a misleading one.
+                    None => {
+                        let _ = g.remove_label_values(&[&b.name]);
+                    }
+                }
+            }
+            if let Some(age) = b.telemetry.age() {
+                self.telemetry_age
+                    .with_label_values(&[&b.name])
+                    .set(age.as_secs_f64());
+            }
         }
         let (blocks, bytes) = fleet.index_size();
         self.index_blocks.set(blocks as i64);

@@ -51,6 +51,10 @@ pub struct BackendLoad {
     pub decoding: u64,
     /// Prefill throughput, tokens per second.
     pub prefill_rate: f64,
+    /// Requests the engine reports running + waiting (fresh telemetry only).
+    pub engine_load: Option<u64>,
+    /// KV cache in use as the engine reports it, 0..1 (fresh telemetry only).
+    pub kv_usage: Option<f64>,
 }
 
 impl BackendLoad {
@@ -63,6 +67,8 @@ impl BackendLoad {
             queued_prefill: 0,
             decoding: 0,
             prefill_rate: 25_000.0,
+            engine_load: None,
+            kv_usage: None,
         }
     }
 }
@@ -92,6 +98,8 @@ pub struct Params {
     /// Seconds of cost per second of prefill per stream decoding on the backend: the stall a
     /// prefill imposes on the streams sharing its engine steps.
     pub decode_stall_weight: f64,
+    /// Engine-reported KV usage above which a backend is a last resort.
+    pub kv_usage_ceiling: f64,
 }
 
 impl Params {
@@ -105,6 +113,7 @@ impl Params {
             candidates: 3,
             heavy_prefill_tokens: 8192,
             decode_stall_weight: 0.02,
+            kv_usage_ceiling: 0.9,
         }
     }
 }
@@ -301,6 +310,7 @@ mod tests {
             model: "m".into(),
             stream: false,
             include_usage: false,
+            has_stream_options: false,
             session_key: key,
             session_source: SessionSource::Content,
             prefix_blocks: vec![],

@@ -16,6 +16,7 @@ use crate::policy::{self, PolicyKind, Snapshot};
 use crate::prefix::DEFAULT_BLOCK_BYTES;
 use crate::request::{self, Endpoint, RequestProfile, SESSION_HEADER};
 use crate::state::State;
+use crate::usage::{self, UsageTap};
 
 /// Pingora forwards a body read in `request_filter` only through its retry buffer, which holds
 /// at most this much; see `read_body`.
@@ -46,6 +47,9 @@ pub struct Ctx {
     first_byte: Option<Instant>,
     /// A specific error to render instead of the generic one for the Pingora error.
     error: Option<ApiError>,
+    /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
+    strip_usage: bool,
+    usage: Option<UsageTap>,
 }
 
 impl Ctx {
@@ -235,6 +239,8 @@ impl ProxyHttp for Router {
             upstream_responded: false,
             first_byte: None,
             error: None,
+            strip_usage: false,
+            usage: None,
         }
     }
 
@@ -266,6 +272,17 @@ impl ProxyHttp for Router {
             .map(|v| v.as_bytes());
         match request::profile(endpoint, &body, header, DEFAULT_BLOCK_BYTES) {
             Ok(p) => {
+                // Engines report usage on streams only when asked; ask, and hide it again.
+                let body = match (p.stream && !p.has_stream_options)
+                    .then(|| usage::ask_for_usage(&body))
+                    .flatten()
+                {
+                    Some(with_usage) => {
+                        ctx.strip_usage = true;
+                        with_usage
+                    }
+                    None => body,
+                };
                 ctx.profile = Some(p);
                 ctx.body = Some(body);
                 Ok(false)
@@ -342,10 +359,17 @@ impl ProxyHttp for Router {
     async fn upstream_response_filter(
         &self,
         _session: &mut Session,
-        _upstream: &mut ResponseHeader,
+        upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.upstream_responded = true;
+        if let (Some(p), 200) = (&ctx.profile, upstream.status.as_u16()) {
+            ctx.usage = Some(UsageTap::new(p.stream, ctx.strip_usage));
+            if ctx.strip_usage {
+                // The body will be shorter than the backend said.
+                upstream.remove_header(&http::header::CONTENT_LENGTH);
+            }
+        }
         Ok(())
     }
 
@@ -353,7 +377,7 @@ impl ProxyHttp for Router {
         &self,
         _session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         if ctx.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
@@ -361,6 +385,9 @@ impl ProxyHttp for Router {
             if let Some(g) = ctx.guard.as_mut() {
                 g.first_byte();
             }
+        }
+        if let Some(tap) = ctx.usage.as_mut() {
+            tap.filter(body, end_of_stream);
         }
         Ok(None)
     }
@@ -455,6 +482,14 @@ impl ProxyHttp for Router {
             m.ttft
                 .with_label_values(&[&backend])
                 .observe(t.as_secs_f64());
+        }
+        if let Some(u) = ctx.usage.as_ref().and_then(|t| t.usage) {
+            m.prompt_tokens
+                .with_label_values(&[&backend])
+                .inc_by(u.prompt_tokens);
+            m.cached_prompt_tokens
+                .with_label_values(&[&backend])
+                .inc_by(u.cached_tokens);
         }
         // Counted last: a scrape that sees the request counted sees its histograms too.
         m.requests

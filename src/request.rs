@@ -44,6 +44,8 @@ pub struct RequestProfile {
     pub stream: bool,
     /// The client asked for the usage chunk at the end of a stream.
     pub include_usage: bool,
+    /// The body has a `stream_options` object (so kvroute must not add one).
+    pub has_stream_options: bool,
     pub session_key: u64,
     pub session_source: SessionSource,
     /// Chained hashes of the canonical prompt's full blocks.
@@ -287,6 +289,7 @@ pub fn profile(
         endpoint,
         model: model.to_owned(),
         stream: parsed.stream.unwrap_or(false),
+        has_stream_options: parsed.stream_options.is_some(),
         include_usage: parsed
             .stream_options
             .and_then(|o| o.include_usage)

@@ -14,6 +14,7 @@ use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::proxy::Router;
 use crate::state::State;
+use crate::telemetry::TelemetryService;
 
 fn fail(msg: impl std::fmt::Display) -> ! {
     eprintln!("kvroute: {msg}");
@@ -47,6 +48,7 @@ pub fn run(mut opt: Opt) -> ! {
         Server::new(Some(opt)).unwrap_or_else(|e| fail(format!("pingora config: {e}")));
     server.bootstrap();
 
+    let telemetry_enabled = cfg.telemetry.enabled;
     let listen = cfg.listen.clone();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
@@ -74,6 +76,14 @@ pub fn run(mut opt: Opt) -> ! {
     server.add_service(proxy);
     server.add_service(admin);
     server.add_service(health);
+    if telemetry_enabled {
+        server.add_service(GenBackgroundService::new(
+            "kvroute engine telemetry".to_string(),
+            Arc::new(TelemetryService {
+                state: state.clone(),
+            }),
+        ));
+    }
     log::info!("kvroute listening on {listen}, admin on {admin_listen}");
     server.run_forever();
 }

@@ -291,7 +291,7 @@ async fn bad_input_gets_status_and_openai_shape() {
     assert_eq!(ok.status(), 200);
 }
 
-/// A backend that answers health checks but hangs up on every other request.
+/// A backend that answers health checks but hangs up on everything else.
 fn hang_up_server(counter: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
@@ -305,7 +305,8 @@ fn hang_up_server(counter: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> st
                 let _ = conn.write_all(
                     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
                 );
-            } else {
+            } else if buf[..n].starts_with(b"POST ") {
+                // Requests get nothing; telemetry scrapes (GET /metrics) are not counted.
                 counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
         }
@@ -453,4 +454,48 @@ fn config_check_flag_names_the_bad_key() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("kvroute.backends[0].weight"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// kvroute asks the engine for usage on every stream (to score its placement), shows the usage
+/// chunk only to clients that asked for it, and counts the engine's cached tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_usage_is_counted_and_shown_only_when_asked() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "1"]);
+    let kv = Kvroute::start(&[sims[0].addr], "");
+    let c = client();
+    let prompt = "A prompt long enough to fill several cache blocks. ".repeat(40);
+    for (round, asked) in [(0, false), (1, true), (2, false)] {
+        let mut body = chat_body(MODEL, json!([{"role": "user", "content": prompt}]), true, 4);
+        if asked {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let resp = c
+            .post(kv.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let text = String::from_utf8(resp.bytes().await.unwrap().to_vec()).unwrap();
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        assert_eq!(text.contains("\"usage\""), asked, "round {round}: {text}");
+        assert_eq!(text.matches("\"content\"").count(), 4, "round {round}");
+    }
+    // Round 0's body reached the engine with `"stream_options":{"include_usage":true}` added.
+    let sent = chat_body(MODEL, json!([{"role": "user", "content": prompt}]), true, 4).to_string();
+    let added = r#","stream_options":{"include_usage":true}"#.len();
+    let seen = sims[0].requests();
+    assert_eq!(
+        seen[0]["body_len"].as_u64().unwrap() as usize,
+        sent.len() + added
+    );
+    let text = kv.metrics_when("kvroute_requests_total", &[("code", "200")], 3.0);
+    let prompt_tokens = metric_sum(&text, "kvroute_prompt_tokens_total", &[]);
+    let cached = metric_sum(&text, "kvroute_cached_prompt_tokens_total", &[]);
+    assert!(prompt_tokens > 1000.0, "{prompt_tokens}");
+    // Rounds 1 and 2 repeat round 0's prompt: most of it is cached.
+    assert!(
+        cached > prompt_tokens / 2.0,
+        "cached {cached} of {prompt_tokens}"
+    );
 }

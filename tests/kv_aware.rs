@@ -120,3 +120,58 @@ async fn cached_prefix_is_found_after_the_owner_spilled() {
     assert!(metric_sum(&text, "kvroute_predicted_cached_prompt_tokens_total", &[]) > 0.0);
     assert!(metric_sum(&text, "kvroute_index_blocks", &[]) > 0.0);
 }
+
+/// Engine metrics are scraped into kvroute_backend_* gauges, and dropped once stale.
+#[test]
+fn engine_telemetry_is_scraped_and_expires() {
+    let mut sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let kv = Kvroute::start(
+        &addrs,
+        "  telemetry:\n    interval_ms: 100\n    stale_after_ms: 400\n  health_check:\n    interval_ms: 100\n",
+    );
+    let victim = addrs[1].to_string();
+    let text = kv.metrics_when(
+        "kvroute_backend_kv_capacity_tokens",
+        &[("backend", &victim)],
+        1.0,
+    );
+    for a in &addrs {
+        let b = a.to_string();
+        // The simulator's vllm:cache_config_info: 31,250 blocks of 16 tokens.
+        assert_eq!(
+            metric_sum(
+                &text,
+                "kvroute_backend_kv_capacity_tokens",
+                &[("backend", &b)]
+            ),
+            500_000.0
+        );
+        assert!(text.contains(&format!(
+            "kvroute_backend_engine_running_requests{{backend=\"{b}\"}}"
+        )));
+        assert!(text.contains(&format!(
+            "kvroute_backend_kv_cache_usage_ratio{{backend=\"{b}\"}}"
+        )));
+    }
+    sims[1].kill();
+    std::thread::sleep(std::time::Duration::from_millis(900));
+    let text = kv.metrics();
+    assert!(
+        !text.contains(&format!(
+            "kvroute_backend_kv_cache_usage_ratio{{backend=\"{victim}\"}}"
+        )),
+        "{text}"
+    );
+    assert!(
+        metric_sum(
+            &text,
+            "kvroute_backend_telemetry_age_seconds",
+            &[("backend", &victim)]
+        ) >= 0.4
+    );
+    let alive = addrs[0].to_string();
+    assert!(text.contains(&format!(
+        "kvroute_backend_kv_cache_usage_ratio{{backend=\"{alive}\"}}"
+    )));
+}

@@ -57,6 +57,7 @@ const HEADER: &[&str] = &[
     "cache hit",
     "oracle hit",
     "prefill share max/mean",
+    "small-prompt TTFT p50/p99 ms",
 ];
 
 /// One row per `(label, summary)`.
@@ -90,6 +91,7 @@ pub fn markdown_table(rows: &[(String, Summary)]) -> String {
                 (Some(max), Some(mean)) => format!("{max:.3}/{mean:.3} ({:.2}x)", max / mean),
                 _ => "n/a".into(),
             },
+            format!("{}/{}", ms(m.small_ttft_p50_ms), ms(m.small_ttft_p99_ms)),
         ];
         let _ = writeln!(s, "| {} |", cells.join(" | "));
     }

@@ -54,9 +54,18 @@ pub struct Summary {
     pub prefill_by_backend: BTreeMap<String, u64>,
     pub prefill_share_max: Option<f64>,
     pub prefill_share_mean: Option<f64>,
+    /// TTFT p50 / p99 of requests with at most `SMALL_PROMPT_TOKENS` prompt tokens: whether
+    /// short requests queue behind long prefills (heavy_mix).
+    #[serde(default)]
+    pub small_ttft_p50_ms: Option<f64>,
+    #[serde(default)]
+    pub small_ttft_p99_ms: Option<f64>,
     /// TTFT of successful requests at percentiles 0, 1, ..., 100: enough to redraw a CDF.
     pub ttft_quantiles_ms: Vec<f64>,
 }
+
+/// Prompts this short count as "small" for `small_ttft_*`.
+pub const SMALL_PROMPT_TOKENS: u64 = 256;
 
 pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
     let ok: Vec<&RequestRecord> = records.iter().filter(|r| r.ok()).collect();
@@ -89,6 +98,11 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
         }
     };
 
+    let small_ttft: Vec<f64> = ok
+        .iter()
+        .filter(|r| r.prompt_tokens.is_some_and(|p| p <= SMALL_PROMPT_TOKENS))
+        .filter_map(|r| r.ttft_ms)
+        .collect();
     let prompt_tokens: u64 = ok.iter().filter_map(|r| r.prompt_tokens).sum();
     let cached_tokens: u64 = ok.iter().filter_map(|r| r.cached_tokens).sum();
     let completion_tokens: u64 = ok.iter().filter_map(|r| r.completion_tokens).sum();
@@ -138,6 +152,8 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
         prefill_by_backend,
         prefill_share_max: share_max,
         prefill_share_mean: share_mean,
+        small_ttft_p50_ms: percentile(&small_ttft, 50.0),
+        small_ttft_p99_ms: percentile(&small_ttft, 99.0),
         ttft_quantiles_ms: if ttft.is_empty() {
             Vec::new()
         } else {

@@ -1,0 +1,336 @@
+//! Engine telemetry: each backend's Prometheus `/metrics` (vLLM, SGLang or llama.cpp names),
+//! and optionally a DCGM exporter, scraped every `telemetry.interval_ms` into an
+//! [`EngineStats`] per backend. A sample older than `telemetry.stale_after_ms` is ignored, and
+//! placement falls back to kvroute's own accounting.
+//!
+//! Parsing is a pure function of the text (unit-tested); the scrape loop is a Pingora
+//! background service using Pingora's HTTP connector.
+
+use arc_swap::ArcSwapOption;
+use async_trait::async_trait;
+use pingora::connectors::http::Connector;
+use pingora::http::RequestHeader;
+use pingora::prelude::HttpPeer;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::state::State;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    #[default]
+    Vllm,
+    Sglang,
+    Llamacpp,
+}
+
+/// What one scrape said about an engine. Fields the engine does not export stay `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    pub waiting: Option<f64>,
+    pub running: Option<f64>,
+    /// Fraction of the KV cache in use, 0..1.
+    pub kv_usage: Option<f64>,
+    pub prefix_queries: Option<f64>,
+    pub prefix_hits: Option<f64>,
+    /// KV cache size learned from `vllm:cache_config_info`.
+    pub kv_capacity_tokens: Option<u64>,
+    pub gpu_utilization: Option<f64>,
+    pub gpu_memory_used_bytes: Option<f64>,
+}
+
+/// A scrape and when it was taken.
+pub struct Sample {
+    pub stats: EngineStats,
+    pub at: Instant,
+}
+
+/// The latest sample of one backend, readable without a lock on the request path.
+#[derive(Default)]
+pub struct Slot(ArcSwapOption<Sample>);
+
+impl Slot {
+    /// The stats, if not older than `stale_after`.
+    pub fn fresh(&self, stale_after: Duration) -> Option<EngineStats> {
+        self.0
+            .load()
+            .as_ref()
+            .filter(|s| s.at.elapsed() <= stale_after)
+            .map(|s| s.stats)
+    }
+
+    pub fn age(&self) -> Option<Duration> {
+        self.0.load().as_ref().map(|s| s.at.elapsed())
+    }
+
+    pub fn store(&self, stats: EngineStats) {
+        self.0.store(Some(Arc::new(Sample {
+            stats,
+            at: Instant::now(),
+        })));
+    }
+}
+
+/// One sample line: metric name, labels text (without braces), value.
+fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (head, value) = l.trim().rsplit_once(' ')?;
+            let value: f64 = value.parse().ok()?;
+            let (name, labels) = match head.find('{') {
+                Some(i) => (&head[..i], head[i + 1..].trim_end_matches('}')),
+                None => (head, ""),
+            };
+            Some((name, labels, value))
+        })
+}
+
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// Parse an engine's `/metrics` text. Values of a metric are summed over its label sets
+/// (one engine may export one series per model).
+pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
+    let mut s = EngineStats::default();
+    let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+    for (name, labels, v) in samples(text) {
+        match (kind, name) {
+            (EngineKind::Vllm, "vllm:num_requests_waiting")
+            | (EngineKind::Sglang, "sglang:num_queue_reqs")
+            | (EngineKind::Llamacpp, "llamacpp:requests_deferred") => add(&mut s.waiting, v),
+            (EngineKind::Vllm, "vllm:num_requests_running")
+            | (EngineKind::Sglang, "sglang:num_running_reqs")
+            | (EngineKind::Llamacpp, "llamacpp:requests_processing") => add(&mut s.running, v),
+            (EngineKind::Vllm, "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc")
+            | (EngineKind::Sglang, "sglang:token_usage")
+            | (EngineKind::Llamacpp, "llamacpp:kv_cache_usage_ratio") => {
+                s.kv_usage = Some(s.kv_usage.unwrap_or(0.0).max(v))
+            }
+            (EngineKind::Vllm, "vllm:prefix_cache_queries_total") => add(&mut s.prefix_queries, v),
+            (EngineKind::Vllm, "vllm:prefix_cache_hits_total") => add(&mut s.prefix_hits, v),
+            (EngineKind::Vllm, "vllm:cache_config_info") => {
+                let blocks = label(labels, "num_gpu_blocks").and_then(|b| b.parse::<u64>().ok());
+                let size = label(labels, "block_size").and_then(|b| b.parse::<u64>().ok());
+                if let (Some(b), Some(z)) = (blocks, size) {
+                    s.kv_capacity_tokens = Some(b * z);
+                }
+            }
+            _ => {}
+        }
+    }
+    s
+}
+
+/// Add a DCGM exporter's GPU utilisation (percent -> ratio) and framebuffer use (MiB -> bytes),
+/// averaged / summed over the GPUs it reports.
+pub fn parse_dcgm(text: &str, into: &mut EngineStats) {
+    let (mut util, mut n, mut fb) = (0.0, 0, None::<f64>);
+    for (name, _, v) in samples(text) {
+        match name {
+            "DCGM_FI_DEV_GPU_UTIL" => {
+                util += v;
+                n += 1;
+            }
+            "DCGM_FI_DEV_FB_USED" => fb = Some(fb.unwrap_or(0.0) + v * 1024.0 * 1024.0),
+            _ => {}
+        }
+    }
+    if n > 0 {
+        into.gpu_utilization = Some(util / n as f64 / 100.0);
+    }
+    into.gpu_memory_used_bytes = fb;
+}
+
+/// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
+async fn fetch(
+    connector: &Connector,
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<String, String> {
+    let mut peer = HttpPeer::new(addr, false, String::new());
+    peer.options.connection_timeout = Some(timeout);
+    peer.options.read_timeout = Some(timeout);
+    peer.options.write_timeout = Some(timeout);
+    let work = async {
+        let (mut session, _) = connector
+            .get_http_session(&peer)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut req =
+            RequestHeader::build("GET", path.as_bytes(), None).map_err(|e| e.to_string())?;
+        req.insert_header("Host", addr.to_string())
+            .map_err(|e| e.to_string())?;
+        session
+            .write_request_header(Box::new(req))
+            .await
+            .map_err(|e| e.to_string())?;
+        session
+            .finish_request_body()
+            .await
+            .map_err(|e| e.to_string())?;
+        session
+            .read_response_header()
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = session.response_header().map_or(0, |h| h.status.as_u16());
+        if status != 200 {
+            return Err(format!("status {status}"));
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = session
+            .read_response_body()
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            if body.len() + chunk.len() > 4 << 20 {
+                return Err("metrics body over 4 MiB".into());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        connector
+            .release_http_session(session, &peer, Some(Duration::from_secs(30)))
+            .await;
+        String::from_utf8(body).map_err(|_| "metrics body is not UTF-8".to_string())
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+}
+
+/// The scrape loop, as a Pingora background service.
+pub struct TelemetryService {
+    pub state: Arc<State>,
+}
+
+#[async_trait]
+impl BackgroundService for TelemetryService {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let connector = Arc::new(Connector::new(None));
+        loop {
+            let cfg = self.state.config();
+            let interval = Duration::from_millis(cfg.telemetry.interval_ms);
+            let timeout = Duration::from_millis(cfg.telemetry.timeout_ms).min(interval);
+            let fleet = self.state.fleet();
+            let mut tasks = tokio::task::JoinSet::new();
+            for (i, b) in fleet.backends().iter().enumerate() {
+                let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
+                tasks.spawn(async move {
+                    let text = match fetch(&connector, b.addr, &b.metrics_path, timeout).await {
+                        Ok(t) => t,
+                        Err(e) => {
+                            log::debug!("telemetry {}: {e}", b.name);
+                            return;
+                        }
+                    };
+                    let mut stats = parse_engine(b.engine, &text);
+                    if let Some(dcgm) = b.dcgm {
+                        match fetch(&connector, dcgm, "/metrics", timeout).await {
+                            Ok(t) => parse_dcgm(&t, &mut stats),
+                            Err(e) => log::debug!("dcgm {}: {e}", b.name),
+                        }
+                    }
+                    fleet.observe(i, stats);
+                });
+            }
+            while tasks.join_next().await.is_some() {}
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 12.0
+vllm:num_requests_waiting{model_name="m"} 3.0
+vllm:kv_cache_usage_perc{model_name="m"} 0.42
+vllm:prefix_cache_queries_total{model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{model_name="m"} 640.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="31250"} 1.0
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
+"#;
+
+    #[test]
+    fn vllm_names() {
+        let s = parse_engine(EngineKind::Vllm, VLLM);
+        assert_eq!(s.running, Some(12.0));
+        assert_eq!(s.waiting, Some(3.0));
+        assert_eq!(s.kv_usage, Some(0.42));
+        assert_eq!(s.prefix_hits, Some(640.0));
+        assert_eq!(s.kv_capacity_tokens, Some(500_000));
+    }
+
+    #[test]
+    fn sglang_and_llamacpp_names() {
+        let s = parse_engine(
+            EngineKind::Sglang,
+            "sglang:num_queue_reqs{model_name=\"m\"} 2\nsglang:num_running_reqs{model_name=\"m\"} 5\nsglang:token_usage{model_name=\"m\"} 0.7\n",
+        );
+        assert_eq!(
+            (s.waiting, s.running, s.kv_usage),
+            (Some(2.0), Some(5.0), Some(0.7))
+        );
+        let s = parse_engine(
+            EngineKind::Llamacpp,
+            "llamacpp:requests_processing 1\nllamacpp:requests_deferred 4\nllamacpp:kv_cache_usage_ratio 0.25\n",
+        );
+        assert_eq!(
+            (s.waiting, s.running, s.kv_usage),
+            (Some(4.0), Some(1.0), Some(0.25))
+        );
+        // Another engine's names mean nothing to this one.
+        assert_eq!(
+            parse_engine(EngineKind::Sglang, VLLM),
+            EngineStats::default()
+        );
+    }
+
+    #[test]
+    fn dcgm_gpu_stats() {
+        let mut s = EngineStats::default();
+        parse_dcgm(
+            "DCGM_FI_DEV_GPU_UTIL{gpu=\"0\"} 80\nDCGM_FI_DEV_GPU_UTIL{gpu=\"1\"} 40\nDCGM_FI_DEV_FB_USED{gpu=\"0\"} 1024\n",
+            &mut s,
+        );
+        assert_eq!(s.gpu_utilization, Some(0.6));
+        assert_eq!(s.gpu_memory_used_bytes, Some(1024.0 * 1024.0 * 1024.0));
+    }
+
+    #[test]
+    fn garbage_is_ignored() {
+        let s = parse_engine(
+            EngineKind::Vllm,
+            "not metrics\nvllm:num_requests_running nan-ish\n{}\n",
+        );
+        assert_eq!(s, EngineStats::default());
+    }
+
+    #[test]
+    fn stale_samples_are_not_fresh() {
+        let slot = Slot::default();
+        assert!(slot.fresh(Duration::from_secs(1)).is_none());
+        slot.store(EngineStats {
+            running: Some(1.0),
+            ..Default::default()
+        });
+        assert!(slot.fresh(Duration::from_secs(1)).is_some());
+        assert!(slot.fresh(Duration::ZERO).is_none());
+    }
+}

@@ -1,0 +1,317 @@
+//! Engine-reported `usage`: what the backend actually prefilled and had cached, to score
+//! placement against the prefix index's prediction.
+//!
+//! Streams carry `usage` only when asked (`stream_options.include_usage`), so kvroute asks for
+//! it when the client did not say, and then removes that extra final chunk (the one with
+//! `"choices":[]` and a `usage` object) before it reaches the client. Everything else passes
+//! through untouched and unbuffered: only an SSE event split across two reads is held back
+//! until its end arrives.
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+
+/// Prompt tokens as the engine counted them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+#[derive(Deserialize)]
+struct UsageJson {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct WithUsage {
+    #[serde(default)]
+    usage: Option<UsageJson>,
+    #[serde(default)]
+    choices: Option<Vec<serde::de::IgnoredAny>>,
+}
+
+fn parse_usage(json: &[u8]) -> Option<(Usage, bool)> {
+    let v: WithUsage = serde_json::from_slice(json).ok()?;
+    let u = v.usage?;
+    let usage = Usage {
+        prompt_tokens: u.prompt_tokens,
+        cached_tokens: u
+            .prompt_tokens_details
+            .and_then(|d| d.cached_tokens)
+            .unwrap_or(0),
+    };
+    let usage_only = v.choices.is_some_and(|c| c.is_empty());
+    Some((usage, usage_only))
+}
+
+/// Rewrite a streaming request body so the engine reports usage: `,"stream_options":
+/// {"include_usage":true}` goes before the final `}`. Only for bodies without
+/// `stream_options`, so no key is ever duplicated. `None` if the body does not end in `}`.
+pub fn ask_for_usage(body: &[u8]) -> Option<Bytes> {
+    let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if body[end] != b'}' {
+        return None;
+    }
+    let empty_object = body[..end]
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .is_some_and(|i| body[i] == b'{');
+    let mut out = BytesMut::with_capacity(body.len() + 48);
+    out.extend_from_slice(&body[..end]);
+    if !empty_object {
+        out.extend_from_slice(b",");
+    }
+    out.extend_from_slice(b"\"stream_options\":{\"include_usage\":true}}");
+    Some(out.freeze())
+}
+
+/// Watches one response body for `usage`.
+pub struct UsageTap {
+    stream: bool,
+    /// Remove the usage-only SSE event (kvroute asked for it, the client did not).
+    strip: bool,
+    /// An SSE event not yet complete (streams) or the whole body so far (non-streams).
+    pending: BytesMut,
+    pub usage: Option<Usage>,
+}
+
+/// Non-streamed bodies larger than this are not parsed for usage (they are passed through).
+const MAX_BUFFERED_BODY: usize = 1 << 20;
+
+impl UsageTap {
+    pub fn new(stream: bool, strip: bool) -> UsageTap {
+        UsageTap {
+            stream,
+            strip,
+            pending: BytesMut::new(),
+            usage: None,
+        }
+    }
+
+    /// Inspect (and for streams, possibly rewrite) one body chunk on its way to the client.
+    pub fn filter(&mut self, body: &mut Option<Bytes>, end_of_stream: bool) {
+        if !self.stream {
+            if let Some(b) = body.as_ref() {
+                if self.pending.len() + b.len() <= MAX_BUFFERED_BODY {
+                    self.pending.extend_from_slice(b);
+                }
+            }
+            if end_of_stream && !self.pending.is_empty() {
+                self.usage = parse_usage(&self.pending).map(|(u, _)| u);
+                self.pending.clear();
+            }
+            return;
+        }
+        let Some(chunk) = body.take() else {
+            if end_of_stream && !self.pending.is_empty() {
+                *body = Some(self.pending.split().freeze());
+            }
+            return;
+        };
+        if self.pending.is_empty() && !self.strip && !contains(&chunk, b"\"usage\"") {
+            // The common case: no usage here, nothing held back.
+            let held = chunk.len() - complete_prefix(&chunk);
+            if held == 0 || end_of_stream {
+                *body = Some(chunk);
+                return;
+            }
+            self.pending.extend_from_slice(&chunk[chunk.len() - held..]);
+            *body = Some(chunk.slice(..chunk.len() - held));
+            return;
+        }
+        self.pending.extend_from_slice(&chunk);
+        let complete = if end_of_stream {
+            self.pending.len()
+        } else {
+            complete_prefix(&self.pending)
+        };
+        let events = self.pending.split_to(complete);
+        let mut out = BytesMut::with_capacity(events.len());
+        for event in split_events(&events) {
+            if let Some(json) = event_data(event).filter(|j| contains(j, b"\"usage\"")) {
+                if let Some((usage, usage_only)) = parse_usage(json) {
+                    self.usage = Some(usage);
+                    if usage_only && self.strip {
+                        continue;
+                    }
+                }
+            }
+            out.extend_from_slice(event);
+        }
+        *body = Some(out.freeze());
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Length of the prefix made of whole SSE events (each ends with a blank line).
+fn complete_prefix(buf: &[u8]) -> usize {
+    let mut end = 0;
+    let mut i = 0;
+    while i + 1 < buf.len() {
+        if buf[i] == b'\n' && buf[i + 1] == b'\n' {
+            end = i + 2;
+            i += 2;
+        } else if i + 3 < buf.len() && &buf[i..i + 4] == b"\r\n\r\n" {
+            end = i + 4;
+            i += 4;
+        } else {
+            i += 1;
+        }
+    }
+    end
+}
+
+/// Whole events, each with its terminating blank line.
+fn split_events(buf: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut i = 0;
+    while i + 1 < buf.len() {
+        let sep = if buf[i] == b'\n' && buf[i + 1] == b'\n' {
+            2
+        } else if i + 3 < buf.len() && &buf[i..i + 4] == b"\r\n\r\n" {
+            4
+        } else {
+            0
+        };
+        if sep > 0 {
+            out.push(&buf[start..i + sep]);
+            start = i + sep;
+            i = start;
+        } else {
+            i += 1;
+        }
+    }
+    if start < buf.len() {
+        out.push(&buf[start..]);
+    }
+    out
+}
+
+/// The JSON of an event's `data:` line, if it has one that is not `[DONE]`.
+fn event_data(event: &[u8]) -> Option<&[u8]> {
+    let text = event.strip_prefix(b"data:")?;
+    let text = text.strip_prefix(b" ").unwrap_or(text);
+    let end = text
+        .iter()
+        .position(|&b| b == b'\n' || b == b'\r')
+        .unwrap_or(text.len());
+    let json = &text[..end];
+    (json != b"[DONE]").then_some(json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONTENT: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"index\":0}]}\n\n";
+    const USAGE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":100,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    fn run(tap: &mut UsageTap, pieces: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let mut body = Some(Bytes::copy_from_slice(p));
+            tap.filter(&mut body, i + 1 == pieces.len());
+            if let Some(b) = body {
+                out.extend_from_slice(&b);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn asks_for_usage_without_duplicating_keys() {
+        let b = ask_for_usage(br#"{"model":"m","stream":true}  "#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["model"], "m");
+        assert_eq!(
+            &ask_for_usage(b"{}").unwrap()[..],
+            br#"{"stream_options":{"include_usage":true}}"#
+        );
+        assert!(ask_for_usage(b"[1]").is_none());
+    }
+
+    #[test]
+    fn strips_the_usage_chunk_it_asked_for() {
+        let mut tap = UsageTap::new(true, true);
+        let all = format!("{CONTENT}{CONTENT}{USAGE}{DONE}");
+        let out = run(&mut tap, &[all.as_bytes()]);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("{CONTENT}{CONTENT}{DONE}")
+        );
+        assert_eq!(
+            tap.usage,
+            Some(Usage {
+                prompt_tokens: 100,
+                cached_tokens: 64
+            })
+        );
+    }
+
+    #[test]
+    fn keeps_the_usage_chunk_the_client_asked_for() {
+        let mut tap = UsageTap::new(true, false);
+        let all = format!("{CONTENT}{USAGE}{DONE}");
+        let out = run(&mut tap, &[all.as_bytes()]);
+        assert_eq!(String::from_utf8(out).unwrap(), all);
+        assert_eq!(tap.usage.unwrap().cached_tokens, 64);
+    }
+
+    #[test]
+    fn events_split_across_reads_are_reassembled() {
+        let all = format!("{CONTENT}{USAGE}{DONE}");
+        let bytes = all.as_bytes();
+        for cut in 1..bytes.len() {
+            for strip in [false, true] {
+                let mut tap = UsageTap::new(true, strip);
+                let out = run(&mut tap, &[&bytes[..cut], &bytes[cut..]]);
+                let want = if strip {
+                    format!("{CONTENT}{DONE}")
+                } else {
+                    all.clone()
+                };
+                assert_eq!(String::from_utf8(out).unwrap(), want, "cut at {cut}");
+                assert_eq!(tap.usage.unwrap().prompt_tokens, 100);
+            }
+        }
+    }
+
+    #[test]
+    fn content_without_usage_passes_unchanged_and_unheld() {
+        let mut tap = UsageTap::new(true, false);
+        let mut body = Some(Bytes::from(CONTENT));
+        tap.filter(&mut body, false);
+        assert_eq!(body.unwrap(), Bytes::from(CONTENT));
+        assert!(tap.usage.is_none());
+    }
+
+    #[test]
+    fn non_streamed_body_usage() {
+        let mut tap = UsageTap::new(false, false);
+        let body = br#"{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+        let out = run(&mut tap, &[&body[..20], &body[20..]]);
+        assert_eq!(out, body);
+        assert_eq!(
+            tap.usage,
+            Some(Usage {
+                prompt_tokens: 7,
+                cached_tokens: 0
+            })
+        );
+    }
+}
