@@ -31,7 +31,9 @@ impl ServeHttp for AdminApp {
             "/metrics" => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
-                self.state.metrics.render(&fleet),
+                self.state
+                    .metrics
+                    .render(&fleet, self.state.admission.depth()),
             ),
             "/healthz" => reply(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" => {

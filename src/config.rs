@@ -152,6 +152,7 @@ impl RoutingConfig {
             heavy_prefill_tokens: self.heavy_prefill_tokens,
             decode_stall_weight: self.decode_stall_weight,
             kv_usage_ceiling: self.kv_usage_ceiling,
+            backend_max_inflight: u64::MAX,
         }
     }
 }
@@ -205,6 +206,13 @@ pub struct LimitsConfig {
     pub max_attempts: u32,
     /// Seconds suggested in `Retry-After` when no backend can take a request.
     pub retry_after_seconds: u32,
+    /// Hard cap of requests in flight per backend (per unit of weight); when every backend is
+    /// at it, requests wait in the router queue.
+    pub backend_max_inflight: u64,
+    /// Requests that may wait in the router queue; more are shed with 503.
+    pub queue_size: usize,
+    /// Longest wait in the router queue before a request is shed with 503.
+    pub queue_timeout_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -213,6 +221,9 @@ impl Default for LimitsConfig {
             max_body_bytes: 32 * 1024 * 1024,
             max_attempts: 3,
             retry_after_seconds: 1,
+            backend_max_inflight: 256,
+            queue_size: 1024,
+            queue_timeout_ms: 10_000,
         }
     }
 }
@@ -379,6 +390,15 @@ impl Config {
                 "kvroute.limits.max_attempts",
                 "must be between 1 and 16",
             ));
+        }
+        if l.backend_max_inflight == 0 {
+            return Err(err(
+                "kvroute.limits.backend_max_inflight",
+                "must be positive",
+            ));
+        }
+        if l.queue_timeout_ms == 0 {
+            return Err(err("kvroute.limits.queue_timeout_ms", "must be positive"));
         }
         let t = &self.timeouts;
         for (key, v) in [

@@ -215,6 +215,25 @@ impl Fleet {
         }
     }
 
+    /// Like [`Fleet::charge`], but only while backend `i` has fewer than `cap` (per unit of
+    /// weight) requests in flight; the check and the charge are one atomic step.
+    pub fn try_charge(&self, i: usize, prefill: u64, cap: u64) -> Option<InflightGuard> {
+        let backend = self.backends[i].clone();
+        let limit = cap.saturating_mul(backend.weight as u64);
+        backend
+            .inflight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                (v < limit).then_some(v + 1)
+            })
+            .ok()?;
+        backend.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
+        Some(InflightGuard {
+            backend,
+            prefill,
+            decoding: false,
+        })
+    }
+
     /// Per backend, how many of `blocks` (a request's prefix) its index holds.
     pub fn matches(&self, blocks: &[u64]) -> Vec<u32> {
         let mut out = vec![0; self.backends.len()];

@@ -24,6 +24,7 @@
 //! - [`index`]: prefix index (per-backend LRU of block hashes, reverse map for longest match).
 //! - [`proxy`]: the Pingora `ProxyHttp` phases.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz` listener.
+//! - [`admission`]: the router queue (priority, deadline) and shedding.
 //! - [`metrics`]: `kvroute_*` Prometheus families.
 //! - [`telemetry`]: engine /metrics scraping (vLLM, SGLang, llama.cpp, DCGM).
 //! - [`error`]: the client-facing error type (HTTP status + OpenAI error JSON).
@@ -32,6 +33,7 @@
 //! - [`usage`]: engine-reported usage from responses (asked for on streams, then stripped).
 
 pub mod admin;
+pub mod admission;
 pub mod config;
 pub mod error;
 pub mod fleet;

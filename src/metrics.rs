@@ -26,6 +26,9 @@ pub struct Metrics {
     pub decoding: IntGaugeVec,
     /// Engine telemetry, one gauge family per scraped quantity.
     engine: Vec<(GaugeVec, Pick)>,
+    pub queue_depth: IntGauge,
+    pub queue_wait: HistogramVec,
+    pub shed: IntCounterVec,
     telemetry_age: GaugeVec,
 }
 
@@ -206,6 +209,23 @@ impl Metrics {
                     Ok((g, *pick))
                 })
                 .collect::<prometheus::Result<Vec<_>>>()?,
+            queue_depth: {
+                let g = IntGauge::new("kvroute_queue_depth", "Requests waiting in the router queue.")?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
+            queue_wait: histogram(
+                &r,
+                "kvroute_queue_wait_seconds",
+                "Time requests spent in the router queue, by outcome (admitted, shed).",
+                &["outcome"],
+            )?,
+            shed: counter(
+                &r,
+                "kvroute_shed_requests_total",
+                "Requests answered 503 because the fleet was saturated, by reason (queue_full, queue_timeout).",
+                &["reason"],
+            )?,
             telemetry_age: {
                 let g = GaugeVec::new(
                     Opts::new(
@@ -222,7 +242,8 @@ impl Metrics {
     }
 
     /// Prometheus text exposition, with per-backend gauges refreshed from the fleet.
-    pub fn render(&self, fleet: &Fleet) -> Vec<u8> {
+    pub fn render(&self, fleet: &Fleet, queue_depth: usize) -> Vec<u8> {
+        self.queue_depth.set(queue_depth as i64);
         for (i, b) in fleet.backends().iter().enumerate() {
             self.inflight
                 .with_label_values(&[&b.name])

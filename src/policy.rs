@@ -100,6 +100,8 @@ pub struct Params {
     pub decode_stall_weight: f64,
     /// Engine-reported KV usage above which a backend is a last resort.
     pub kv_usage_ceiling: f64,
+    /// Hard cap of in-flight requests per unit of weight: a backend at it is not eligible.
+    pub backend_max_inflight: u64,
 }
 
 impl Params {
@@ -114,6 +116,7 @@ impl Params {
             heavy_prefill_tokens: 8192,
             decode_stall_weight: 0.02,
             kv_usage_ceiling: 0.9,
+            backend_max_inflight: u64::MAX,
         }
     }
 }
@@ -176,7 +179,12 @@ pub fn choose(
     excluded: &[usize],
     ticket: u64,
 ) -> Option<Decision> {
-    let eligible = |i: usize| snap.backends[i].healthy && !excluded.contains(&i);
+    let eligible = |i: usize| {
+        let b = &snap.backends[i];
+        b.healthy
+            && !excluded.contains(&i)
+            && b.inflight < params.backend_max_inflight.saturating_mul(b.weight as u64)
+    };
     let n = snap.backends.len();
     if n == 0 || !(0..n).any(eligible) {
         return None;
@@ -415,6 +423,40 @@ mod tests {
         };
         let d = choose(&params(PolicyKind::LeastLoad), &req(0), &snap, &[], 0).unwrap();
         assert_eq!(d.backend, 2);
+    }
+
+    #[test]
+    fn backends_at_the_hard_cap_are_not_eligible() {
+        let r = ring(2);
+        let key = 4;
+        let order: Vec<usize> = r.walk(key, 2).collect();
+        let mut loads = idle(2);
+        loads[order[0]].inflight = 3;
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &r,
+            matched: &[],
+        };
+        for p in [
+            PolicyKind::SessionHash,
+            PolicyKind::BoundedHash,
+            PolicyKind::KvAware,
+            PolicyKind::LeastLoad,
+        ] {
+            let mut params = params(p);
+            params.backend_max_inflight = 3;
+            let d = choose(&params, &req(key), &snap, &[], 0).unwrap();
+            assert_eq!(d.backend, order[1], "{p:?}");
+        }
+        loads[order[1]].inflight = 3;
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &r,
+            matched: &[],
+        };
+        let mut params = params(PolicyKind::BoundedHash);
+        params.backend_max_inflight = 3;
+        assert!(choose(&params, &req(key), &snap, &[], 0).is_none());
     }
 
     proptest! {

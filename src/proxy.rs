@@ -10,6 +10,7 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::admission::Shed;
 use crate::error::ApiError;
 use crate::fleet::{Fleet, InflightGuard};
 use crate::policy::{self, PolicyKind, Snapshot};
@@ -21,6 +22,13 @@ use crate::usage::{self, UsageTap};
 /// Pingora forwards a body read in `request_filter` only through its retry buffer, which holds
 /// at most this much; see `read_body`.
 const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+
+/// Request header carrying a queue priority (integer, higher first, default 0).
+pub const PRIORITY_HEADER: &str = "x-priority";
+
+/// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
+/// longer than this).
+const QUEUE_RECHECK: Duration = Duration::from_millis(200);
 
 pub struct Router {
     pub state: Arc<State>,
@@ -50,6 +58,8 @@ pub struct Ctx {
     /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
     strip_usage: bool,
     usage: Option<UsageTap>,
+    /// `x-priority`: higher leaves the router queue first.
+    priority: i32,
 }
 
 impl Ctx {
@@ -148,12 +158,16 @@ impl Router {
         Ok(buf.freeze())
     }
 
-    fn place(&self, ctx: &mut Ctx, fleet: &Fleet) -> Option<usize> {
+    /// Choose a backend; `None` when none is eligible. Routed requests come back with their
+    /// decision so it can be recorded once the charge succeeds.
+    fn place(&self, ctx: &mut Ctx, fleet: &Fleet) -> Option<(usize, Option<policy::Decision>)> {
         let Some(profile) = ctx.profile.as_ref() else {
             ctx.reason = "passthrough";
-            return fleet.pick_passthrough(&ctx.tried);
+            return fleet.pick_passthrough(&ctx.tried).map(|i| (i, None));
         };
-        let params = self.state.config().routing.params();
+        let cfg = self.state.config();
+        let mut params = cfg.routing.params();
+        params.backend_max_inflight = cfg.limits.backend_max_inflight;
         let loads = fleet.loads();
         let matched = if params.policy == PolicyKind::KvAware {
             fleet.matches(&profile.prefix_blocks)
@@ -180,29 +194,105 @@ impl Router {
             d.est_ttft_s * 1000.0,
             ctx.tried,
         );
-        self.state
-            .metrics
-            .decisions
-            .with_label_values(&[params.policy.as_str(), d.reason.as_str()])
-            .inc();
         ctx.reason = d.reason.as_str();
         ctx.prefill = profile
             .est_prompt_tokens
             .saturating_sub(d.predicted_cached_tokens);
-        if params.policy == PolicyKind::KvAware {
-            fleet.record(d.backend, &profile.prefix_blocks);
+        Some((d.backend, Some(d)))
+    }
+
+    /// A placement went through: count it and, for kv_aware, believe the backend now holds
+    /// the prompt's blocks.
+    fn record(&self, ctx: &Ctx, fleet: &Fleet, d: &policy::Decision) {
+        let policy = self.state.config().routing.policy;
+        self.state
+            .metrics
+            .decisions
+            .with_label_values(&[policy.as_str(), d.reason.as_str()])
+            .inc();
+        if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.profile.as_ref()) {
+            fleet.record(d.backend, &p.prefix_blocks);
             self.state
                 .metrics
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);
         }
-        Some(d.backend)
+    }
+
+    /// Every eligible (healthy, untried) backend is at its hard cap.
+    fn saturated(&self, ctx: &Ctx, fleet: &Fleet) -> bool {
+        let cap = self.state.config().limits.backend_max_inflight;
+        let loads = fleet.loads();
+        let mut eligible = loads
+            .iter()
+            .enumerate()
+            .filter(|(i, b)| b.healthy && !ctx.tried.contains(i))
+            .peekable();
+        eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight >= cap * b.weight as u64)
+    }
+
+    /// Wait in the router queue while every eligible backend is at its hard cap.
+    async fn queue_for_capacity(
+        &self,
+        ctx: &Ctx,
+        fleet: &Fleet,
+    ) -> std::result::Result<(), ApiError> {
+        let limits = self.state.config().limits.clone();
+        let saturated = || self.saturated(ctx, fleet);
+        if !saturated() {
+            return Ok(());
+        }
+        let admission = &self.state.admission;
+        let metrics = &self.state.metrics;
+        let entered = tokio::time::Instant::now();
+        let deadline = tokio::time::Instant::from_std(ctx.start)
+            + Duration::from_millis(limits.queue_timeout_ms);
+        let ticket = admission.ticket();
+        loop {
+            let until = deadline.min(tokio::time::Instant::now() + QUEUE_RECHECK);
+            let waited = admission
+                .wait(ctx.priority, ticket, until, limits.queue_size)
+                .await;
+            let shed = match waited {
+                Err(Shed::Deadline) if tokio::time::Instant::now() < deadline => None,
+                Err(e) => Some(e),
+                Ok(()) => None,
+            };
+            if let Some(reason) = shed {
+                metrics
+                    .queue_wait
+                    .with_label_values(&["shed"])
+                    .observe(entered.elapsed().as_secs_f64());
+                metrics.shed.with_label_values(&[reason.as_str()]).inc();
+                return Err(ApiError::unavailable(
+                    "fleet_saturated",
+                    match reason {
+                        Shed::QueueFull => {
+                            "every backend is at capacity and the router queue is full".to_string()
+                        }
+                        Shed::Deadline => format!(
+                            "every backend stayed at capacity for {} ms",
+                            limits.queue_timeout_ms
+                        ),
+                    },
+                    limits.retry_after_seconds,
+                ));
+            }
+            if !saturated() {
+                metrics
+                    .queue_wait
+                    .with_label_values(&["admitted"])
+                    .observe(entered.elapsed().as_secs_f64());
+                return Ok(());
+            }
+        }
     }
 
     /// After a failed attempt: exclude that backend and decide whether another is allowed.
     fn after_failure(&self, ctx: &mut Ctx, kind: &str, stale_pooled_conn: bool) -> bool {
         let max = self.state.config().limits.max_attempts;
         ctx.guard = None;
+        self.state.admission.wake_one();
         self.state
             .metrics
             .upstream_failures
@@ -241,6 +331,7 @@ impl ProxyHttp for Router {
             error: None,
             strip_usage: false,
             usage: None,
+            priority: 0,
         }
     }
 
@@ -255,6 +346,20 @@ impl ProxyHttp for Router {
                 session.req_header().uri.path()
             ));
             return reject(session, ctx, err, true).await;
+        }
+        match session
+            .req_header()
+            .headers
+            .get(PRIORITY_HEADER)
+            .map(|v| v.to_str().ok().and_then(|s| s.trim().parse::<i32>().ok()))
+        {
+            None => {}
+            Some(Some(p)) => ctx.priority = p,
+            Some(None) => {
+                let err =
+                    ApiError::bad_request("invalid_priority", "x-priority must be an integer");
+                return reject(session, ctx, err, true).await;
+            }
         }
         let cfg = self.state.config();
         let per_read = Duration::from_millis(cfg.timeouts.client_body_read_ms);
@@ -294,24 +399,48 @@ impl ProxyHttp for Router {
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         let fleet = ctx.fleet.get_or_insert_with(|| self.state.fleet()).clone();
         ctx.attempts += 1;
-        let Some(idx) = self.place(ctx, &fleet) else {
-            let err = if ctx.tried.is_empty() {
-                ApiError::unavailable(
-                    "no_healthy_backend",
-                    "no healthy backend is available",
-                    self.state.config().limits.retry_after_seconds,
-                )
-            } else {
-                ApiError::upstream(format!(
-                    "{} backend(s) failed before responding and no other healthy backend is left",
-                    ctx.tried.len()
-                ))
+        let cap = self.state.config().limits.backend_max_inflight;
+        // Placement and the hard cap race with concurrent requests: a charge that finds its
+        // backend full since the decision places again (or queues).
+        let idx = loop {
+            if ctx.profile.is_some() {
+                if let Err(err) = self.queue_for_capacity(ctx, &fleet).await {
+                    ctx.error = Some(err.clone());
+                    return Err(err.into_pingora());
+                }
+            }
+            let Some((idx, decision)) = self.place(ctx, &fleet) else {
+                if ctx.profile.is_some() && self.saturated(ctx, &fleet) {
+                    continue;
+                }
+                let err = if ctx.tried.is_empty() {
+                    ApiError::unavailable(
+                        "no_healthy_backend",
+                        "no healthy backend is available",
+                        self.state.config().limits.retry_after_seconds,
+                    )
+                } else {
+                    ApiError::upstream(format!(
+                        "{} backend(s) failed before responding and no other healthy backend is left",
+                        ctx.tried.len()
+                    ))
+                };
+                ctx.error = Some(err.clone());
+                return Err(err.into_pingora());
             };
-            ctx.error = Some(err.clone());
-            return Err(err.into_pingora());
+            let guard = match decision {
+                Some(_) => fleet.try_charge(idx, ctx.prefill, cap),
+                None => Some(fleet.charge(idx, ctx.prefill)),
+            };
+            if let Some(g) = guard {
+                if let Some(d) = decision {
+                    self.record(ctx, &fleet, &d);
+                }
+                ctx.guard = Some(g);
+                break idx;
+            }
         };
         ctx.backend = Some(idx);
-        ctx.guard = Some(fleet.charge(idx, ctx.prefill));
         let cfg = self.state.config();
         let mut peer = HttpPeer::new(fleet.backends()[idx].addr, false, String::new());
         let t = &cfg.timeouts;
@@ -468,7 +597,10 @@ impl ProxyHttp for Router {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        ctx.guard = None;
+        if ctx.guard.take().is_some() {
+            // A slot freed up: the router queue's best waiter may go.
+            self.state.admission.wake_one();
+        }
         let status = session.response_written().map_or(0, |r| r.status.as_u16());
         let backend = ctx.backend_name().to_owned();
         let m = &self.state.metrics;

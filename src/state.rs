@@ -3,6 +3,7 @@
 use arc_swap::ArcSwap;
 use std::sync::Arc;
 
+use crate::admission::Admission;
 use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
@@ -11,6 +12,7 @@ pub struct State {
     config: ArcSwap<Config>,
     fleet: ArcSwap<Fleet>,
     pub metrics: Metrics,
+    pub admission: Admission,
 }
 
 impl State {
@@ -19,6 +21,7 @@ impl State {
             config: ArcSwap::from_pointee(config),
             fleet: ArcSwap::from_pointee(fleet),
             metrics,
+            admission: Admission::default(),
         }
     }
 

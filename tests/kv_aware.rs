@@ -175,3 +175,105 @@ fn engine_telemetry_is_scraped_and_expires() {
         "kvroute_backend_kv_cache_usage_ratio{{backend=\"{alive}\"}}"
     )));
 }
+
+async fn burst(kv: &Kvroute, n: usize) -> Vec<(u16, Option<String>, serde_json::Value, Duration)> {
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (c, url) = (c.clone(), kv.url("/v1/chat/completions"));
+        tasks.push(tokio::spawn(async move {
+            let start = std::time::Instant::now();
+            let body = chat_body(
+                MODEL,
+                json!([{"role": "user", "content": format!("burst {i}")}]),
+                false,
+                2,
+            );
+            let resp = c.post(&url).json(&body).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let retry = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string());
+            let v = resp.json().await.unwrap_or(serde_json::Value::Null);
+            (status, retry, v, start.elapsed())
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// Every backend at its hard cap: requests wait in the bounded router queue and run when a slot
+/// frees; beyond the queue (or its deadline) they get 503 with Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_queues_then_sheds_with_retry_after() {
+    let sims = Sim::start_n(2, &["--ttft-ms", "800", "--itl-ms", "0"]);
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let kv = Kvroute::start(
+        &addrs,
+        "  routing:\n    policy: kv_aware\n  limits:\n    backend_max_inflight: 2\n    queue_size: 2\n    queue_timeout_ms: 5000\n    retry_after_seconds: 2\n",
+    );
+    let results = burst(&kv, 8).await;
+    let ok: Vec<_> = results.iter().filter(|r| r.0 == 200).collect();
+    let shed: Vec<_> = results.iter().filter(|r| r.0 == 503).collect();
+    assert_eq!(ok.len() + shed.len(), 8, "{results:?}");
+    assert!(
+        ok.len() >= 6,
+        "4 running + 2 queued should succeed: {results:?}"
+    );
+    assert!(!shed.is_empty());
+    for (_, retry, v, took) in &shed {
+        assert_eq!(retry.as_deref(), Some("2"));
+        assert_eq!(v["error"]["code"], "fleet_saturated");
+        assert!(
+            *took < Duration::from_millis(500),
+            "a full queue sheds at once: {took:?}"
+        );
+    }
+    // Queued requests ran after the first wave, not failed or stalled.
+    let slowest = ok.iter().map(|r| r.3).max().unwrap();
+    assert!(slowest < Duration::from_millis(3000), "{slowest:?}");
+    let text = kv.metrics_when("kvroute_requests_total", &[], 8.0);
+    assert_eq!(
+        metric_sum(
+            &text,
+            "kvroute_shed_requests_total",
+            &[("reason", "queue_full")]
+        ),
+        shed.len() as f64
+    );
+    assert!(
+        metric_sum(
+            &text,
+            "kvroute_queue_wait_seconds_count",
+            &[("outcome", "admitted")]
+        ) >= 2.0
+    );
+    assert_eq!(metric_sum(&text, "kvroute_queue_depth", &[]), 0.0);
+    drop(kv);
+
+    // A queue that waits too long sheds by deadline.
+    let kv = Kvroute::start(
+        &addrs,
+        "  limits:\n    backend_max_inflight: 1\n    queue_size: 100\n    queue_timeout_ms: 300\n",
+    );
+    let results = burst(&kv, 4).await;
+    let shed = results.iter().filter(|r| r.0 == 503).count();
+    assert_eq!(results.iter().filter(|r| r.0 == 200).count() + shed, 4);
+    assert!(shed >= 1, "{results:?}");
+    let text = kv.metrics_when("kvroute_requests_total", &[], 4.0);
+    assert_eq!(
+        metric_sum(
+            &text,
+            "kvroute_shed_requests_total",
+            &[("reason", "queue_timeout")]
+        ),
+        shed as f64
+    );
+}
