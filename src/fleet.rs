@@ -29,6 +29,8 @@ pub struct BackendState {
     /// Configured KV capacity; `None` lets telemetry set it.
     kv_capacity_configured: Option<u64>,
     pub telemetry: Slot,
+    /// Online correction of `prefill_rate` (f64 bits), learned from observed TTFTs.
+    rate_scale: AtomicU64,
     inflight: AtomicU64,
     queued_prefill: AtomicU64,
     decoding: AtomicU64,
@@ -46,6 +48,25 @@ impl BackendState {
 
     pub fn decoding(&self) -> u64 {
         self.decoding.load(Ordering::Relaxed)
+    }
+
+    /// The prefill rate placement uses: configured, times what observed TTFTs taught.
+    pub fn effective_prefill_rate(&self) -> f64 {
+        self.prefill_rate * f64::from_bits(self.rate_scale.load(Ordering::Relaxed))
+    }
+
+    /// A request estimated to wait `est_s` for its first byte waited `observed_s`: move the rate
+    /// a tenth of the way (in log space) toward what would have predicted it.
+    pub fn observe_ttft(&self, est_s: f64, observed_s: f64) {
+        if !(est_s > 0.0 && observed_s > 0.0) {
+            return;
+        }
+        let step = (est_s / observed_s).clamp(0.25, 4.0).powf(0.1);
+        let _ = self
+            .rate_scale
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) * step).clamp(0.1, 10.0).to_bits())
+            });
     }
 }
 
@@ -120,6 +141,7 @@ impl Fleet {
                 dcgm,
                 kv_capacity_configured: b.kv_capacity_tokens,
                 telemetry: Slot::default(),
+                rate_scale: AtomicU64::new(1.0f64.to_bits()),
                 inflight: AtomicU64::new(0),
                 queued_prefill: AtomicU64::new(0),
                 decoding: AtomicU64::new(0),
@@ -186,7 +208,7 @@ impl Fleet {
                     inflight: b.inflight(),
                     queued_prefill: b.queued_prefill(),
                     decoding: b.decoding(),
-                    prefill_rate: b.prefill_rate,
+                    prefill_rate: b.effective_prefill_rate(),
                     engine_load: engine.and_then(|e| match (e.running, e.waiting) {
                         (None, None) => None,
                         (r, w) => Some((r.unwrap_or(0.0) + w.unwrap_or(0.0)).max(0.0) as u64),
@@ -305,4 +327,55 @@ fn health_check(cfg: &HealthCheckConfig) -> Result<Box<HttpHealthCheck>, String>
     hc.consecutive_success = cfg.consecutive_success;
     hc.consecutive_failure = cfg.consecutive_failure;
     Ok(Box::new(hc))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet() -> Fleet {
+        let cfg = Config::from_yaml(
+            "kvroute:\n  listen: \"127.0.0.1:1\"\n  backends:\n    - addr: \"127.0.0.1:2\"\n      prefill_tokens_per_s: 20000\n",
+        )
+        .unwrap();
+        Fleet::new(&cfg).unwrap()
+    }
+
+    #[test]
+    fn prefill_rate_learns_from_observed_ttft() {
+        let f = fleet();
+        let b = &f.backends()[0];
+        // The engine is twice as slow as configured: TTFTs come in at twice the estimate.
+        for _ in 0..200 {
+            let est = 0.2 * 20_000.0 / b.effective_prefill_rate();
+            b.observe_ttft(est, 0.4);
+        }
+        let rate = b.effective_prefill_rate();
+        assert!((rate - 10_000.0).abs() < 500.0, "{rate}");
+        // Nonsense observations change nothing.
+        b.observe_ttft(0.0, 1.0);
+        b.observe_ttft(1.0, f64::NAN);
+        assert_eq!(b.effective_prefill_rate(), rate);
+    }
+
+    #[test]
+    fn charges_are_released_however_requests_end() {
+        let f = fleet();
+        let mut g = f.charge(0, 1000);
+        assert_eq!(
+            (f.backends()[0].inflight(), f.backends()[0].queued_prefill()),
+            (1, 1000)
+        );
+        g.first_byte();
+        assert_eq!(
+            (f.backends()[0].queued_prefill(), f.backends()[0].decoding()),
+            (0, 1)
+        );
+        let before_answer = f.try_charge(0, 500, 2).unwrap();
+        assert!(f.try_charge(0, 1, 2).is_none(), "cap of 2 reached");
+        drop(g);
+        drop(before_answer);
+        let b = &f.backends()[0];
+        assert_eq!((b.inflight(), b.queued_prefill(), b.decoding()), (0, 0, 0));
+    }
 }

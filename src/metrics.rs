@@ -23,6 +23,7 @@ pub struct Metrics {
     pub index_blocks: IntGauge,
     pub index_bytes: IntGauge,
     pub queued_prefill: IntGaugeVec,
+    pub prefill_rate: GaugeVec,
     pub decoding: IntGaugeVec,
     /// Engine telemetry, one gauge family per scraped quantity.
     engine: Vec<(GaugeVec, Pick)>,
@@ -195,6 +196,17 @@ impl Metrics {
                 "Estimated prompt tokens dispatched to the backend and not yet answered.",
                 &["backend"],
             )?,
+            prefill_rate: {
+                let g = GaugeVec::new(
+                    Opts::new(
+                        "kvroute_backend_prefill_rate_tokens_per_second",
+                        "Prefill rate kv_aware assumes: configured, corrected online from observed TTFTs.",
+                    ),
+                    &["backend"],
+                )?;
+                r.register(Box::new(g.clone()))?;
+                g
+            },
             decoding: gauge(
                 &r,
                 "kvroute_backend_decoding_requests",
@@ -257,6 +269,9 @@ impl Metrics {
             self.decoding
                 .with_label_values(&[&b.name])
                 .set(b.decoding() as i64);
+            self.prefill_rate
+                .with_label_values(&[&b.name])
+                .set(b.effective_prefill_rate());
         }
         for b in fleet.backends() {
             let fresh = b.telemetry.fresh(fleet.stale_after());

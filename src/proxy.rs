@@ -26,6 +26,10 @@ const RETRY_BUFFER_BYTES: usize = 64 * 1024;
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
 
+/// Only TTFT estimates at least this long teach the prefill rate: shorter ones are mostly
+/// step overhead and network, not prefill.
+const MIN_LEARNING_TTFT_S: f64 = 0.05;
+
 /// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
 /// longer than this).
 const QUEUE_RECHECK: Duration = Duration::from_millis(200);
@@ -60,6 +64,9 @@ pub struct Ctx {
     usage: Option<UsageTap>,
     /// `x-priority`: higher leaves the router queue first.
     priority: i32,
+    /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
+    dispatched: Option<Instant>,
+    est_ttft_s: f64,
 }
 
 impl Ctx {
@@ -332,6 +339,8 @@ impl ProxyHttp for Router {
             strip_usage: false,
             usage: None,
             priority: 0,
+            dispatched: None,
+            est_ttft_s: 0.0,
         }
     }
 
@@ -435,7 +444,9 @@ impl ProxyHttp for Router {
             if let Some(g) = guard {
                 if let Some(d) = decision {
                     self.record(ctx, &fleet, &d);
+                    ctx.est_ttft_s = d.est_ttft_s;
                 }
+                ctx.dispatched = Some(Instant::now());
                 ctx.guard = Some(g);
                 break idx;
             }
@@ -610,6 +621,19 @@ impl ProxyHttp for Router {
             .observe(elapsed.as_secs_f64());
         let streamed = ctx.profile.as_ref().is_some_and(|p| p.stream);
         let ttft = ctx.first_byte.map(|t| t.duration_since(ctx.start));
+        // Teach the backend's prefill rate from estimates large enough to be mostly prefill.
+        if let (Some(f), Some(i), Some(sent), Some(first), 200) = (
+            &ctx.fleet,
+            ctx.backend,
+            ctx.dispatched,
+            ctx.first_byte,
+            status,
+        ) {
+            if ctx.est_ttft_s >= MIN_LEARNING_TTFT_S && streamed {
+                f.backends()[i]
+                    .observe_ttft(ctx.est_ttft_s, first.duration_since(sent).as_secs_f64());
+            }
+        }
         if let (true, Some(t), 200) = (streamed, ttft, status) {
             m.ttft
                 .with_label_values(&[&backend])
