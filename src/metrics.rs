@@ -28,6 +28,7 @@ pub struct Metrics {
     /// Engine telemetry, one gauge family per scraped quantity.
     engine: Vec<(GaugeVec, Pick)>,
     pub queue_depth: IntGauge,
+    pub decision_time: prometheus::Histogram,
     pub queue_wait: HistogramVec,
     pub shed: IntCounterVec,
     telemetry_age: GaugeVec,
@@ -221,6 +222,18 @@ impl Metrics {
                     Ok((g, *pick))
                 })
                 .collect::<prometheus::Result<Vec<_>>>()?,
+            decision_time: {
+                // 1 us .. ~0.5 s.
+                let h = prometheus::Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvroute_routing_decision_seconds",
+                        "Time to place a routed request: index lookup, snapshot, policy.",
+                    )
+                    .buckets(exponential_buckets(1e-6, 2.0, 20)?),
+                )?;
+                r.register(Box::new(h.clone()))?;
+                h
+            },
             queue_depth: {
                 let g = IntGauge::new("kvroute_queue_depth", "Requests waiting in the router queue.")?;
                 r.register(Box::new(g.clone()))?;

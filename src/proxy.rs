@@ -418,7 +418,15 @@ impl ProxyHttp for Router {
                     return Err(err.into_pingora());
                 }
             }
-            let Some((idx, decision)) = self.place(ctx, &fleet) else {
+            let placing = Instant::now();
+            let placed = self.place(ctx, &fleet);
+            if placed.as_ref().is_some_and(|p| p.1.is_some()) {
+                self.state
+                    .metrics
+                    .decision_time
+                    .observe(placing.elapsed().as_secs_f64());
+            }
+            let Some((idx, decision)) = placed else {
                 if ctx.profile.is_some() && self.saturated(ctx, &fleet) {
                     continue;
                 }

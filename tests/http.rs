@@ -396,6 +396,11 @@ async fn metrics_expose_the_documented_families() {
         "kvroute_backend_inflight_requests",
         "kvroute_backend_healthy",
         "kvroute_routing_decisions_total",
+        "kvroute_routing_decision_seconds",
+        "kvroute_prompt_tokens_total",
+        "kvroute_cached_prompt_tokens_total",
+        "kvroute_queue_depth",
+        "kvroute_index_blocks",
     ] {
         assert!(
             text.contains(&format!("# TYPE {family} ")),
