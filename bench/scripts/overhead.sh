@@ -57,7 +57,7 @@ http {
   }
   server {
     listen 127.0.0.1:$BACKEND_SSE;
-    location / { default_type text/event-stream; return 200 "$SSE_BODY"; }
+    location / { default_type text/event-stream; return 200 '$SSE_BODY'; }
   }
 }
 CONF
@@ -108,7 +108,7 @@ CONF
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
 
-taskset -c 0 nginx -c "$WORK/backend.conf" -p "$WORK" 2>/dev/null
+taskset -c 0 nginx -c "$WORK/backend.conf" -p "$WORK"
 wait_port $BACKEND_JSON
 
 python3 - "$WORK" <<'PY'
@@ -176,7 +176,7 @@ PY
 for mode in plain stream; do
   backend=$BACKEND_JSON; [ $mode = stream ] && backend=$BACKEND_SSE
   rr_conf $backend; kv_conf $backend
-  taskset -c 1 nginx -c "$WORK/rr.conf" -p "$WORK" 2>/dev/null
+  taskset -c 1 nginx -c "$WORK/rr.conf" -p "$WORK"
   RUST_LOG=warn taskset -c 1 "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
   KPID=$!; PIDS+=("$KPID")
   wait_port $NGINX_RR; wait_port $KV
