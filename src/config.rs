@@ -133,6 +133,9 @@ pub struct RoutingConfig {
     /// kv_aware: a backend whose engine reports more KV cache in use than this takes new
     /// requests only when no other can.
     pub kv_usage_ceiling: f64,
+    /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
+    /// only when it saves at least this many prompt tokens.
+    pub min_prefix_saving_tokens: u64,
 }
 
 impl RoutingConfig {
@@ -153,6 +156,7 @@ impl RoutingConfig {
             decode_stall_weight: self.decode_stall_weight,
             kv_usage_ceiling: self.kv_usage_ceiling,
             backend_max_inflight: u64::MAX,
+            min_prefix_saving_tokens: self.min_prefix_saving_tokens,
         }
     }
 }
@@ -160,7 +164,7 @@ impl RoutingConfig {
 impl Default for RoutingConfig {
     fn default() -> Self {
         RoutingConfig {
-            policy: PolicyKind::BoundedHash,
+            policy: PolicyKind::KvAware,
             epsilon: 0.5,
             slack: 1,
             work_unit_tokens: 4096,
@@ -168,6 +172,7 @@ impl Default for RoutingConfig {
             heavy_prefill_tokens: 8192,
             decode_stall_weight: 0.02,
             kv_usage_ceiling: 0.9,
+            min_prefix_saving_tokens: 1024,
         }
     }
 }
@@ -443,7 +448,7 @@ kvroute:
         assert_eq!(c.admin_listen, "127.0.0.1:9090");
         assert_eq!(c.backends[0].weight, 1);
         assert_eq!(c.backends[1].weight, 2);
-        assert_eq!(c.routing.policy, PolicyKind::BoundedHash);
+        assert_eq!(c.routing.policy, PolicyKind::KvAware);
         assert_eq!(c.routing.slack, 1);
         assert_eq!(c.health_check.path, "/health");
     }

@@ -11,6 +11,7 @@
 //! admissible  = healthy, untried, and work(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack
 //! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b)
 //! score(b)    = est_ttft(b) + decode_stall_weight * decoding(b) * uncached(b) / prefill_rate(b)
+//!               - [b is the key's owner] * min_prefix_saving_tokens / prefill_rate(b)
 //! ```
 //!
 //! `W` is the eligible fleet's work. As in the unit-request rule (`load + 1 <= bound`), a
@@ -18,7 +19,8 @@
 //! fair share must still fit somewhere.
 //!
 //! Candidates, in ring order from the session key: the first `candidates` admissible ring
-//! positions, plus every admissible backend whose match is at least half the best match; a
+//! positions, plus every admissible backend whose match is at least half the best match and
+//! saves at least `min_prefix_saving_tokens` over the owner's match; a
 //! heavy request (uncached prefill above `heavy_prefill_tokens` even on the best match) may go
 //! to any admissible backend. The lowest score wins; ties go to ring order, so the decision is
 //! deterministic. When no backend is admissible (cannot happen with this bound), the least
@@ -65,6 +67,14 @@ pub fn choose(
     }
     let prompt = profile.est_prompt_tokens;
     let heavy = prompt.saturating_sub(best_match) > params.heavy_prefill_tokens;
+    // Leaving the key's owner for a cached prefix must save real prefill: otherwise every
+    // conversation that shares a short system prompt would follow its first holder.
+    let owner_match = snap
+        .ring
+        .walk(profile.session_key, 1)
+        .next()
+        .filter(|&o| eligible(o))
+        .map_or(0, matched);
 
     let terms = |i: usize| {
         let b = &snap.backends[i];
@@ -108,14 +118,20 @@ pub fn choose(
             let full = snap.backends[i]
                 .kv_usage
                 .is_some_and(|u| u > params.kv_usage_ceiling);
-            let t = terms(i);
+            let mut t = terms(i);
             if t.work >= t.bound as f64 || (full && !allow_full) {
                 continue;
             }
             if rank == 0 {
                 owner_admissible = true;
+                // Affinity has future value (the conversation's next turns): another backend
+                // must beat the owner by the prefill of `min_prefix_saving_tokens`.
+                t.score -=
+                    params.min_prefix_saving_tokens as f64 / snap.backends[i].prefill_rate.max(1.0);
             }
-            let long_match = best_match > 0 && t.matched_tokens * 2 >= best_match;
+            let long_match = best_match > 0
+                && t.matched_tokens * 2 >= best_match
+                && t.matched_tokens >= owner_match + params.min_prefix_saving_tokens;
             let in_ring_window = ring_taken < params.candidates;
             ring_taken += 1;
             if !(in_ring_window || long_match || heavy) {

@@ -102,6 +102,9 @@ pub struct Params {
     pub kv_usage_ceiling: f64,
     /// Hard cap of in-flight requests per unit of weight: a backend at it is not eligible.
     pub backend_max_inflight: u64,
+    /// A cached prefix elsewhere must save this many prompt tokens over the key owner's match
+    /// to make a backend a candidate.
+    pub min_prefix_saving_tokens: u64,
 }
 
 impl Params {
@@ -117,6 +120,7 @@ impl Params {
             decode_stall_weight: 0.02,
             kv_usage_ceiling: 0.9,
             backend_max_inflight: u64::MAX,
+            min_prefix_saving_tokens: 1024,
         }
     }
 }

@@ -26,9 +26,9 @@ const RETRY_BUFFER_BYTES: usize = 64 * 1024;
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
 
-/// Only TTFT estimates at least this long teach the prefill rate: shorter ones are mostly
-/// step overhead and network, not prefill.
-const MIN_LEARNING_TTFT_S: f64 = 0.05;
+/// Only prefills at least this long teach the prefill rate: shorter ones are mostly step
+/// overhead and network.
+const MIN_LEARNING_PREFILL_TOKENS: u64 = 2048;
 
 /// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
 /// longer than this).
@@ -67,6 +67,8 @@ pub struct Ctx {
     /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
     dispatched: Option<Instant>,
     est_ttft_s: f64,
+    /// This request's TTFT is a clean sample of its backend's prefill rate.
+    learn_rate: bool,
 }
 
 impl Ctx {
@@ -205,6 +207,10 @@ impl Router {
         ctx.prefill = profile
             .est_prompt_tokens
             .saturating_sub(d.predicted_cached_tokens);
+        // Only a sizeable prefill on a backend with nothing queued says much about its rate:
+        // otherwise the wait is mostly other requests' work, which the estimate only guesses.
+        ctx.learn_rate =
+            loads[d.backend].queued_prefill == 0 && ctx.prefill >= MIN_LEARNING_PREFILL_TOKENS;
         Some((d.backend, Some(d)))
     }
 
@@ -341,6 +347,7 @@ impl ProxyHttp for Router {
             priority: 0,
             dispatched: None,
             est_ttft_s: 0.0,
+            learn_rate: false,
         }
     }
 
@@ -512,7 +519,8 @@ impl ProxyHttp for Router {
     ) -> Result<()> {
         ctx.upstream_responded = true;
         if let (Some(p), 200) = (&ctx.profile, upstream.status.as_u16()) {
-            ctx.usage = Some(UsageTap::new(p.stream, ctx.strip_usage));
+            let collect_reply = self.state.config().routing.policy == PolicyKind::KvAware;
+            ctx.usage = Some(UsageTap::new(p.stream, ctx.strip_usage, collect_reply));
             if ctx.strip_usage {
                 // The body will be shorter than the backend said.
                 upstream.remove_header(&http::header::CONTENT_LENGTH);
@@ -629,7 +637,7 @@ impl ProxyHttp for Router {
             .observe(elapsed.as_secs_f64());
         let streamed = ctx.profile.as_ref().is_some_and(|p| p.stream);
         let ttft = ctx.first_byte.map(|t| t.duration_since(ctx.start));
-        // Teach the backend's prefill rate from estimates large enough to be mostly prefill.
+        // Teach the backend's prefill rate from clean samples (see `learn_rate`).
         if let (Some(f), Some(i), Some(sent), Some(first), 200) = (
             &ctx.fleet,
             ctx.backend,
@@ -637,7 +645,7 @@ impl ProxyHttp for Router {
             ctx.first_byte,
             status,
         ) {
-            if ctx.est_ttft_s >= MIN_LEARNING_TTFT_S && streamed {
+            if ctx.learn_rate && streamed {
                 f.backends()[i]
                     .observe_ttft(ctx.est_ttft_s, first.duration_since(sent).as_secs_f64());
             }
@@ -646,6 +654,23 @@ impl ProxyHttp for Router {
             m.ttft
                 .with_label_values(&[&backend])
                 .observe(t.as_secs_f64());
+        }
+        // The engine now also holds the reply's KV: the next turn's prefix.
+        if let (Some(f), Some(i), Some(p), Some(body), Some(reply), 200) = (
+            &ctx.fleet,
+            ctx.backend,
+            &ctx.profile,
+            &ctx.body,
+            ctx.usage.as_ref().and_then(|t| t.reply.as_deref()),
+            status,
+        ) {
+            if !reply.is_empty() {
+                if let Ok(blocks) =
+                    request::blocks_with_reply(p.endpoint, body, reply, DEFAULT_BLOCK_BYTES)
+                {
+                    f.record(i, &blocks);
+                }
+            }
         }
         if let Some(u) = ctx.usage.as_ref().and_then(|t| t.usage) {
             m.prompt_tokens

@@ -206,6 +206,29 @@ pub fn profile(
     session_header: Option<&[u8]>,
     block_bytes: usize,
 ) -> Result<RequestProfile, ApiError> {
+    build(endpoint, body, session_header, block_bytes, None)
+}
+
+/// The block hashes of this request's prompt followed by the engine's `reply`: what the engine
+/// holds once it has answered (it keeps the generated tokens' KV too), and so the prefix of the
+/// conversation's next turn. For chat the reply is an assistant message; for a string
+/// completions prompt it continues the prompt. Other prompt forms get the prompt's blocks.
+pub fn blocks_with_reply(
+    endpoint: Endpoint,
+    body: &[u8],
+    reply: &str,
+    block_bytes: usize,
+) -> Result<Vec<u64>, ApiError> {
+    build(endpoint, body, None, block_bytes, Some(reply)).map(|p| p.prefix_blocks)
+}
+
+fn build(
+    endpoint: Endpoint,
+    body: &[u8],
+    session_header: Option<&[u8]>,
+    block_bytes: usize,
+    reply: Option<&str>,
+) -> Result<RequestProfile, ApiError> {
     if body.is_empty() {
         return Err(bad(
             "empty_body",
@@ -253,13 +276,18 @@ pub fn profile(
                 }
             }
             // A conversation with no user message yet keys on all it has.
-            key.or_else(|| canon.seal_session())
+            let key = key.or_else(|| canon.seal_session());
+            if let Some(r) = reply {
+                canon.field(b"assistant");
+                canon.field(r.as_bytes());
+            }
+            key
         }
         Endpoint::Completions => {
             let prompt = parsed
                 .prompt
                 .ok_or_else(|| bad("missing_prompt", "`prompt` is required"))?;
-            write_prompt(&mut canon, prompt)?;
+            write_prompt(&mut canon, prompt, reply)?;
             None
         }
     };
@@ -357,7 +385,7 @@ fn write_content(canon: &mut Canon, content: Option<&Content>, idx: usize) -> Re
     Ok(())
 }
 
-fn write_prompt(canon: &mut Canon, prompt: &RawValue) -> Result<(), ApiError> {
+fn write_prompt(canon: &mut Canon, prompt: &RawValue, reply: Option<&str>) -> Result<(), ApiError> {
     let text = prompt.get();
     let invalid = || {
         bad(
@@ -368,7 +396,14 @@ fn write_prompt(canon: &mut Canon, prompt: &RawValue) -> Result<(), ApiError> {
     match text.as_bytes().first() {
         Some(b'"') => {
             let s: Cow<str> = serde_json::from_str(text).map_err(|_| invalid())?;
-            canon.field(s.as_bytes());
+            match reply {
+                // The next prompt is this one continued: no separator between them.
+                Some(r) => {
+                    canon.write(s.as_bytes());
+                    canon.write(r.as_bytes());
+                }
+                None => canon.field(s.as_bytes()),
+            }
         }
         Some(b'[') => {
             let items: Vec<&RawValue> = serde_json::from_str(text).map_err(|_| invalid())?;
@@ -532,6 +567,30 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    #[test]
+    fn reply_blocks_prefix_the_next_turn() {
+        let turn1 = conv(1);
+        let reply = "a reply long enough to span a few blocks of the canonical stream ".repeat(8);
+        let body1 = turn1.to_string();
+        let with_reply = blocks_with_reply(Endpoint::Chat, body1.as_bytes(), &reply, 64).unwrap();
+        let mut messages = turn1["messages"].as_array().unwrap().clone();
+        messages.push(json!({"role":"assistant","content":reply}));
+        messages.push(json!({"role":"user","content":"next question"}));
+        let turn2 = chat(json!({"model":"m","messages":messages})).unwrap();
+        let n = with_reply.len() - 1;
+        assert!(n > chat(turn1).unwrap().prefix_blocks.len());
+        assert_eq!(with_reply[..n], turn2.prefix_blocks[..n]);
+
+        let p1 = json!({"model":"m","prompt":"Once upon a time ".repeat(20)}).to_string();
+        let cont = " there was a router".repeat(10);
+        let b = blocks_with_reply(Endpoint::Completions, p1.as_bytes(), &cont, 64).unwrap();
+        let p2 =
+            json!({"model":"m","prompt":format!("{}{cont} and", "Once upon a time ".repeat(20))})
+                .to_string();
+        let next = profile(Endpoint::Completions, p2.as_bytes(), None, 64).unwrap();
+        assert_eq!(b[..b.len() - 1], next.prefix_blocks[..b.len() - 1]);
     }
 
     #[test]

@@ -6,9 +6,13 @@
 //! `"choices":[]` and a `usage` object) before it reaches the client. Everything else passes
 //! through untouched and unbuffered: only an SSE event split across two reads is held back
 //! until its end arrives.
+//!
+//! For kv_aware it also collects the reply text (choice 0), so the prefix index can learn the
+//! blocks of prompt + reply: the engine keeps the reply's KV, and the next turn starts with it.
 
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
+use std::borrow::Cow;
 
 /// Prompt tokens as the engine counted them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -38,6 +42,56 @@ struct WithUsage {
     #[serde(default)]
     choices: Option<Vec<serde::de::IgnoredAny>>,
 }
+
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow, default)]
+    choices: Vec<Choice<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default)]
+    index: u32,
+    #[serde(borrow, default)]
+    delta: Option<Text<'a>>,
+    #[serde(borrow, default)]
+    message: Option<Text<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Text<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+}
+
+/// Choice 0's text in a chat chunk (`delta.content`), chat response (`message.content`) or
+/// completions response or chunk (`text`).
+fn append_text(json: &[u8], out: &mut String) {
+    let Ok(chunk) = serde_json::from_slice::<Chunk>(json) else {
+        return;
+    };
+    for c in chunk.choices.into_iter().filter(|c| c.index == 0) {
+        let text = c
+            .delta
+            .and_then(|d| d.content)
+            .or(c.message.and_then(|m| m.content))
+            .or(c.text);
+        if let Some(t) = text {
+            let room = MAX_REPLY_BYTES.saturating_sub(out.len());
+            let mut take = t.len().min(room);
+            while !t.is_char_boundary(take) {
+                take -= 1;
+            }
+            out.push_str(&t[..take]);
+        }
+    }
+}
+
+/// Reply text kept for the index; a longer reply is kept truncated (still a true prefix).
+const MAX_REPLY_BYTES: usize = 256 * 1024;
 
 fn parse_usage(json: &[u8]) -> Option<(Usage, bool)> {
     let v: WithUsage = serde_json::from_slice(json).ok()?;
@@ -82,18 +136,22 @@ pub struct UsageTap {
     /// An SSE event not yet complete (streams) or the whole body so far (non-streams).
     pending: BytesMut,
     pub usage: Option<Usage>,
+    /// Choice 0's text so far, when collecting.
+    pub reply: Option<String>,
 }
 
 /// Non-streamed bodies larger than this are not parsed for usage (they are passed through).
 const MAX_BUFFERED_BODY: usize = 1 << 20;
 
 impl UsageTap {
-    pub fn new(stream: bool, strip: bool) -> UsageTap {
+    /// `collect_reply`: also gather choice 0's text into `reply`.
+    pub fn new(stream: bool, strip: bool, collect_reply: bool) -> UsageTap {
         UsageTap {
             stream,
             strip,
             pending: BytesMut::new(),
             usage: None,
+            reply: collect_reply.then(String::new),
         }
     }
 
@@ -107,6 +165,9 @@ impl UsageTap {
             }
             if end_of_stream && !self.pending.is_empty() {
                 self.usage = parse_usage(&self.pending).map(|(u, _)| u);
+                if let Some(r) = self.reply.as_mut() {
+                    append_text(&self.pending, r);
+                }
                 self.pending.clear();
             }
             return;
@@ -117,7 +178,9 @@ impl UsageTap {
             }
             return;
         };
-        if self.pending.is_empty() && !self.strip && !contains(&chunk, b"\"usage\"") {
+        let collecting = self.reply.is_some();
+        if self.pending.is_empty() && !self.strip && !collecting && !contains(&chunk, b"\"usage\"")
+        {
             // The common case: no usage here, nothing held back.
             let held = chunk.len() - complete_prefix(&chunk);
             if held == 0 || end_of_stream {
@@ -137,6 +200,9 @@ impl UsageTap {
         let events = self.pending.split_to(complete);
         let mut out = BytesMut::with_capacity(events.len());
         for event in split_events(&events) {
+            if let (Some(r), Some(json)) = (self.reply.as_mut(), event_data(event)) {
+                append_text(json, r);
+            }
             if let Some(json) = event_data(event).filter(|j| contains(j, b"\"usage\"")) {
                 if let Some((usage, usage_only)) = parse_usage(json) {
                     self.usage = Some(usage);
@@ -247,7 +313,7 @@ mod tests {
 
     #[test]
     fn strips_the_usage_chunk_it_asked_for() {
-        let mut tap = UsageTap::new(true, true);
+        let mut tap = UsageTap::new(true, true, false);
         let all = format!("{CONTENT}{CONTENT}{USAGE}{DONE}");
         let out = run(&mut tap, &[all.as_bytes()]);
         assert_eq!(
@@ -265,7 +331,7 @@ mod tests {
 
     #[test]
     fn keeps_the_usage_chunk_the_client_asked_for() {
-        let mut tap = UsageTap::new(true, false);
+        let mut tap = UsageTap::new(true, false, false);
         let all = format!("{CONTENT}{USAGE}{DONE}");
         let out = run(&mut tap, &[all.as_bytes()]);
         assert_eq!(String::from_utf8(out).unwrap(), all);
@@ -278,7 +344,7 @@ mod tests {
         let bytes = all.as_bytes();
         for cut in 1..bytes.len() {
             for strip in [false, true] {
-                let mut tap = UsageTap::new(true, strip);
+                let mut tap = UsageTap::new(true, strip, false);
                 let out = run(&mut tap, &[&bytes[..cut], &bytes[cut..]]);
                 let want = if strip {
                     format!("{CONTENT}{DONE}")
@@ -293,7 +359,7 @@ mod tests {
 
     #[test]
     fn content_without_usage_passes_unchanged_and_unheld() {
-        let mut tap = UsageTap::new(true, false);
+        let mut tap = UsageTap::new(true, false, false);
         let mut body = Some(Bytes::from(CONTENT));
         tap.filter(&mut body, false);
         assert_eq!(body.unwrap(), Bytes::from(CONTENT));
@@ -301,8 +367,34 @@ mod tests {
     }
 
     #[test]
+    fn reply_text_is_collected_from_streams_and_bodies() {
+        let mut tap = UsageTap::new(true, true, true);
+        let all = format!("{CONTENT}{CONTENT}{USAGE}{DONE}");
+        let bytes = all.as_bytes();
+        let out = run(&mut tap, &[&bytes[..30], &bytes[30..]]);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("{CONTENT}{CONTENT}{DONE}")
+        );
+        assert_eq!(tap.reply.as_deref(), Some("hihi"));
+        let mut tap = UsageTap::new(false, false, true);
+        let body = br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"whole reply"}}],"usage":{"prompt_tokens":3}}"#;
+        run(&mut tap, &[body]);
+        assert_eq!(tap.reply.as_deref(), Some("whole reply"));
+        let mut tap = UsageTap::new(true, false, true);
+        run(
+            &mut tap,
+            &[
+                b"data: {\"choices\":[{\"index\":0,\"text\":\"abc\"}]}\n\n",
+                b"data: [DONE]\n\n",
+            ],
+        );
+        assert_eq!(tap.reply.as_deref(), Some("abc"));
+    }
+
+    #[test]
     fn non_streamed_body_usage() {
-        let mut tap = UsageTap::new(false, false);
+        let mut tap = UsageTap::new(false, false, false);
         let body = br#"{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":0}}}"#;
         let out = run(&mut tap, &[&body[..20], &body[20..]]);
         assert_eq!(out, body);

@@ -415,7 +415,7 @@ async fn metrics_expose_the_documented_families() {
         metric_sum(
             &text,
             "kvroute_routing_decisions_total",
-            &[("policy", "bounded_hash")]
+            &[("policy", "kv_aware")]
         ),
         2.0
     );
