@@ -209,8 +209,9 @@ impl Router {
             .saturating_sub(d.predicted_cached_tokens);
         // Only a sizeable prefill on a backend with nothing queued says much about its rate:
         // otherwise the wait is mostly other requests' work, which the estimate only guesses.
-        ctx.learn_rate =
-            loads[d.backend].queued_prefill == 0 && ctx.prefill >= MIN_LEARNING_PREFILL_TOKENS;
+        ctx.learn_rate = cfg.routing.learn_prefill_rate
+            && loads[d.backend].queued_prefill == 0
+            && ctx.prefill >= MIN_LEARNING_PREFILL_TOKENS;
         Some((d.backend, Some(d)))
     }
 
