@@ -77,15 +77,22 @@ const ENGINE_GAUGES: &[(&str, &str, Pick)] = &[
     ),
 ];
 
+/// Register a collector and hand it back.
+fn registered<C>(reg: &Registry, c: C) -> prometheus::Result<C>
+where
+    C: prometheus::core::Collector + Clone + 'static,
+{
+    reg.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
 fn counter(
     reg: &Registry,
     name: &str,
     help: &str,
     labels: &[&str],
 ) -> prometheus::Result<IntCounterVec> {
-    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
-    reg.register(Box::new(c.clone()))?;
-    Ok(c)
+    registered(reg, IntCounterVec::new(Opts::new(name, help), labels)?)
 }
 
 fn gauge(
@@ -94,9 +101,7 @@ fn gauge(
     help: &str,
     labels: &[&str],
 ) -> prometheus::Result<IntGaugeVec> {
-    let g = IntGaugeVec::new(Opts::new(name, help), labels)?;
-    reg.register(Box::new(g.clone()))?;
-    Ok(g)
+    registered(reg, IntGaugeVec::new(Opts::new(name, help), labels)?)
 }
 
 fn histogram(
@@ -107,9 +112,10 @@ fn histogram(
 ) -> prometheus::Result<HistogramVec> {
     // 1 ms .. ~524 s: covers a cache-hit first token and a long generation.
     let buckets = exponential_buckets(0.001, 2.0, 20)?;
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)?;
-    reg.register(Box::new(h.clone()))?;
-    Ok(h)
+    registered(
+        reg,
+        HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)?,
+    )
 }
 
 impl Metrics {
@@ -158,14 +164,13 @@ impl Metrics {
                 "Failed upstream attempts before any response byte, by backend and kind (connect, io).",
                 &["backend", "kind"],
             )?,
-            predicted_cached: {
-                let c = IntCounter::new(
+            predicted_cached: registered(
+                &r,
+                IntCounter::new(
                     "kvroute_predicted_cached_prompt_tokens_total",
                     "Prompt tokens the prefix index predicted the chosen backend holds (kv_aware).",
-                )?;
-                r.register(Box::new(c.clone()))?;
-                c
-            },
+                )?,
+            )?,
             prompt_tokens: counter(
                 &r,
                 "kvroute_prompt_tokens_total",
@@ -178,36 +183,33 @@ impl Metrics {
                 "Prompt tokens the engine reported as served from its prefix cache.",
                 &["backend"],
             )?,
-            index_blocks: {
-                let g = IntGauge::new(
+            index_blocks: registered(
+                &r,
+                IntGauge::new(
                     "kvroute_index_blocks",
                     "(backend, block) pairs tracked by the prefix index.",
-                )?;
-                r.register(Box::new(g.clone()))?;
-                g
-            },
-            index_bytes: {
-                let g = IntGauge::new("kvroute_index_bytes", "Heap bytes held by the prefix index.")?;
-                r.register(Box::new(g.clone()))?;
-                g
-            },
+                )?,
+            )?,
+            index_bytes: registered(
+                &r,
+                IntGauge::new("kvroute_index_bytes", "Heap bytes held by the prefix index.")?,
+            )?,
             queued_prefill: gauge(
                 &r,
                 "kvroute_backend_queued_prefill_tokens",
                 "Estimated prompt tokens dispatched to the backend and not yet answered.",
                 &["backend"],
             )?,
-            prefill_rate: {
-                let g = GaugeVec::new(
+            prefill_rate: registered(
+                &r,
+                GaugeVec::new(
                     Opts::new(
                         "kvroute_backend_prefill_rate_tokens_per_second",
                         "Prefill rate kv_aware assumes: configured, corrected online from observed TTFTs.",
                     ),
                     &["backend"],
-                )?;
-                r.register(Box::new(g.clone()))?;
-                g
-            },
+                )?,
+            )?,
             decoding: gauge(
                 &r,
                 "kvroute_backend_decoding_requests",
@@ -218,27 +220,24 @@ impl Metrics {
                 .iter()
                 .map(|(name, help, pick)| {
                     let g = GaugeVec::new(Opts::new(*name, *help), &["backend"])?;
-                    r.register(Box::new(g.clone()))?;
-                    Ok((g, *pick))
+                    Ok((registered(&r, g)?, *pick))
                 })
                 .collect::<prometheus::Result<Vec<_>>>()?,
-            decision_time: {
-                // 1 us .. ~0.5 s.
-                let h = prometheus::Histogram::with_opts(
+            // 1 us .. ~0.5 s.
+            decision_time: registered(
+                &r,
+                prometheus::Histogram::with_opts(
                     HistogramOpts::new(
                         "kvroute_routing_decision_seconds",
                         "Time to place a routed request: index lookup, snapshot, policy.",
                     )
                     .buckets(exponential_buckets(1e-6, 2.0, 20)?),
-                )?;
-                r.register(Box::new(h.clone()))?;
-                h
-            },
-            queue_depth: {
-                let g = IntGauge::new("kvroute_queue_depth", "Requests waiting in the router queue.")?;
-                r.register(Box::new(g.clone()))?;
-                g
-            },
+                )?,
+            )?,
+            queue_depth: registered(
+                &r,
+                IntGauge::new("kvroute_queue_depth", "Requests waiting in the router queue.")?,
+            )?,
             queue_wait: histogram(
                 &r,
                 "kvroute_queue_wait_seconds",
@@ -251,17 +250,16 @@ impl Metrics {
                 "Requests answered 503 because the fleet was saturated, by reason (queue_full, queue_timeout).",
                 &["reason"],
             )?,
-            telemetry_age: {
-                let g = GaugeVec::new(
+            telemetry_age: registered(
+                &r,
+                GaugeVec::new(
                     Opts::new(
                         "kvroute_backend_telemetry_age_seconds",
                         "Age of the backend's latest successful engine scrape.",
                     ),
                     &["backend"],
-                )?;
-                r.register(Box::new(g.clone()))?;
-                g
-            },
+                )?,
+            )?,
             registry: r,
         })
     }
