@@ -36,6 +36,11 @@ impl ServeHttp for AdminApp {
                     .render(&fleet, self.state.admission.depth()),
             ),
             "/healthz" => reply(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
+            "/readyz" if self.state.draining() => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                b"not ready: draining for upgrade or shutdown\n".to_vec(),
+            ),
             "/readyz" => {
                 let healthy = (0..fleet.backends().len())
                     .filter(|&i| fleet.healthy(i))

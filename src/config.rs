@@ -286,8 +286,16 @@ impl Config {
         let section = root
             .kvroute
             .ok_or_else(|| err("kvroute", "missing section"))?;
-        let cfg: Config =
-            serde_yaml::from_value(section).map_err(|e| err("kvroute", e.to_string()))?;
+        // The path names the offending key (`kvroute.routing.policy`), not just the section.
+        let cfg: Config = serde_path_to_error::deserialize(section).map_err(|e| {
+            let path = e.path().to_string();
+            let key = if path == "." {
+                "kvroute".to_string()
+            } else {
+                format!("kvroute.{path}")
+            };
+            err(key, e.into_inner().to_string())
+        })?;
         cfg.validate()?;
         Ok(cfg)
     }

@@ -1,22 +1,51 @@
 //! The backends: their identity, health (Pingora's active HTTP checks), in-flight accounting and
-//! the snapshot placement decides from.
+//! the snapshot placement decides from. A reload builds a new `Fleet` from the old one: backends
+//! that stay keep their accounting, telemetry, learned rate, health and prefix-index slot.
 
+use arc_swap::ArcSwap;
+use async_trait::async_trait;
+use futures_util::FutureExt;
 use pingora::http::RequestHeader;
+use pingora_load_balancing::discovery::ServiceDiscovery;
 use pingora_load_balancing::health_check::HttpHealthCheck;
 use pingora_load_balancing::selection::RoundRobin;
-use pingora_load_balancing::{Backend, LoadBalancer};
+use pingora_load_balancing::{Backend, Backends, LoadBalancer};
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::config::{Config, HealthCheckConfig, DEFAULT_KV_CAPACITY_TOKENS};
-use crate::index::PrefixIndex;
+use crate::config::{BackendConfig, Config, HealthCheckConfig, DEFAULT_KV_CAPACITY_TOKENS};
+use crate::index::{PrefixIndex, MAX_BACKENDS};
 use crate::policy::BackendLoad;
 use crate::ring::Ring;
 use crate::telemetry::{EngineKind, EngineStats, Slot};
 
-/// One configured backend. Shared by `Arc` so accounting outlives any fleet rebuild.
+/// What a backend accumulates while it runs. Shared by `Arc` between fleet generations and the
+/// guards of requests in flight, so a reload neither loses nor double-counts load.
+struct Live {
+    telemetry: Slot,
+    /// Online correction of `prefill_rate` (f64 bits), learned from observed TTFTs.
+    rate_scale: AtomicU64,
+    inflight: AtomicU64,
+    queued_prefill: AtomicU64,
+    decoding: AtomicU64,
+}
+
+impl Live {
+    fn new() -> Live {
+        Live {
+            telemetry: Slot::default(),
+            rate_scale: AtomicU64::new(1.0f64.to_bits()),
+            inflight: AtomicU64::new(0),
+            queued_prefill: AtomicU64::new(0),
+            decoding: AtomicU64::new(0),
+        }
+    }
+}
+
+/// One configured backend: its settings from the config in force plus its live state.
 pub struct BackendState {
     pub addr: SocketAddr,
     /// `ip:port`, the `backend` label in metrics and logs.
@@ -28,31 +57,32 @@ pub struct BackendState {
     pub dcgm: Option<SocketAddr>,
     /// Configured KV capacity; `None` lets telemetry set it.
     kv_capacity_configured: Option<u64>,
-    pub telemetry: Slot,
-    /// Online correction of `prefill_rate` (f64 bits), learned from observed TTFTs.
-    rate_scale: AtomicU64,
-    inflight: AtomicU64,
-    queued_prefill: AtomicU64,
-    decoding: AtomicU64,
+    /// Its slot in the prefix index (`None` past the index's 64 slots).
+    slot: Option<usize>,
+    live: Arc<Live>,
     lb_backend: Backend,
 }
 
 impl BackendState {
     pub fn inflight(&self) -> u64 {
-        self.inflight.load(Ordering::Relaxed)
+        self.live.inflight.load(Ordering::Relaxed)
     }
 
     pub fn queued_prefill(&self) -> u64 {
-        self.queued_prefill.load(Ordering::Relaxed)
+        self.live.queued_prefill.load(Ordering::Relaxed)
     }
 
     pub fn decoding(&self) -> u64 {
-        self.decoding.load(Ordering::Relaxed)
+        self.live.decoding.load(Ordering::Relaxed)
+    }
+
+    pub fn telemetry(&self) -> &Slot {
+        &self.live.telemetry
     }
 
     /// The prefill rate placement uses: configured, times what observed TTFTs taught.
     pub fn effective_prefill_rate(&self) -> f64 {
-        self.prefill_rate * f64::from_bits(self.rate_scale.load(Ordering::Relaxed))
+        self.prefill_rate * f64::from_bits(self.live.rate_scale.load(Ordering::Relaxed))
     }
 
     /// A request estimated to wait `est_s` for its first byte waited `observed_s`: move the rate
@@ -63,6 +93,7 @@ impl BackendState {
         }
         let step = (est_s / observed_s).clamp(0.25, 4.0).powf(0.1);
         let _ = self
+            .live
             .rate_scale
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
                 Some((f64::from_bits(bits) * step).clamp(0.1, 10.0).to_bits())
@@ -74,113 +105,232 @@ impl BackendState {
 /// queued until the first response byte, then it counts as a decoding stream. Dropping releases
 /// whatever is still charged, however the request ends.
 pub struct InflightGuard {
-    backend: Arc<BackendState>,
+    live: Arc<Live>,
     prefill: u64,
     decoding: bool,
 }
 
 impl InflightGuard {
+    fn new(live: Arc<Live>, prefill: u64) -> InflightGuard {
+        live.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
+        InflightGuard {
+            live,
+            prefill,
+            decoding: false,
+        }
+    }
+
     /// The backend answered: its prefill is done and the request is decoding.
     pub fn first_byte(&mut self) {
         if !self.decoding {
             self.decoding = true;
-            self.backend
+            self.live
                 .queued_prefill
                 .fetch_sub(self.prefill, Ordering::Relaxed);
-            self.backend.decoding.fetch_add(1, Ordering::Relaxed);
+            self.live.decoding.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
 
 impl Drop for InflightGuard {
     fn drop(&mut self) {
-        let b = &self.backend;
-        b.inflight.fetch_sub(1, Ordering::Relaxed);
+        let l = &self.live;
+        l.inflight.fetch_sub(1, Ordering::Relaxed);
         if self.decoding {
-            b.decoding.fetch_sub(1, Ordering::Relaxed);
+            l.decoding.fetch_sub(1, Ordering::Relaxed);
         } else {
-            b.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
+            l.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
         }
     }
+}
+
+/// The backend set Pingora's load balancer health-checks, replaced on reload. Pingora's own
+/// `Static` discovery cannot be changed from outside its crate.
+#[derive(Clone, Default)]
+struct Membership(Arc<ArcSwap<BTreeSet<Backend>>>);
+
+#[async_trait]
+impl ServiceDiscovery for Membership {
+    async fn discover(&self) -> pingora::Result<(BTreeSet<Backend>, HashMap<u64, bool>)> {
+        Ok((BTreeSet::clone(&self.0.load()), HashMap::new()))
+    }
+}
+
+/// The prefix index and which backend owns each of its slots. Owners are checked on every
+/// write, so a request placed by an older fleet cannot teach a reassigned slot.
+struct Beliefs {
+    index: PrefixIndex,
+    owner: Vec<Option<SocketAddr>>,
+}
+
+/// What outlives a fleet generation: health checking and the prefix index.
+struct Shared {
+    lb: Arc<LoadBalancer<RoundRobin>>,
+    membership: Membership,
+    beliefs: Mutex<Beliefs>,
 }
 
 pub struct Fleet {
     backends: Vec<Arc<BackendState>>,
     ring: Ring,
-    /// Owns the health state; also picks backends for pass-through requests.
-    lb: Arc<LoadBalancer<RoundRobin>>,
+    shared: Arc<Shared>,
     tickets: AtomicU64,
-    /// What each backend is believed to cache (slot = backend index).
-    index: Mutex<PrefixIndex>,
     block_tokens: u64,
     stale_after: Duration,
 }
 
+/// A backend's address and optional DCGM exporter, parsed before anything is changed.
+fn parse_backend(b: &BackendConfig) -> Result<(SocketAddr, Option<SocketAddr>, Backend), String> {
+    let addr: SocketAddr = b
+        .addr
+        .parse()
+        .map_err(|_| format!("invalid backend address {}", b.addr))?;
+    let lb_backend = Backend::new(&b.addr).map_err(|e| e.to_string())?;
+    let dcgm = match &b.dcgm_addr {
+        Some(d) => Some(d.parse().map_err(|_| format!("invalid dcgm_addr {d}"))?),
+        None => None,
+    };
+    Ok((addr, dcgm, lb_backend))
+}
+
+fn capacity_blocks(b: &BackendConfig, block_tokens: u64) -> usize {
+    let tokens = b.kv_capacity_tokens.unwrap_or(DEFAULT_KV_CAPACITY_TOKENS);
+    (tokens / block_tokens).max(1) as usize
+}
+
 impl Fleet {
-    /// Build the fleet. The returned load balancer must run as a Pingora background service for
-    /// health checks to happen.
+    /// Build the first fleet. The returned load balancer must run as a Pingora background
+    /// service for health checks to happen.
     pub fn new(cfg: &Config) -> Result<Fleet, String> {
-        let mut backends = Vec::with_capacity(cfg.backends.len());
-        for b in &cfg.backends {
-            let addr: SocketAddr = b
-                .addr
-                .parse()
-                .map_err(|_| format!("invalid backend address {}", b.addr))?;
-            let lb_backend = Backend::new(&b.addr).map_err(|e| e.to_string())?;
-            let dcgm = match &b.dcgm_addr {
-                Some(d) => Some(d.parse().map_err(|_| format!("invalid dcgm_addr {d}"))?),
-                None => None,
-            };
-            backends.push(Arc::new(BackendState {
-                addr,
-                name: b.addr.clone(),
-                weight: b.weight,
-                prefill_rate: b.prefill_tokens_per_s,
-                engine: b.engine,
-                metrics_path: b.metrics_path.clone(),
-                dcgm,
-                kv_capacity_configured: b.kv_capacity_tokens,
-                telemetry: Slot::default(),
-                rate_scale: AtomicU64::new(1.0f64.to_bits()),
-                inflight: AtomicU64::new(0),
-                queued_prefill: AtomicU64::new(0),
-                decoding: AtomicU64::new(0),
-                lb_backend,
-            }));
+        let membership = Membership::default();
+        let mut lb =
+            LoadBalancer::<RoundRobin>::from_backends(Backends::new(Box::new(membership.clone())));
+        lb.set_health_check(health_check(&cfg.health_check)?);
+        lb.health_check_frequency = Some(Duration::from_millis(cfg.health_check.interval_ms));
+        lb.parallel_health_check = true;
+        let shared = Arc::new(Shared {
+            lb: Arc::new(lb),
+            membership,
+            beliefs: Mutex::new(Beliefs {
+                index: PrefixIndex::new(&[]),
+                owner: Vec::new(),
+            }),
+        });
+        let fleet = Fleet::build(cfg, shared, &[])?;
+        // Membership is in memory: the update completes at once.
+        if let Some(Err(e)) = fleet.shared.lb.update().now_or_never() {
+            return Err(format!("backends: {e}"));
         }
+        Ok(fleet)
+    }
+
+    /// The fleet `cfg` describes, carrying over everything known about backends that stay.
+    /// Nothing is changed if `cfg` is rejected. Call [`Fleet::sync_health`] before publishing
+    /// the result so added backends are health-checked.
+    pub fn reload(&self, cfg: &Config) -> Result<Fleet, String> {
+        Fleet::build(cfg, self.shared.clone(), &self.backends)
+    }
+
+    /// Hand the current backend set to Pingora's health checker; backends that stay keep their
+    /// health, added ones start healthy until a check fails.
+    pub async fn sync_health(&self) -> Result<(), String> {
+        self.shared.lb.update().await.map_err(|e| e.to_string())
+    }
+
+    fn build(
+        cfg: &Config,
+        shared: Arc<Shared>,
+        previous: &[Arc<BackendState>],
+    ) -> Result<Fleet, String> {
+        let parsed = cfg
+            .backends
+            .iter()
+            .map(parse_backend)
+            .collect::<Result<Vec<_>, _>>()?;
+        let block_tokens = cfg.routing.block_tokens();
+        let old: HashMap<SocketAddr, &Arc<BackendState>> =
+            previous.iter().map(|b| (b.addr, b)).collect();
+        let kept: BTreeSet<SocketAddr> = parsed
+            .iter()
+            .map(|p| p.0)
+            .filter(|a| old.contains_key(a))
+            .collect();
+        let mut backends = Vec::with_capacity(cfg.backends.len());
+        {
+            let mut beliefs = shared
+                .beliefs
+                .lock()
+                .map_err(|_| "prefix index lock poisoned".to_string())?;
+            let Beliefs { index, owner } = &mut *beliefs;
+            // Free the slots of removed backends first so added ones can reuse them.
+            for b in previous.iter().filter(|b| !kept.contains(&b.addr)) {
+                if let Some(s) = b.slot {
+                    index.purge(s);
+                    owner[s] = None;
+                }
+            }
+            for (b, (addr, dcgm, lb_backend)) in cfg.backends.iter().zip(parsed) {
+                let (slot, live) = match old.get(&addr) {
+                    Some(prev) => {
+                        if let Some(s) = prev.slot {
+                            if b.kv_capacity_tokens != prev.kv_capacity_configured {
+                                index.set_capacity(s, capacity_blocks(b, block_tokens));
+                            }
+                        }
+                        (prev.slot, prev.live.clone())
+                    }
+                    None => {
+                        let slot = match owner.iter().position(Option::is_none) {
+                            Some(s) => Some(s),
+                            None if owner.len() < MAX_BACKENDS => {
+                                owner.push(None);
+                                Some(owner.len() - 1)
+                            }
+                            None => None,
+                        };
+                        if let Some(s) = slot {
+                            owner[s] = Some(addr);
+                            index.open_slot(s, capacity_blocks(b, block_tokens));
+                        }
+                        (slot, Arc::new(Live::new()))
+                    }
+                };
+                backends.push(Arc::new(BackendState {
+                    addr,
+                    name: b.addr.clone(),
+                    weight: b.weight,
+                    prefill_rate: b.prefill_tokens_per_s,
+                    engine: b.engine,
+                    metrics_path: b.metrics_path.clone(),
+                    dcgm,
+                    kv_capacity_configured: b.kv_capacity_tokens,
+                    slot,
+                    live,
+                    lb_backend,
+                }));
+            }
+        }
+        shared.membership.0.store(Arc::new(
+            backends.iter().map(|b| b.lb_backend.clone()).collect(),
+        ));
         let ring = Ring::new(
             &backends
                 .iter()
                 .map(|b| (b.addr, b.weight))
                 .collect::<Vec<_>>(),
         );
-        let mut lb =
-            LoadBalancer::<RoundRobin>::try_from_iter(cfg.backends.iter().map(|b| b.addr.as_str()))
-                .map_err(|e| format!("backends: {e}"))?;
-        lb.set_health_check(health_check(&cfg.health_check)?);
-        lb.health_check_frequency = Some(Duration::from_millis(cfg.health_check.interval_ms));
-        lb.parallel_health_check = true;
-        let capacities: Vec<usize> = cfg
-            .backends
-            .iter()
-            .map(|b| {
-                let tokens = b.kv_capacity_tokens.unwrap_or(DEFAULT_KV_CAPACITY_TOKENS);
-                (tokens / cfg.routing.block_tokens()).max(1) as usize
-            })
-            .collect();
         Ok(Fleet {
             backends,
             ring,
-            lb: Arc::new(lb),
+            shared,
             tickets: AtomicU64::new(0),
-            index: Mutex::new(PrefixIndex::new(&capacities)),
-            block_tokens: cfg.routing.block_tokens(),
+            block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
         })
     }
 
     pub fn load_balancer(&self) -> Arc<LoadBalancer<RoundRobin>> {
-        self.lb.clone()
+        self.shared.lb.clone()
     }
 
     pub fn backends(&self) -> &[Arc<BackendState>] {
@@ -192,7 +342,10 @@ impl Fleet {
     }
 
     pub fn healthy(&self, i: usize) -> bool {
-        self.lb.backends().ready(&self.backends[i].lb_backend)
+        self.shared
+            .lb
+            .backends()
+            .ready(&self.backends[i].lb_backend)
     }
 
     /// Current health and load of every backend, in ring-index order.
@@ -201,7 +354,7 @@ impl Fleet {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                let engine = b.telemetry.fresh(self.stale_after);
+                let engine = b.telemetry().fresh(self.stale_after);
                 BackendLoad {
                     healthy: self.healthy(i),
                     weight: b.weight,
@@ -227,48 +380,49 @@ impl Fleet {
     /// Count a request with `prefill` estimated uncached tokens against backend `i` until the
     /// guard drops.
     pub fn charge(&self, i: usize, prefill: u64) -> InflightGuard {
-        let backend = self.backends[i].clone();
-        backend.inflight.fetch_add(1, Ordering::Relaxed);
-        backend.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
-        InflightGuard {
-            backend,
-            prefill,
-            decoding: false,
-        }
+        let live = self.backends[i].live.clone();
+        live.inflight.fetch_add(1, Ordering::Relaxed);
+        InflightGuard::new(live, prefill)
     }
 
     /// Like [`Fleet::charge`], but only while backend `i` has fewer than `cap` (per unit of
     /// weight) requests in flight; the check and the charge are one atomic step.
     pub fn try_charge(&self, i: usize, prefill: u64, cap: u64) -> Option<InflightGuard> {
-        let backend = self.backends[i].clone();
+        let backend = &self.backends[i];
         let limit = cap.saturating_mul(backend.weight as u64);
         backend
+            .live
             .inflight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
                 (v < limit).then_some(v + 1)
             })
             .ok()?;
-        backend.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
-        Some(InflightGuard {
-            backend,
-            prefill,
-            decoding: false,
-        })
+        Some(InflightGuard::new(backend.live.clone(), prefill))
     }
 
     /// Per backend, how many of `blocks` (a request's prefix) its index holds.
     pub fn matches(&self, blocks: &[u64]) -> Vec<u32> {
         let mut out = vec![0; self.backends.len()];
-        if let Ok(idx) = self.index.lock() {
-            idx.longest_matches(blocks, &mut out);
+        if let Ok(beliefs) = self.shared.beliefs.lock() {
+            let mut by_slot = vec![0; beliefs.index.slots()];
+            beliefs.index.longest_matches(blocks, &mut by_slot);
+            for (m, b) in out.iter_mut().zip(&self.backends) {
+                if let Some(&n) = b.slot.and_then(|s| by_slot.get(s)) {
+                    *m = n;
+                }
+            }
         }
         out
     }
 
     /// Believe that backend `i` now caches `blocks` (it is being sent them).
     pub fn record(&self, i: usize, blocks: &[u64]) {
-        if let Ok(mut idx) = self.index.lock() {
-            idx.insert(i, blocks);
+        let b = &self.backends[i];
+        let Some(slot) = b.slot else { return };
+        if let Ok(mut beliefs) = self.shared.beliefs.lock() {
+            if beliefs.owner.get(slot) == Some(&Some(b.addr)) {
+                beliefs.index.insert(slot, blocks);
+            }
         }
     }
 
@@ -278,12 +432,17 @@ impl Fleet {
         let Some(b) = self.backends.get(i) else {
             return;
         };
-        if let (None, Some(tokens)) = (b.kv_capacity_configured, stats.kv_capacity_tokens) {
-            if let Ok(mut idx) = self.index.lock() {
-                idx.set_capacity(i, (tokens / self.block_tokens).max(1) as usize);
+        if let (None, Some(tokens), Some(slot)) =
+            (b.kv_capacity_configured, stats.kv_capacity_tokens, b.slot)
+        {
+            if let Ok(mut beliefs) = self.shared.beliefs.lock() {
+                if beliefs.owner.get(slot) == Some(&Some(b.addr)) {
+                    let blocks = (tokens / self.block_tokens).max(1) as usize;
+                    beliefs.index.set_capacity(slot, blocks);
+                }
             }
         }
-        b.telemetry.store(stats);
+        b.telemetry().store(stats);
     }
 
     pub fn stale_after(&self) -> Duration {
@@ -292,16 +451,29 @@ impl Fleet {
 
     /// Tracked (backend, block) pairs and the index's heap bytes.
     pub fn index_size(&self) -> (usize, usize) {
-        self.index
+        self.shared
+            .beliefs
             .lock()
-            .map(|idx| (idx.blocks(), idx.bytes()))
+            .map(|b| (b.index.blocks(), b.index.bytes()))
             .unwrap_or((0, 0))
+    }
+
+    /// Blocks the index holds for backend `i`.
+    pub fn indexed_blocks(&self, i: usize) -> usize {
+        let Some(slot) = self.backends.get(i).and_then(|b| b.slot) else {
+            return 0;
+        };
+        self.shared
+            .beliefs
+            .lock()
+            .map(|b| b.index.blocks_of(slot))
+            .unwrap_or(0)
     }
 
     /// A healthy backend not in `excluded`, for requests that are passed through unrouted.
     pub fn pick_passthrough(&self, excluded: &[usize]) -> Option<usize> {
         let n = self.backends.len();
-        let found = self.lb.select_with(b"", 4 * n, |b, healthy| {
+        let found = self.shared.lb.select_with(b"", 4 * n, |b, healthy| {
             healthy && self.index_of(b).is_some_and(|i| !excluded.contains(&i))
         })?;
         self.index_of(&found)
@@ -377,5 +549,53 @@ mod tests {
         drop(before_answer);
         let b = &f.backends()[0];
         assert_eq!((b.inflight(), b.queued_prefill(), b.decoding()), (0, 0, 0));
+    }
+
+    fn cfg(addrs: &[&str]) -> Config {
+        let mut y = "kvroute:\n  listen: \"127.0.0.1:1\"\n  backends:\n".to_string();
+        for a in addrs {
+            y.push_str(&format!("    - addr: \"{a}\"\n"));
+        }
+        Config::from_yaml(&y).unwrap()
+    }
+
+    #[test]
+    fn reload_keeps_what_staying_backends_know_and_forgets_removed_ones() {
+        let (a, b, c) = ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4");
+        let f1 = Fleet::new(&cfg(&[a, b])).unwrap();
+        let blocks = [11, 12, 13];
+        f1.record(0, &blocks);
+        f1.record(1, &blocks[..1]);
+        let held = f1.charge(0, 700);
+
+        // Drop b, add c: c takes b's freed slot and must not inherit its beliefs.
+        let f2 = f1.reload(&cfg(&[c, a])).unwrap();
+        assert_eq!(f2.backends()[1].name, a);
+        assert_eq!(
+            f2.matches(&blocks),
+            vec![0, 3],
+            "a keeps its prefix, c starts empty"
+        );
+        assert_eq!(
+            (
+                f2.backends()[1].inflight(),
+                f2.backends()[1].queued_prefill()
+            ),
+            (1, 700),
+            "a request in flight across the reload stays counted"
+        );
+        drop(held);
+        assert_eq!(
+            f2.backends()[1].inflight(),
+            0,
+            "and is released on the new fleet"
+        );
+
+        // A request placed by the old fleet on b cannot teach c's slot.
+        f1.record(1, &blocks);
+        assert_eq!(f2.matches(&blocks)[0], 0);
+        f2.record(0, &blocks);
+        assert_eq!(f2.matches(&blocks), vec![3, 3]);
+        assert_eq!(f2.index_size().0, 6);
     }
 }

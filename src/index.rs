@@ -237,6 +237,19 @@ impl PrefixIndex {
         *lru = Lru::new(cap);
     }
 
+    /// Make `slot` an empty backend of `capacity` blocks, adding slots up to it if needed.
+    /// Slots past [`MAX_BACKENDS`] are not tracked.
+    pub fn open_slot(&mut self, slot: usize, capacity: usize) {
+        if slot >= MAX_BACKENDS {
+            return;
+        }
+        while self.lrus.len() <= slot {
+            self.lrus.push(Lru::new(1));
+        }
+        self.purge(slot);
+        self.lrus[slot].capacity = capacity;
+    }
+
     pub fn set_capacity(&mut self, slot: usize, capacity: usize) {
         if let Some(lru) = self.lrus.get_mut(slot) {
             lru.capacity = capacity;

@@ -28,13 +28,16 @@
 //! - [`metrics`]: `kvroute_*` Prometheus families.
 //! - [`telemetry`]: engine /metrics scraping (vLLM, SGLang, llama.cpp, DCGM).
 //! - [`error`]: the client-facing error type (HTTP status + OpenAI error JSON).
-//! - [`state`]: shared process state (config, fleet, metrics).
+//! - [`state`]: shared process state (config, fleet, metrics, draining flag).
+//! - [`reload`]: SIGHUP hot reload of the config file.
+//! - [`drain`]: notices a graceful upgrade or shutdown so `/readyz` turns not-ready.
 //! - [`server`]: process wiring of the Pingora services.
 //! - [`usage`]: engine-reported usage from responses (asked for on streams, then stripped).
 
 pub mod admin;
 pub mod admission;
 pub mod config;
+pub mod drain;
 pub mod error;
 pub mod fleet;
 pub mod index;
@@ -43,6 +46,7 @@ pub mod metrics;
 pub mod policy;
 pub mod prefix;
 pub mod proxy;
+pub mod reload;
 pub mod request;
 pub mod ring;
 pub mod server;

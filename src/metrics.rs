@@ -32,6 +32,10 @@ pub struct Metrics {
     pub queue_wait: HistogramVec,
     pub shed: IntCounterVec,
     telemetry_age: GaugeVec,
+    pub config_reloads: IntCounterVec,
+    pub config_last_reload: prometheus::Gauge,
+    pub config_pending_upgrade: IntGauge,
+    pub draining: IntGauge,
 }
 
 type Pick = fn(&EngineStats) -> Option<f64>;
@@ -260,8 +264,53 @@ impl Metrics {
                     &["backend"],
                 )?,
             )?,
+            config_reloads: counter(
+                &r,
+                "kvroute_config_reloads_total",
+                "Config reloads (SIGHUP), by result (success, failure).",
+                &["result"],
+            )?,
+            config_last_reload: registered(
+                &r,
+                prometheus::Gauge::new(
+                    "kvroute_config_last_reload_success_timestamp_seconds",
+                    "Unix time of the last config load that took effect (start or reload).",
+                )?,
+            )?,
+            config_pending_upgrade: registered(
+                &r,
+                IntGauge::new(
+                    "kvroute_config_pending_upgrade",
+                    "1 if the config file changes settings that only a binary upgrade applies \
+                     (listeners, health checks, Pingora server keys).",
+                )?,
+            )?,
+            draining: registered(
+                &r,
+                IntGauge::new(
+                    "kvroute_draining",
+                    "1 once a graceful upgrade or shutdown has begun: finishing in-flight work.",
+                )?,
+            )?,
             registry: r,
         })
+    }
+
+    /// Drop the per-backend gauges of a backend a reload removed (counters keep its history).
+    pub fn forget_backend(&self, name: &str) {
+        for g in [
+            &self.inflight,
+            &self.healthy,
+            &self.queued_prefill,
+            &self.decoding,
+        ] {
+            let _ = g.remove_label_values(&[name]);
+        }
+        let _ = self.prefill_rate.remove_label_values(&[name]);
+        let _ = self.telemetry_age.remove_label_values(&[name]);
+        for (g, _) in &self.engine {
+            let _ = g.remove_label_values(&[name]);
+        }
     }
 
     /// Prometheus text exposition, with per-backend gauges refreshed from the fleet.
@@ -285,7 +334,7 @@ impl Metrics {
                 .set(b.effective_prefill_rate());
         }
         for b in fleet.backends() {
-            let fresh = b.telemetry.fresh(fleet.stale_after());
+            let fresh = b.telemetry().fresh(fleet.stale_after());
             for (g, pick) in &self.engine {
                 match fresh.as_ref().and_then(pick) {
                     Some(v) => g.with_label_values(&[&b.name]).set(v),
@@ -295,7 +344,7 @@ impl Metrics {
                     }
                 }
             }
-            if let Some(age) = b.telemetry.age() {
+            if let Some(age) = b.telemetry().age() {
                 self.telemetry_age
                     .with_label_values(&[&b.name])
                     .set(age.as_secs_f64());

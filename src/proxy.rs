@@ -353,6 +353,11 @@ impl ProxyHttp for Router {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        if self.state.draining() {
+            // Tell keep-alive clients to reconnect (to the new process) after this response,
+            // rather than leave an idle connection for the old process to close under them.
+            session.set_keepalive(None);
+        }
         let Some(endpoint) = Endpoint::from_path(session.req_header().uri.path()) else {
             return Ok(false);
         };

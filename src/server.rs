@@ -6,19 +6,38 @@ use pingora::server::Server;
 use pingora::services::background::GenBackgroundService;
 use pingora::services::listening::Service;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::admin::AdminApp;
 use crate::config::Config;
+use crate::drain::DrainWatch;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::proxy::Router;
+use crate::reload::{unix_now, Reloader};
 use crate::state::State;
 use crate::telemetry::TelemetryService;
 
 fn fail(msg: impl std::fmt::Display) -> ! {
     eprintln!("kvroute: {msg}");
     std::process::exit(1);
+}
+
+/// Install the process's SIGHUP disposition before anything else runs: until the reload service
+/// starts listening, a SIGHUP (an early `systemctl reload`) must not take the default action,
+/// which is to exit. tokio's handler, once registered, stays for the life of the process.
+fn shield_sighup() {
+    let registered = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .map(|rt| {
+            rt.block_on(async {
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).is_ok()
+            })
+        });
+    if !matches!(registered, Ok(true)) {
+        log::warn!("could not pre-register SIGHUP; a reload during start-up would stop kvroute");
+    }
 }
 
 /// Validate the config named by `opt.conf` and serve until Pingora shuts the process down.
@@ -36,23 +55,35 @@ pub fn run(mut opt: Opt) -> ! {
         .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
     let fleet = Fleet::new(&cfg).unwrap_or_else(|e| fail(e));
     let metrics = Metrics::new().unwrap_or_else(|e| fail(format!("metrics: {e}")));
-    if opt.test {
+
+    shield_sighup();
+    // A reload re-reads the file's Pingora keys as the process did at start (Opt is not Clone).
+    let reload_opt = Opt {
+        upgrade: opt.upgrade,
+        daemon: opt.daemon,
+        nocapture: opt.nocapture,
+        test: opt.test,
+        conf: opt.conf.clone(),
+    };
+    let mut server =
+        Server::new(Some(opt)).unwrap_or_else(|e| fail(format!("pingora config: {e}")));
+    if reload_opt.test {
         println!(
             "kvroute: config {} is valid ({} backends)",
             path.display(),
             cfg.backends.len()
         );
+        std::process::exit(0);
     }
+    // Bootstrap (taking over the listeners from the old process on `-u`) runs as a service, in
+    // the daemon after `-d` forks, which is where Pingora's `daemon_wait_for_ready` expects it.
+    let bootstrap = server.bootstrap_as_a_service();
 
-    let mut server =
-        Server::new(Some(opt)).unwrap_or_else(|e| fail(format!("pingora config: {e}")));
-    server.bootstrap();
-
-    let telemetry_enabled = cfg.telemetry.enabled;
     let listen = cfg.listen.clone();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
     let state = Arc::new(State::new(cfg, fleet, metrics));
+    state.metrics.config_last_reload.set(unix_now());
 
     let mut proxy = pingora::proxy::http_proxy_service_with_name(
         &server.configuration,
@@ -73,17 +104,30 @@ pub fn run(mut opt: Opt) -> ! {
 
     let health = GenBackgroundService::new("kvroute health checks".to_string(), health);
 
-    server.add_service(proxy);
-    server.add_service(admin);
+    server.add_service(proxy).add_dependency(&bootstrap);
+    server.add_service(admin).add_dependency(&bootstrap);
     server.add_service(health);
-    if telemetry_enabled {
-        server.add_service(GenBackgroundService::new(
-            "kvroute engine telemetry".to_string(),
-            Arc::new(TelemetryService {
-                state: state.clone(),
-            }),
-        ));
-    }
+    server.add_service(GenBackgroundService::new(
+        "kvroute engine telemetry".to_string(),
+        Arc::new(TelemetryService {
+            state: state.clone(),
+        }),
+    ));
+    server.add_service(GenBackgroundService::new(
+        "kvroute config reload".to_string(),
+        Arc::new(Reloader {
+            state: state.clone(),
+            opt: reload_opt,
+            server_conf: server.configuration.clone(),
+        }),
+    ));
+    server.add_service(GenBackgroundService::new(
+        "kvroute drain watch".to_string(),
+        Arc::new(DrainWatch {
+            state: state.clone(),
+            phases: Mutex::new(Some(server.watch_execution_phase())),
+        }),
+    ));
     log::info!("kvroute listening on {listen}, admin on {admin_listen}");
     server.run_forever();
 }

@@ -1,6 +1,7 @@
 //! Process-wide state shared by the proxy, the admin listener and background services.
 
 use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::admission::Admission;
@@ -13,6 +14,7 @@ pub struct State {
     fleet: ArcSwap<Fleet>,
     pub metrics: Metrics,
     pub admission: Admission,
+    draining: AtomicBool,
 }
 
 impl State {
@@ -22,6 +24,7 @@ impl State {
             fleet: ArcSwap::from_pointee(fleet),
             metrics,
             admission: Admission::default(),
+            draining: AtomicBool::new(false),
         }
     }
 
@@ -34,5 +37,22 @@ impl State {
     /// its context stay valid.
     pub fn fleet(&self) -> Arc<Fleet> {
         self.fleet.load_full()
+    }
+
+    /// Publish a reloaded config and the fleet built from it. Requests already placed keep
+    /// the generation they started with.
+    pub fn publish(&self, config: Config, fleet: Fleet) {
+        self.fleet.store(Arc::new(fleet));
+        self.config.store(Arc::new(config));
+    }
+
+    /// A graceful upgrade or shutdown has begun: this process finishes what it has.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+        self.metrics.draining.set(1);
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
     }
 }

@@ -223,7 +223,13 @@ impl BackgroundService for TelemetryService {
             let timeout = Duration::from_millis(cfg.telemetry.timeout_ms).min(interval);
             let fleet = self.state.fleet();
             let mut tasks = tokio::task::JoinSet::new();
-            for (i, b) in fleet.backends().iter().enumerate() {
+            // Checked every round so a reload can turn scraping on or off.
+            let backends = if cfg.telemetry.enabled {
+                fleet.backends()
+            } else {
+                &[]
+            };
+            for (i, b) in backends.iter().enumerate() {
                 let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
                 tasks.spawn(async move {
                     let text = match fetch(&connector, b.addr, &b.metrics_path, timeout).await {

@@ -90,10 +90,11 @@ pub fn free_port() -> u16 {
 }
 
 pub struct Kvroute {
-    child: Child,
+    child: Option<Child>,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub dir: PathBuf,
+    server_keys: String,
 }
 
 impl Kvroute {
@@ -107,6 +108,11 @@ impl Kvroute {
 
     /// Start without waiting for a healthy backend: waits only for the listeners.
     pub fn start_unready(backends: &[SocketAddr], extra: &str) -> Kvroute {
+        Self::launch(backends, extra, "grace_period_seconds: 0\n")
+    }
+
+    /// Start with `server_keys` (Pingora's top-level keys, one per line) in the file.
+    pub fn launch(backends: &[SocketAddr], extra: &str, server_keys: &str) -> Kvroute {
         let dir = std::env::temp_dir().join(format!(
             "kvroute-test-{}-{}",
             std::process::id(),
@@ -115,40 +121,73 @@ impl Kvroute {
         std::fs::create_dir_all(&dir).expect("temp dir");
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let mut yaml = format!(
-            "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/upgrade.sock\n\
-             grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\n\
-             kvroute:\n  listen: \"{addr}\"\n  admin_listen: \"{admin}\"\n  backends:\n",
-            d = dir.display()
-        );
-        for b in backends {
-            yaml.push_str(&format!("    - addr: \"{b}\"\n"));
-        }
-        yaml.push_str(extra);
-        let conf = dir.join("kvroute.yaml");
-        std::fs::write(&conf, yaml).expect("write config");
-        let log = std::fs::File::create(dir.join("kvroute.log")).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .arg("-c")
-            .arg(&conf)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn kvroute");
-        let k = Kvroute {
-            child,
+        let mut k = Kvroute {
+            child: None,
             addr,
             admin,
             dir,
+            server_keys: server_keys.to_string(),
         };
+        k.write_config(backends, extra);
+        k.child = Some(k.spawn(&[]));
         k.wait_for(|| {
             TcpStream::connect(k.addr).is_ok() && try_http_get(k.admin, "/healthz").is_some()
         });
         k
     }
 
-    fn wait_ready(&self) {
+    pub fn conf(&self) -> PathBuf {
+        self.dir.join("kvroute.yaml")
+    }
+
+    /// (Re)write the config file: `backends`, and `extra` appended under `kvroute:`.
+    pub fn write_config(&self, backends: &[SocketAddr], extra: &str) {
+        let mut yaml = format!(
+            "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/upgrade.sock\n\
+             graceful_shutdown_timeout_seconds: 1\n{keys}\
+             kvroute:\n  listen: \"{addr}\"\n  admin_listen: \"{admin}\"\n  backends:\n",
+            d = self.dir.display(),
+            keys = self.server_keys,
+            addr = self.addr,
+            admin = self.admin,
+        );
+        for b in backends {
+            yaml.push_str(&format!("    - addr: \"{b}\"\n"));
+        }
+        yaml.push_str(extra);
+        std::fs::write(self.conf(), yaml).expect("write config");
+    }
+
+    /// Another kvroute process on this config (e.g. `&["-u"]` for an upgrade), logging to the
+    /// same file.
+    pub fn spawn(&self, args: &[&str]) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("kvroute.log"))
+            .expect("log file");
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(args)
+            .arg("-c")
+            .arg(self.conf())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn kvroute")
+    }
+
+    /// The process started by `start`/`launch` (until replaced with `replace_child`).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// Make `child` the process this handle owns and kills on drop; returns the previous one.
+    pub fn replace_child(&mut self, child: Child) -> Option<Child> {
+        self.child.replace(child)
+    }
+
+    pub fn wait_ready(&self) {
         self.wait_for(|| matches!(try_http_get(self.admin, "/readyz"), Some((200, _))));
     }
 
@@ -198,10 +237,23 @@ impl Kvroute {
 
 impl Drop for Kvroute {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Send `signal` (e.g. "HUP", "QUIT") to `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let ok = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok, "kill -{signal} {pid} failed");
 }
 
 pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {

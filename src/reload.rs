@@ -1,0 +1,193 @@
+//! Hot reload on SIGHUP: re-read the config file, validate it, and publish a new config and
+//! fleet without dropping a request. Pingora has no SIGHUP handler of its own (the default
+//! action would kill the process), so a background service owns the signal.
+//!
+//! Backends that stay keep their load accounting, learned prefill rate, telemetry, health and
+//! prefix-index slot; requests in flight finish on the backend and fleet generation they were
+//! placed with. A file that fails to load or validate changes nothing.
+
+use async_trait::async_trait;
+use pingora::server::configuration::{Opt, ServerConf};
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::config::Config;
+use crate::state::State;
+
+/// What a successful reload changed.
+#[derive(Debug, Default, PartialEq)]
+pub struct Applied {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Settings the file changes that stay as they are until a binary upgrade.
+    pub pending_upgrade: Vec<&'static str>,
+}
+
+/// Settings of `file` that differ from the `running` config and that this process cannot apply:
+/// Pingora binds listeners and fixes the health checker's settings at start.
+pub fn needs_upgrade(running: &Config, file: &Config) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if running.listen != file.listen {
+        out.push("kvroute.listen");
+    }
+    if running.admin_listen != file.admin_listen {
+        out.push("kvroute.admin_listen");
+    }
+    if running.health_check != file.health_check {
+        out.push("kvroute.health_check");
+    }
+    out
+}
+
+/// The config to run: everything from `file` except what only an upgrade can change, which
+/// keeps its running value so the published config describes what the process really does.
+pub fn effective(running: &Config, mut file: Config) -> Config {
+    file.listen = running.listen.clone();
+    file.admin_listen = running.admin_listen.clone();
+    file.health_check = running.health_check.clone();
+    file
+}
+
+pub struct Reloader {
+    pub state: Arc<State>,
+    /// The Pingora options the process started with, to re-read the file's server keys.
+    pub opt: Opt,
+    pub server_conf: Arc<ServerConf>,
+}
+
+impl Reloader {
+    fn path(&self) -> PathBuf {
+        PathBuf::from(self.opt.conf.clone().unwrap_or_default())
+    }
+
+    /// Load the file and, if valid, publish it. On error nothing changes.
+    pub async fn reload(&self) -> Result<Applied, String> {
+        let path = self.path();
+        let file = Config::load(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let running = self.state.config();
+        let mut pending_upgrade = needs_upgrade(&running, &file);
+        match ServerConf::load_yaml_with_opt_override(&self.opt) {
+            Ok(server) if server != *self.server_conf => {
+                pending_upgrade.push("Pingora server keys (threads, pid_file, grace periods, ...)")
+            }
+            Ok(_) => {}
+            Err(e) => return Err(format!("{}: Pingora server keys: {e}", path.display())),
+        }
+        let cfg = effective(&running, file);
+        let old = self.state.fleet();
+        let fleet = old.reload(&cfg)?;
+        fleet.sync_health().await?;
+
+        let before: BTreeSet<&str> = old.backends().iter().map(|b| b.name.as_str()).collect();
+        let after: BTreeSet<&str> = fleet.backends().iter().map(|b| b.name.as_str()).collect();
+        let applied = Applied {
+            added: after.difference(&before).map(|s| s.to_string()).collect(),
+            removed: before.difference(&after).map(|s| s.to_string()).collect(),
+            pending_upgrade,
+        };
+        self.state.publish(cfg, fleet);
+        for name in &applied.removed {
+            self.state.metrics.forget_backend(name);
+        }
+        Ok(applied)
+    }
+
+    /// Reload and report: log, count, timestamp.
+    pub async fn reload_and_report(&self) {
+        let m = &self.state.metrics;
+        match self.reload().await {
+            Ok(a) => {
+                m.config_reloads.with_label_values(&["success"]).inc();
+                m.config_last_reload.set(unix_now());
+                m.config_pending_upgrade
+                    .set(i64::from(!a.pending_upgrade.is_empty()));
+                log::info!(
+                    "config reloaded from {}: backends added {:?}, removed {:?}",
+                    self.path().display(),
+                    a.added,
+                    a.removed
+                );
+                if !a.pending_upgrade.is_empty() {
+                    log::warn!(
+                        "config reload: {} changed but only take effect after a binary upgrade \
+                         (kvroute -u); the running values are kept",
+                        a.pending_upgrade.join(", ")
+                    );
+                }
+            }
+            Err(e) => {
+                m.config_reloads.with_label_values(&["failure"]).inc();
+                log::error!("config reload rejected, still running the previous config: {e}");
+            }
+        }
+    }
+}
+
+pub fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+#[async_trait]
+impl BackgroundService for Reloader {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                log::error!("cannot install the SIGHUP handler, reload is unavailable: {e}");
+                return;
+            }
+        };
+        loop {
+            tokio::select! {
+                got = hup.recv() => {
+                    if got.is_none() {
+                        return;
+                    }
+                    log::info!("SIGHUP received: reloading the config");
+                    self.reload_and_report().await;
+                }
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: &str) -> Config {
+        Config::from_yaml(&format!(
+            "kvroute:\n  listen: \"127.0.0.1:1\"\n  backends:\n    - addr: \"127.0.0.1:2\"\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn upgrade_only_settings_are_reported_and_kept() {
+        let running = cfg("");
+        let mut file =
+            cfg("  routing:\n    policy: round_robin\n  health_check:\n    path: /ping\n");
+        file.listen = "127.0.0.1:9".into();
+        assert_eq!(
+            needs_upgrade(&running, &file),
+            vec!["kvroute.listen", "kvroute.health_check"]
+        );
+        let eff = effective(&running, file.clone());
+        assert_eq!(eff.listen, running.listen);
+        assert_eq!(eff.health_check, running.health_check);
+        assert_eq!(
+            eff.routing, file.routing,
+            "reloadable settings come from the file"
+        );
+        assert!(needs_upgrade(&running, &eff).is_empty());
+    }
+}

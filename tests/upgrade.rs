@@ -1,0 +1,208 @@
+//! Zero-downtime binary upgrade under load, three times in a row: start `kvroute -u`, SIGQUIT
+//! the old process. No request may fail or be refused, every long stream that was running on
+//! the old process completes with `[DONE]`, the old process reports not-ready while draining and
+//! exits once its grace period is over.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Pingora's fixed hand-over window: the old process keeps accepting this long after SIGQUIT.
+const CLOSE_TIMEOUT_S: u64 = 5;
+const GRACE_S: u64 = 4;
+
+/// Continuous short requests; `fresh` opens a new connection for every request (so a refused
+/// connection would show), otherwise connections are kept alive.
+fn spawn_load(
+    url: String,
+    fresh: bool,
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    failures: Arc<Mutex<Vec<String>>>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut b = reqwest::Client::builder().timeout(Duration::from_secs(30));
+        if fresh {
+            b = b.pool_max_idle_per_host(0);
+        }
+        let c = b.build().unwrap();
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let body = chat_body(
+                MODEL,
+                json!([{"role": "user", "content": format!("upgrade load {fresh} {i}")}]),
+                i % 2 == 0,
+                2,
+            );
+            sent.fetch_add(1, Ordering::Relaxed);
+            match c.post(&url).json(&body).send().await {
+                Ok(r) if r.status() == 200 => match r.bytes().await {
+                    Ok(b) if !b.is_empty() => {}
+                    Ok(_) => failures.lock().unwrap().push("empty body".into()),
+                    Err(e) => failures.lock().unwrap().push(format!("body: {e}")),
+                },
+                Ok(r) => failures
+                    .lock()
+                    .unwrap()
+                    .push(format!("status {}", r.status())),
+                Err(e) => failures.lock().unwrap().push(format!("{e:?}")),
+            }
+            i += 1;
+        }
+    })
+}
+
+/// One long stream; Ok(()) once it ended with `[DONE]`.
+async fn long_stream(url: String, n: usize) -> Result<(), String> {
+    let c = reqwest::Client::new();
+    let body = chat_body(
+        MODEL,
+        json!([{"role": "user", "content": format!("a long answer please {n}")}]),
+        true,
+        280,
+    );
+    let r = c
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if r.status() != 200 {
+        return Err(format!("status {}", r.status()));
+    }
+    let text = r.text().await.map_err(|e| format!("cut: {e}"))?;
+    if text.trim_end().ends_with("data: [DONE]") {
+        Ok(())
+    } else {
+        Err(format!(
+            "no [DONE]: ...{}",
+            &text[text.len().saturating_sub(80)..]
+        ))
+    }
+}
+
+fn readyz(admin: SocketAddr) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&admin, Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        s,
+        "GET /readyz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    parse_response(&raw).map(|(status, _)| status)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrade_under_load_drops_nothing() {
+    // 280 tokens at 25 ms: a 7 s stream, still running when the old process stops accepting.
+    let sims = Sim::start_n(2, &["--ttft-ms", "2", "--itl-ms", "25"]);
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let mut kv = Kvroute::launch(&addrs, "", &format!("grace_period_seconds: {GRACE_S}\n"));
+    kv.wait_ready();
+    let url = kv.url("/v1/chat/completions");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let failures = Arc::new(Mutex::new(Vec::new()));
+    let load: Vec<_> = [false, true]
+        .into_iter()
+        .map(|fresh| {
+            spawn_load(
+                url.clone(),
+                fresh,
+                stop.clone(),
+                sent.clone(),
+                failures.clone(),
+            )
+        })
+        .collect();
+
+    let mut streams_done = 0;
+    for round in 0..3 {
+        let streams: Vec<_> = (0..4)
+            .map(|n| tokio::spawn(long_stream(url.clone(), round * 10 + n)))
+            .collect();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let _ = std::fs::remove_file(kv.dir.join("upgrade.sock"));
+        let new = kv.spawn(&["-u"]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !kv.dir.join("upgrade.sock").exists() {
+            assert!(
+                Instant::now() < deadline,
+                "new process never listened for the hand-over"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let old_pid = kv.pid();
+        let mut old = kv.replace_child(new).expect("old process");
+        let quit_at = Instant::now();
+        signal(old_pid, "QUIT");
+
+        // While both processes hold the listeners, the old one answers /readyz with 503.
+        let mut saw_draining = false;
+        while quit_at.elapsed() < Duration::from_secs(CLOSE_TIMEOUT_S - 1) {
+            match readyz(kv.admin) {
+                Some(503) => saw_draining = true,
+                Some(200) => {}
+                other => panic!("round {round}: /readyz during hand-over: {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        assert!(
+            saw_draining,
+            "round {round}: the draining process never said not-ready"
+        );
+
+        let exited = loop {
+            if let Some(status) = old.try_wait().unwrap() {
+                break (quit_at.elapsed(), status);
+            }
+            assert!(
+                quit_at.elapsed() < Duration::from_secs(CLOSE_TIMEOUT_S + GRACE_S + 10),
+                "round {round}: the old process did not exit; log:\n{}",
+                kv.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(
+            exited.0 >= Duration::from_secs(CLOSE_TIMEOUT_S + GRACE_S),
+            "round {round}: old process left after {:?}, before its grace period",
+            exited.0
+        );
+        for s in streams {
+            s.await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("round {round}: stream failed: {e}"));
+            streams_done += 1;
+        }
+        // The new process serves on its own.
+        assert_eq!(readyz(kv.admin), Some(200), "round {round}");
+    }
+
+    stop.store(true, Ordering::Relaxed);
+    for l in load {
+        l.await.unwrap();
+    }
+    let failures = failures.lock().unwrap().clone();
+    let sent = sent.load(Ordering::Relaxed);
+    eprintln!(
+        "upgrade under load: 3 upgrades, {sent} requests sent, {} failed, {streams_done} long streams completed",
+        failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(sent >= 100, "the load barely ran: {sent}");
+}
