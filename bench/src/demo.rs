@@ -25,6 +25,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         workloads: vec![WorkloadKind::Sharegpt],
         servers: 4,
         time_scale: 2.0,
+        trace_speedup: 1.0,
         duration_s: a.duration_s,
         max_requests: None,
         slo_ttft_ms: 2000.0,

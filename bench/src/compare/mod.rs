@@ -45,6 +45,9 @@ pub struct CompareArgs {
     /// this factor in model time, so keep it small when TTFTs of tens of ms matter.
     #[arg(long, default_value_t = 2.0)]
     pub time_scale: f64,
+    /// mooncake, hot_prefix, heavy_mix: arrival rate as a multiple of the trace's own.
+    #[arg(long, default_value_t = 1.0)]
+    pub trace_speedup: f64,
     /// Wall seconds of sending per run.
     #[arg(long, default_value_t = 60.0)]
     pub duration_s: f64,
@@ -175,6 +178,7 @@ async fn run_one(
     push("--slo-ttft-ms", args.slo_ttft_ms.to_string());
     push("--conversations", args.conversations.to_string());
     push("--label", policy.to_string());
+    push("--trace-speedup", args.trace_speedup.to_string());
     if let Some(n) = args.max_requests {
         push("--max-requests", n.to_string());
     }

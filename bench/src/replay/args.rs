@@ -66,6 +66,10 @@ pub struct ReplayArgs {
     /// read as on real GPUs. `--duration-s` stays wall time.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// mooncake, hot_prefix, heavy_mix: replay the trace K times faster than recorded (arrival
+    /// times / K), to find the rate where a policy breaks down. Reported times stay model time.
+    #[arg(long, default_value_t = 1.0)]
+    pub trace_speedup: f64,
     /// Stop sending after this many seconds (default 60; the ladder's length for `ladder`).
     #[arg(long)]
     pub duration_s: Option<f64>,
@@ -128,6 +132,7 @@ impl ReplayArgs {
             }
         };
         positive("--time-scale", self.time_scale)?;
+        positive("--trace-speedup", self.trace_speedup)?;
         positive("--slo-ttft-ms", self.slo_ttft_ms)?;
         if let Some(d) = self.duration_s {
             positive("--duration-s", d)?;

@@ -64,7 +64,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         }
         (_, Some(f)) => Plan::Open(Box::new(MooncakeSchedule::new(
             mooncake::load(f)?,
-            args.time_scale,
+            args.time_scale * args.trace_speedup,
         ))),
         (_, None) => return Err("no workload file".into()),
     };
@@ -150,6 +150,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "file": file.as_ref().map(|f| f.display().to_string()),
         "target": args.target,
         "time_scale": args.time_scale,
+        "trace_speedup": args.trace_speedup,
         "duration_s": duration.as_secs_f64(),
         "max_requests": args.max_requests,
         "grace_s": args.grace_s,
