@@ -9,8 +9,17 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::sync::Mutex;
+use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+
+use crate::config::LimitsConfig;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+/// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
+/// longer than this).
+const QUEUE_RECHECK: Duration = Duration::from_millis(200);
 
 /// Why a request was shed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +134,60 @@ impl Admission {
     }
 
     /// Live waiters.
+    /// Wait while `saturated()` (every eligible backend at its hard cap), in priority order,
+    /// until `limits.queue_timeout_ms` after `start`; 503 `fleet_saturated` when the queue is full
+    /// or the deadline passes.
+    pub async fn wait_for_capacity(
+        &self,
+        metrics: &Metrics,
+        limits: &LimitsConfig,
+        priority: i32,
+        start: std::time::Instant,
+        saturated: impl Fn() -> bool,
+    ) -> Result<(), ApiError> {
+        if !saturated() {
+            return Ok(());
+        }
+        let entered = Instant::now();
+        let deadline = Instant::from_std(start) + Duration::from_millis(limits.queue_timeout_ms);
+        let ticket = self.ticket();
+        loop {
+            let until = deadline.min(Instant::now() + QUEUE_RECHECK);
+            let shed = match self.wait(priority, ticket, until, limits.queue_size).await {
+                Err(Shed::Deadline) if Instant::now() < deadline => None,
+                Err(e) => Some(e),
+                Ok(()) => None,
+            };
+            if let Some(reason) = shed {
+                metrics
+                    .queue_wait
+                    .with_label_values(&["shed"])
+                    .observe(entered.elapsed().as_secs_f64());
+                metrics.shed.with_label_values(&[reason.as_str()]).inc();
+                return Err(ApiError::unavailable(
+                    "fleet_saturated",
+                    match reason {
+                        Shed::QueueFull => {
+                            "every backend is at capacity and the router queue is full".to_string()
+                        }
+                        Shed::Deadline => format!(
+                            "every backend stayed at capacity for {} ms",
+                            limits.queue_timeout_ms
+                        ),
+                    },
+                    limits.retry_after_seconds,
+                ));
+            }
+            if !saturated() {
+                metrics
+                    .queue_wait
+                    .with_label_values(&["admitted"])
+                    .observe(entered.elapsed().as_secs_f64());
+                return Ok(());
+            }
+        }
+    }
+
     pub fn depth(&self) -> usize {
         self.queue
             .lock()

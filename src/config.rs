@@ -52,6 +52,8 @@ pub struct Config {
     pub timeouts: TimeoutsConfig,
     #[serde(default)]
     pub telemetry: TelemetryConfig,
+    #[serde(default)]
+    pub outlier: OutlierConfig,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -205,6 +207,33 @@ impl Default for HealthCheckConfig {
     }
 }
 
+/// Passive outlier ejection (see `outlier.rs`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutlierConfig {
+    pub enabled: bool,
+    /// Failures in a row (connect errors, resets and timeouts before a response, 5xx but 503)
+    /// that eject a backend.
+    pub consecutive_failures: u32,
+    /// First ejection; each further one without a success in between doubles it.
+    pub base_ejection_ms: u64,
+    pub max_ejection_ms: u64,
+    /// Never eject more than this share of the fleet.
+    pub max_ejected_percent: u32,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> Self {
+        OutlierConfig {
+            enabled: true,
+            consecutive_failures: 5,
+            base_ejection_ms: 10_000,
+            max_ejection_ms: 300_000,
+            max_ejected_percent: 50,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
@@ -222,6 +251,12 @@ pub struct LimitsConfig {
     pub queue_size: usize,
     /// Longest wait in the router queue before a request is shed with 503.
     pub queue_timeout_ms: u64,
+    /// Requests retrying at once may be at most this share of the requests in flight ...
+    pub retry_budget_ratio: f64,
+    /// ... or this many, whichever is more.
+    pub retry_budget_min: u64,
+    /// Client connections open at once; more are closed on accept.
+    pub max_connections: usize,
 }
 
 impl Default for LimitsConfig {
@@ -233,6 +268,9 @@ impl Default for LimitsConfig {
             backend_max_inflight: 256,
             queue_size: 1024,
             queue_timeout_ms: 10_000,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 3,
+            max_connections: 10_000,
         }
     }
 }
@@ -247,6 +285,14 @@ pub struct TimeoutsConfig {
     pub upstream_read_ms: u64,
     /// Longest wait for each read of the client's request body.
     pub client_body_read_ms: u64,
+    /// The whole request body must arrive within this (408 after), however it trickles.
+    pub client_body_ms: u64,
+    /// A new connection's first request header must be complete within this; slower
+    /// (slowloris) connections are closed.
+    pub client_header_ms: u64,
+    /// A keep-alive connection may sit idle this long before its next request; that request's
+    /// header must then be complete within `client_header_ms` more.
+    pub client_idle_ms: u64,
 }
 
 impl Default for TimeoutsConfig {
@@ -255,6 +301,9 @@ impl Default for TimeoutsConfig {
             connect_ms: 2000,
             upstream_read_ms: 300_000,
             client_body_read_ms: 30_000,
+            client_body_ms: 60_000,
+            client_header_ms: 10_000,
+            client_idle_ms: 60_000,
         }
     }
 }
@@ -417,6 +466,34 @@ impl Config {
         if l.queue_timeout_ms == 0 {
             return Err(err("kvroute.limits.queue_timeout_ms", "must be positive"));
         }
+        if !(0.0..=10.0).contains(&l.retry_budget_ratio) {
+            return Err(err(
+                "kvroute.limits.retry_budget_ratio",
+                "must be between 0 and 10",
+            ));
+        }
+        if l.max_connections == 0 {
+            return Err(err("kvroute.limits.max_connections", "must be positive"));
+        }
+        let o = &self.outlier;
+        if o.consecutive_failures == 0 {
+            return Err(err(
+                "kvroute.outlier.consecutive_failures",
+                "must be at least 1",
+            ));
+        }
+        if o.base_ejection_ms == 0 || o.max_ejection_ms < o.base_ejection_ms {
+            return Err(err(
+                "kvroute.outlier.max_ejection_ms",
+                "base_ejection_ms must be positive and at most max_ejection_ms",
+            ));
+        }
+        if o.max_ejected_percent > 100 {
+            return Err(err(
+                "kvroute.outlier.max_ejected_percent",
+                "must be between 0 and 100",
+            ));
+        }
         let t = &self.timeouts;
         for (key, v) in [
             ("kvroute.timeouts.connect_ms", t.connect_ms),
@@ -425,6 +502,9 @@ impl Config {
                 "kvroute.timeouts.client_body_read_ms",
                 t.client_body_read_ms,
             ),
+            ("kvroute.timeouts.client_body_ms", t.client_body_ms),
+            ("kvroute.timeouts.client_header_ms", t.client_header_ms),
+            ("kvroute.timeouts.client_idle_ms", t.client_idle_ms),
         ] {
             if v == 0 {
                 return Err(err(key, "must be positive"));

@@ -57,6 +57,10 @@ impl ApiError {
         Self::new(502, "upstream_error", "upstream_failed", message)
     }
 
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        Self::new(504, "upstream_error", "upstream_timeout", message)
+    }
+
     pub fn unavailable(code: &'static str, message: impl Into<String>, retry_after: u32) -> Self {
         ApiError {
             retry_after: Some(retry_after),
@@ -66,6 +70,42 @@ impl ApiError {
 
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(500, "internal_error", "internal_error", message)
+    }
+
+    /// What to tell the client about a request Pingora failed to proxy; `None` when the client
+    /// itself went away and nobody is left to answer.
+    pub fn for_proxy_error(e: &pingora::Error, backend: &str) -> Option<ApiError> {
+        use pingora::{ErrorSource, ErrorType};
+        let upstream = *e.esource() == ErrorSource::Upstream;
+        match e.etype() {
+            ErrorType::HTTPStatus(code) => Some(ApiError {
+                status: *code,
+                kind: "invalid_request_error",
+                code: "http_error",
+                message: e.to_string(),
+                retry_after: None,
+            }),
+            ErrorType::ReadTimedout | ErrorType::WriteTimedout if upstream => {
+                Some(ApiError::gateway_timeout(format!(
+                    "upstream {backend} sent nothing within timeouts.upstream_read_ms"
+                )))
+            }
+            _ => match e.esource() {
+                ErrorSource::Upstream => Some(ApiError::upstream(format!(
+                    "upstream {backend} failed before responding: {}",
+                    e.etype().as_str()
+                ))),
+                ErrorSource::Downstream => match e.etype() {
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => {
+                        None
+                    }
+                    _ => Some(ApiError::bad_request("client_error", e.to_string())),
+                },
+                ErrorSource::Internal | ErrorSource::Unset => {
+                    Some(ApiError::internal("internal error"))
+                }
+            },
+        }
     }
 
     /// The OpenAI-shaped JSON body.
@@ -78,6 +118,14 @@ impl ApiError {
             }
         });
         Bytes::from(v.to_string())
+    }
+
+    /// This error as a server-sent event, to end a stream that already started.
+    pub fn sse_event(&self) -> Bytes {
+        let mut out = b"data: ".to_vec();
+        out.extend_from_slice(&self.body());
+        out.extend_from_slice(b"\n\n");
+        Bytes::from(out)
     }
 
     pub fn response_header(&self, body_len: usize) -> pingora::Result<ResponseHeader> {
@@ -128,6 +176,22 @@ mod tests {
         assert_eq!(v["error"]["message"], "`model` is required");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["code"], "missing_model");
+    }
+
+    #[test]
+    fn proxy_errors_map_to_the_status_contract() {
+        use pingora::{Error, ErrorType};
+        let timeout = Error::new_up(ErrorType::ReadTimedout);
+        assert_eq!(
+            ApiError::for_proxy_error(&timeout, "b").unwrap().status,
+            504
+        );
+        let mut reset = Error::new_up(ErrorType::ConnectionClosed);
+        assert_eq!(ApiError::for_proxy_error(&reset, "b").unwrap().status, 502);
+        reset.as_down();
+        assert_eq!(ApiError::for_proxy_error(&reset, "b"), None, "client gone");
+        let shed = ApiError::unavailable("fleet_saturated", "busy", 1).into_pingora();
+        assert_eq!(ApiError::for_proxy_error(&shed, "b").unwrap().status, 503);
     }
 
     #[test]

@@ -14,10 +14,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::config::{BackendConfig, Config, HealthCheckConfig, DEFAULT_KV_CAPACITY_TOKENS};
+use crate::config::{
+    BackendConfig, Config, HealthCheckConfig, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS,
+};
 use crate::index::{PrefixIndex, MAX_BACKENDS};
+use crate::outlier::{self, Outcome, Outlier};
 use crate::policy::BackendLoad;
 use crate::ring::Ring;
 use crate::telemetry::{EngineKind, EngineStats, Slot};
@@ -31,6 +34,7 @@ struct Live {
     inflight: AtomicU64,
     queued_prefill: AtomicU64,
     decoding: AtomicU64,
+    outlier: Mutex<Outlier>,
 }
 
 impl Live {
@@ -41,6 +45,7 @@ impl Live {
             inflight: AtomicU64::new(0),
             queued_prefill: AtomicU64::new(0),
             decoding: AtomicU64::new(0),
+            outlier: Mutex::new(Outlier::default()),
         }
     }
 }
@@ -78,6 +83,11 @@ impl BackendState {
 
     pub fn telemetry(&self) -> &Slot {
         &self.live.telemetry
+    }
+
+    /// Taken out of placement by passive outlier detection.
+    pub fn ejected(&self, now: Instant) -> bool {
+        self.live.outlier.lock().is_ok_and(|o| o.ejected(now))
     }
 
     /// The prefill rate placement uses: configured, times what observed TTFTs taught.
@@ -348,15 +358,17 @@ impl Fleet {
             .ready(&self.backends[i].lb_backend)
     }
 
-    /// Current health and load of every backend, in ring-index order.
+    /// Current health and load of every backend, in ring-index order. An ejected backend
+    /// counts as unhealthy.
     pub fn loads(&self) -> Vec<BackendLoad> {
+        let now = Instant::now();
         self.backends
             .iter()
             .enumerate()
             .map(|(i, b)| {
                 let engine = b.telemetry().fresh(self.stale_after);
                 BackendLoad {
-                    healthy: self.healthy(i),
+                    healthy: self.healthy(i) && !b.ejected(now),
                     weight: b.weight,
                     inflight: b.inflight(),
                     queued_prefill: b.queued_prefill(),
@@ -470,11 +482,26 @@ impl Fleet {
             .unwrap_or(0)
     }
 
-    /// A healthy backend not in `excluded`, for requests that are passed through unrouted.
+    /// What an upstream attempt on backend `i` said about it; returns the ejection this
+    /// caused, if any.
+    pub fn report(&self, i: usize, outcome: Outcome, cfg: &OutlierConfig) -> Option<Duration> {
+        let now = Instant::now();
+        let ejected = self.backends.iter().filter(|b| b.ejected(now)).count();
+        let may = outlier::may_eject(ejected, self.backends.len(), cfg.max_ejected_percent);
+        let b = self.backends.get(i)?;
+        let mut o = b.live.outlier.lock().ok()?;
+        o.observe(outcome, now, cfg, may)
+    }
+
+    /// A healthy, not ejected backend not in `excluded`, for requests passed through unrouted.
     pub fn pick_passthrough(&self, excluded: &[usize]) -> Option<usize> {
         let n = self.backends.len();
+        let now = Instant::now();
         let found = self.shared.lb.select_with(b"", 4 * n, |b, healthy| {
-            healthy && self.index_of(b).is_some_and(|i| !excluded.contains(&i))
+            healthy
+                && self
+                    .index_of(b)
+                    .is_some_and(|i| !excluded.contains(&i) && !self.backends[i].ejected(now))
         })?;
         self.index_of(&found)
     }

@@ -23,6 +23,10 @@
 //! - [`fleet`]: backends, health, in-flight accounting, snapshot.
 //! - [`index`]: prefix index (per-backend LRU of block hashes, reverse map for longest match).
 //! - [`proxy`]: the Pingora `ProxyHttp` phases.
+//! - [`body`]: reading a routed request's body (limits, deadlines, Pingora's retry buffer).
+//! - [`edge`]: client connections: connection cap, request header deadline (slowloris).
+//! - [`outlier`]: passive outlier ejection of backends that fail requests in a row.
+//! - [`retry_budget`]: caps retries in flight at a share of requests in flight.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz` listener.
 //! - [`admission`]: the router queue (priority, deadline) and shedding.
 //! - [`metrics`]: `kvroute_*` Prometheus families.
@@ -36,18 +40,22 @@
 
 pub mod admin;
 pub mod admission;
+pub mod body;
 pub mod config;
 pub mod drain;
+pub mod edge;
 pub mod error;
 pub mod fleet;
 pub mod index;
 pub mod kv_aware;
 pub mod metrics;
+pub mod outlier;
 pub mod policy;
 pub mod prefix;
 pub mod proxy;
 pub mod reload;
 pub mod request;
+pub mod retry_budget;
 pub mod ring;
 pub mod server;
 pub mod state;

@@ -36,6 +36,13 @@ pub struct Metrics {
     pub config_last_reload: prometheus::Gauge,
     pub config_pending_upgrade: IntGauge,
     pub draining: IntGauge,
+    pub ejected: IntGaugeVec,
+    pub ejections: IntCounterVec,
+    pub retries: IntCounterVec,
+    pub client_timeouts: IntCounterVec,
+    pub connections: IntGauge,
+    pub connections_refused: IntCounter,
+    pub cut_streams: IntCounterVec,
 }
 
 type Pick = fn(&EngineStats) -> Option<f64>;
@@ -292,6 +299,47 @@ impl Metrics {
                     "1 once a graceful upgrade or shutdown has begun: finishing in-flight work.",
                 )?,
             )?,
+            ejected: gauge(
+                &r,
+                "kvroute_backend_ejected",
+                "1 while passive outlier detection keeps the backend out of placement.",
+                &["backend"],
+            )?,
+            ejections: counter(
+                &r,
+                "kvroute_outlier_ejections_total",
+                "Times a backend was ejected for failing requests in a row.",
+                &["backend"],
+            )?,
+            retries: counter(
+                &r,
+                "kvroute_retries_total",
+                "Retry decisions after a failed attempt (retried, budget_exhausted, attempts_exhausted).",
+                &["outcome"],
+            )?,
+            client_timeouts: counter(
+                &r,
+                "kvroute_client_timeouts_total",
+                "Client connections or requests cut for being too slow, by phase (header, body).",
+                &["phase"],
+            )?,
+            connections: registered(
+                &r,
+                IntGauge::new("kvroute_client_connections", "Client connections open.")?,
+            )?,
+            connections_refused: registered(
+                &r,
+                IntCounter::new(
+                    "kvroute_client_connections_refused_total",
+                    "Client connections closed on accept because limits.max_connections were open.",
+                )?,
+            )?,
+            cut_streams: counter(
+                &r,
+                "kvroute_cut_streams_total",
+                "Responses cut after they started (the backend failed mid-stream), by backend.",
+                &["backend"],
+            )?,
             registry: r,
         })
     }
@@ -316,7 +364,11 @@ impl Metrics {
     /// Prometheus text exposition, with per-backend gauges refreshed from the fleet.
     pub fn render(&self, fleet: &Fleet, queue_depth: usize) -> Vec<u8> {
         self.queue_depth.set(queue_depth as i64);
+        let now = std::time::Instant::now();
         for (i, b) in fleet.backends().iter().enumerate() {
+            self.ejected
+                .with_label_values(&[&b.name])
+                .set(b.ejected(now) as i64);
             self.inflight
                 .with_label_values(&[&b.name])
                 .set(b.inflight() as i64);

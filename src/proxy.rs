@@ -2,7 +2,7 @@
 //! the work: parsing (`request`), placement (`policy`), accounting (`fleet`), metrics.
 
 use async_trait::async_trait;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
@@ -10,18 +10,16 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::admission::Shed;
+use crate::body;
 use crate::error::ApiError;
 use crate::fleet::{Fleet, InflightGuard};
+use crate::outlier::Outcome;
 use crate::policy::{self, PolicyKind, Snapshot};
 use crate::prefix::DEFAULT_BLOCK_BYTES;
 use crate::request::{self, Endpoint, RequestProfile, SESSION_HEADER};
+use crate::retry_budget::{Active, Retrying};
 use crate::state::State;
 use crate::usage::{self, UsageTap};
-
-/// Pingora forwards a body read in `request_filter` only through its retry buffer, which holds
-/// at most this much; see `read_body`.
-const RETRY_BUFFER_BYTES: usize = 64 * 1024;
 
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
@@ -29,10 +27,6 @@ pub const PRIORITY_HEADER: &str = "x-priority";
 /// Only prefills at least this long teach the prefill rate: shorter ones are mostly step
 /// overhead and network.
 const MIN_LEARNING_PREFILL_TOKENS: u64 = 2048;
-
-/// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
-/// longer than this).
-const QUEUE_RECHECK: Duration = Duration::from_millis(200);
 
 pub struct Router {
     pub state: Arc<State>,
@@ -69,6 +63,12 @@ pub struct Ctx {
     est_ttft_s: f64,
     /// This request's TTFT is a clean sample of its backend's prefill rate.
     learn_rate: bool,
+    /// Counts toward the retry budget's base while the request runs.
+    _active: Active,
+    /// Held once the request has retried (see `retry_budget`).
+    retrying: Option<Retrying>,
+    /// The last failed attempt timed out (504 rather than 502 if nothing else answers).
+    timed_out: bool,
 }
 
 impl Ctx {
@@ -94,79 +94,6 @@ async fn reject(
 }
 
 impl Router {
-    /// Read the whole body, so placement can see the prompt.
-    ///
-    /// Pingora then forwards only its retry buffer (at most 64 KiB). Buffering is switched on
-    /// once the rest of the body fits in it, so the buffer ends up holding exactly the tail;
-    /// `request_body_filter` swaps the full body in. A chunked body has no known length, so it
-    /// is buffered from the start and must fit.
-    async fn read_body(
-        &self,
-        session: &mut Session,
-        max: usize,
-        per_read: Duration,
-    ) -> std::result::Result<Bytes, ApiError> {
-        let declared = session
-            .req_header()
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<usize>().ok());
-        if let Some(len) = declared {
-            if len > max {
-                return Err(ApiError::too_large(format!(
-                    "request body of {len} bytes exceeds the limit of {max} bytes"
-                )));
-            }
-        }
-        let expects_continue = session
-            .req_header()
-            .headers
-            .get(http::header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        if expects_continue {
-            session.write_continue_response().await.map_err(|e| {
-                ApiError::bad_request("client_error", format!("cannot answer Expect: {e}"))
-            })?;
-        }
-        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(max));
-        loop {
-            let remaining = declared.map(|d| d.saturating_sub(buf.len()));
-            if remaining.is_none_or(|r| r <= RETRY_BUFFER_BYTES) {
-                session.enable_retry_buffering();
-            }
-            let chunk = match tokio::time::timeout(per_read, session.read_request_body()).await {
-                Err(_) => {
-                    return Err(ApiError::timeout(format!(
-                        "request body not received within {} ms",
-                        per_read.as_millis()
-                    )))
-                }
-                Ok(Err(e)) => {
-                    return Err(ApiError::bad_request(
-                        "invalid_body",
-                        format!("cannot read request body: {e}"),
-                    ))
-                }
-                Ok(Ok(None)) => break,
-                Ok(Ok(Some(c))) => c,
-            };
-            if buf.len() + chunk.len() > max {
-                return Err(ApiError::too_large(format!(
-                    "request body exceeds the limit of {max} bytes"
-                )));
-            }
-            buf.extend_from_slice(&chunk);
-        }
-        if !buf.is_empty() && session.get_retry_buffer().is_none() {
-            return Err(ApiError::length_required(format!(
-                "chunked request bodies over {} KiB are not supported; send Content-Length",
-                RETRY_BUFFER_BYTES / 1024
-            )));
-        }
-        Ok(buf.freeze())
-    }
-
     /// Choose a backend; `None` when none is eligible. Routed requests come back with their
     /// decision so it can be recorded once the charge succeeds.
     fn place(&self, ctx: &mut Ctx, fleet: &Fleet) -> Option<(usize, Option<policy::Decision>)> {
@@ -233,6 +160,31 @@ impl Router {
         }
     }
 
+    /// The backend failed after the response started. A client reading an event stream gets a
+    /// final error event (the OpenAI shape, as `data:`) and a properly ended body, so it can tell
+    /// a cut stream from a finished one; other bodies can only be closed short.
+    async fn end_cut_stream(&self, session: &mut Session, ctx: &Ctx, e: &Error, status: u16) {
+        self.state
+            .metrics
+            .cut_streams
+            .with_label_values(&[ctx.backend_name()])
+            .inc();
+        if status != 200 || !ctx.profile.as_ref().is_some_and(|p| p.stream) {
+            return;
+        }
+        let err = ApiError::upstream(format!(
+            "backend {} failed after the response started ({}); the output is incomplete",
+            ctx.backend_name(),
+            e.etype().as_str()
+        ));
+        if let Err(werr) = session
+            .write_response_body(Some(err.sse_event()), true)
+            .await
+        {
+            log::debug!("could not end the cut stream: {werr}");
+        }
+    }
+
     /// Every eligible (healthy, untried) backend is at its hard cap.
     fn saturated(&self, ctx: &Ctx, fleet: &Fleet) -> bool {
         let cap = self.state.config().limits.backend_max_inflight;
@@ -252,74 +204,79 @@ impl Router {
         fleet: &Fleet,
     ) -> std::result::Result<(), ApiError> {
         let limits = self.state.config().limits.clone();
-        let saturated = || self.saturated(ctx, fleet);
-        if !saturated() {
-            return Ok(());
-        }
-        let admission = &self.state.admission;
-        let metrics = &self.state.metrics;
-        let entered = tokio::time::Instant::now();
-        let deadline = tokio::time::Instant::from_std(ctx.start)
-            + Duration::from_millis(limits.queue_timeout_ms);
-        let ticket = admission.ticket();
-        loop {
-            let until = deadline.min(tokio::time::Instant::now() + QUEUE_RECHECK);
-            let waited = admission
-                .wait(ctx.priority, ticket, until, limits.queue_size)
-                .await;
-            let shed = match waited {
-                Err(Shed::Deadline) if tokio::time::Instant::now() < deadline => None,
-                Err(e) => Some(e),
-                Ok(()) => None,
-            };
-            if let Some(reason) = shed {
-                metrics
-                    .queue_wait
-                    .with_label_values(&["shed"])
-                    .observe(entered.elapsed().as_secs_f64());
-                metrics.shed.with_label_values(&[reason.as_str()]).inc();
-                return Err(ApiError::unavailable(
-                    "fleet_saturated",
-                    match reason {
-                        Shed::QueueFull => {
-                            "every backend is at capacity and the router queue is full".to_string()
-                        }
-                        Shed::Deadline => format!(
-                            "every backend stayed at capacity for {} ms",
-                            limits.queue_timeout_ms
-                        ),
-                    },
-                    limits.retry_after_seconds,
-                ));
-            }
-            if !saturated() {
-                metrics
-                    .queue_wait
-                    .with_label_values(&["admitted"])
-                    .observe(entered.elapsed().as_secs_f64());
-                return Ok(());
-            }
-        }
+        self.state
+            .admission
+            .wait_for_capacity(
+                &self.state.metrics,
+                &limits,
+                ctx.priority,
+                ctx.start,
+                || self.saturated(ctx, fleet),
+            )
+            .await
     }
 
-    /// After a failed attempt: exclude that backend and decide whether another is allowed.
+    /// After a failed attempt: tell outlier detection, exclude that backend and decide whether
+    /// another attempt is allowed (attempts left, retry budget).
     fn after_failure(&self, ctx: &mut Ctx, kind: &str, stale_pooled_conn: bool) -> bool {
-        let max = self.state.config().limits.max_attempts;
+        let cfg = self.state.config();
+        let m = &self.state.metrics;
         ctx.guard = None;
         self.state.admission.wake_one();
-        self.state
-            .metrics
-            .upstream_failures
+        m.upstream_failures
             .with_label_values(&[ctx.backend_name(), kind])
             .inc();
         if stale_pooled_conn && !ctx.stale_conn_retried {
             // A pooled keep-alive connection the backend had already closed says nothing
-            // about the backend: try it again once on a fresh connection.
+            // about the backend: try it again once on a fresh connection (outside the budget,
+            // at most once per request).
             ctx.stale_conn_retried = true;
-        } else if let Some(b) = ctx.backend {
-            ctx.tried.push(b);
+            return ctx.attempts < cfg.limits.max_attempts;
         }
-        ctx.attempts < max
+        if let Some(b) = ctx.backend {
+            ctx.tried.push(b);
+            self.report(ctx, b, Outcome::Failure);
+        }
+        let outcome = if ctx.attempts >= cfg.limits.max_attempts {
+            "attempts_exhausted"
+        } else if ctx.retrying.is_some() {
+            "retried"
+        } else {
+            match self
+                .state
+                .retry_budget
+                .try_retry(cfg.limits.retry_budget_ratio, cfg.limits.retry_budget_min)
+            {
+                Some(r) => {
+                    ctx.retrying = Some(r);
+                    "retried"
+                }
+                None => "budget_exhausted",
+            }
+        };
+        m.retries.with_label_values(&[outcome]).inc();
+        outcome == "retried"
+    }
+
+    /// Feed an attempt's outcome on backend `b` to outlier detection.
+    fn report(&self, ctx: &Ctx, b: usize, outcome: Outcome) {
+        let Some(fleet) = ctx.fleet.as_ref() else {
+            return;
+        };
+        let cfg = self.state.config();
+        if let Some(d) = fleet.report(b, outcome, &cfg.outlier) {
+            let name = &fleet.backends()[b].name;
+            self.state
+                .metrics
+                .ejections
+                .with_label_values(&[name])
+                .inc();
+            log::warn!(
+                "backend {name} ejected for {} ms after {} failed requests in a row",
+                d.as_millis(),
+                cfg.outlier.consecutive_failures
+            );
+        }
     }
 }
 
@@ -349,7 +306,18 @@ impl ProxyHttp for Router {
             dispatched: None,
             est_ttft_s: 0.0,
             learn_rate: false,
+            _active: self.state.retry_budget.start(),
+            retrying: None,
+            timed_out: false,
         }
+    }
+
+    async fn early_request_filter(&self, session: &mut Session, _ctx: &mut Ctx) -> Result<()> {
+        // The header is complete: the edge's header deadline no longer applies.
+        if let Some(peer) = session.client_addr().and_then(|a| a.as_inet()) {
+            self.state.headers.header_seen(*peer);
+        }
+        Ok(())
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
@@ -385,9 +353,14 @@ impl ProxyHttp for Router {
         }
         let cfg = self.state.config();
         let per_read = Duration::from_millis(cfg.timeouts.client_body_read_ms);
-        let body = match self
-            .read_body(session, cfg.limits.max_body_bytes, per_read)
-            .await
+        let body = match body::read_body(
+            session,
+            cfg.limits.max_body_bytes,
+            per_read,
+            Duration::from_millis(cfg.timeouts.client_body_ms),
+            &self.state.metrics,
+        )
+        .await
         {
             Ok(b) => b,
             Err(e) => return reject(session, ctx, e, true).await,
@@ -449,6 +422,11 @@ impl ProxyHttp for Router {
                         "no healthy backend is available",
                         self.state.config().limits.retry_after_seconds,
                     )
+                } else if ctx.timed_out {
+                    ApiError::gateway_timeout(format!(
+                        "{} backend(s) sent nothing within timeouts.upstream_read_ms and no other healthy backend is left",
+                        ctx.tried.len()
+                    ))
                 } else {
                     ApiError::upstream(format!(
                         "{} backend(s) failed before responding and no other healthy backend is left",
@@ -524,6 +502,9 @@ impl ProxyHttp for Router {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.upstream_responded = true;
+        if let Some(b) = ctx.backend {
+            self.report(ctx, b, Outcome::of_status(upstream.status.as_u16()));
+        }
         if let (Some(p), 200) = (&ctx.profile, upstream.status.as_u16()) {
             let collect_reply = self.state.config().routing.policy == PolicyKind::KvAware;
             ctx.usage = Some(UsageTap::new(p.stream, ctx.strip_usage, collect_reply));
@@ -575,6 +556,10 @@ impl ProxyHttp for Router {
         client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
+        ctx.timed_out = matches!(
+            e.etype(),
+            ErrorType::ReadTimedout | ErrorType::WriteTimedout
+        );
         // Retry only while nothing has come back from the backend: once a response has started,
         // the client may already hold part of it.
         let retry = !ctx.upstream_responded
@@ -585,32 +570,10 @@ impl ProxyHttp for Router {
     }
 
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
-        let api = ctx.error.clone().or_else(|| match e.etype() {
-            ErrorType::HTTPStatus(code) => Some(ApiError {
-                status: *code,
-                kind: "invalid_request_error",
-                code: "http_error",
-                message: e.to_string(),
-                retry_after: None,
-            }),
-            _ => match e.esource() {
-                ErrorSource::Upstream => Some(ApiError::upstream(format!(
-                    "upstream {} failed before responding: {}",
-                    ctx.backend_name(),
-                    e.etype().as_str()
-                ))),
-                // The client went away or sent garbage; there is nobody to answer.
-                ErrorSource::Downstream => match e.etype() {
-                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => {
-                        None
-                    }
-                    _ => Some(ApiError::bad_request("client_error", e.to_string())),
-                },
-                ErrorSource::Internal | ErrorSource::Unset => {
-                    Some(ApiError::internal("internal error"))
-                }
-            },
-        });
+        let api = ctx
+            .error
+            .clone()
+            .or_else(|| ApiError::for_proxy_error(e, ctx.backend_name()));
         let mut code = 0;
         if let Some(api) = api {
             if session.response_written().is_none() {
@@ -620,6 +583,7 @@ impl ProxyHttp for Router {
                 }
             } else {
                 code = session.response_written().map_or(0, |r| r.status.as_u16());
+                self.end_cut_stream(session, ctx, e, code).await;
             }
             ctx.error = Some(api);
         }

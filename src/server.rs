@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use crate::admin::AdminApp;
 use crate::config::Config;
 use crate::drain::DrainWatch;
+use crate::edge::Edge;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::proxy::Router;
@@ -85,12 +86,15 @@ pub fn run(mut opt: Opt) -> ! {
     let state = Arc::new(State::new(cfg, fleet, metrics));
     state.metrics.config_last_reload.set(unix_now());
 
-    let mut proxy = pingora::proxy::http_proxy_service_with_name(
+    let router = pingora::proxy::http_proxy(
         &server.configuration,
         Router {
             state: state.clone(),
         },
-        "kvroute proxy",
+    );
+    let mut proxy = Service::new(
+        "kvroute proxy".to_string(),
+        Edge::new(router, state.clone()),
     );
     proxy.add_tcp(&listen);
 

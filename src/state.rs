@@ -6,14 +6,19 @@ use std::sync::Arc;
 
 use crate::admission::Admission;
 use crate::config::Config;
+use crate::edge::HeaderWatches;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
+use crate::retry_budget::RetryBudget;
 
 pub struct State {
     config: ArcSwap<Config>,
     fleet: ArcSwap<Fleet>,
     pub metrics: Metrics,
     pub admission: Admission,
+    pub retry_budget: Arc<RetryBudget>,
+    /// Request headers parsed per client connection (the edge's header deadline).
+    pub headers: HeaderWatches,
     draining: AtomicBool,
 }
 
@@ -24,6 +29,8 @@ impl State {
             fleet: ArcSwap::from_pointee(fleet),
             metrics,
             admission: Admission::default(),
+            retry_budget: Arc::default(),
+            headers: HeaderWatches::default(),
             draining: AtomicBool::new(false),
         }
     }

@@ -1,0 +1,91 @@
+//! Reading a routed request's whole body before placement (placement needs the prompt), within
+//! the size limit and the per-read and total deadlines.
+//!
+//! Pingora then forwards only its retry buffer (at most 64 KiB): buffering is switched on once
+//! the rest of the body fits in it, so the buffer ends up holding exactly the tail, and the
+//! proxy's `request_body_filter` swaps the full body in. A chunked body has no known length, so
+//! it is buffered from the start and must fit.
+
+use bytes::{Bytes, BytesMut};
+use pingora::proxy::Session;
+use std::time::{Duration, Instant};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+
+/// The most Pingora's retry buffer holds.
+pub const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+
+/// Read the whole body: 413 over `max`, 408 when a read takes longer than `per_read` or the
+/// whole body longer than `total`, 411 for a chunked body too large to forward.
+pub async fn read_body(
+    session: &mut Session,
+    max: usize,
+    per_read: Duration,
+    total: Duration,
+    metrics: &Metrics,
+) -> Result<Bytes, ApiError> {
+    let deadline = Instant::now() + total;
+    let declared = session
+        .req_header()
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    if let Some(len) = declared {
+        if len > max {
+            return Err(ApiError::too_large(format!(
+                "request body of {len} bytes exceeds the limit of {max} bytes"
+            )));
+        }
+    }
+    let expects_continue = session
+        .req_header()
+        .headers
+        .get(http::header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects_continue {
+        session.write_continue_response().await.map_err(|e| {
+            ApiError::bad_request("client_error", format!("cannot answer Expect: {e}"))
+        })?;
+    }
+    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(max));
+    loop {
+        let remaining = declared.map(|d| d.saturating_sub(buf.len()));
+        if remaining.is_none_or(|r| r <= RETRY_BUFFER_BYTES) {
+            session.enable_retry_buffering();
+        }
+        let wait = per_read.min(deadline.saturating_duration_since(Instant::now()));
+        let chunk = match tokio::time::timeout(wait, session.read_request_body()).await {
+            Err(_) => {
+                metrics.client_timeouts.with_label_values(&["body"]).inc();
+                return Err(ApiError::timeout(format!(
+                    "request body not received in time (each read within {} ms, all of it within {} ms)",
+                    per_read.as_millis(),
+                    total.as_millis()
+                )));
+            }
+            Ok(Err(e)) => {
+                return Err(ApiError::bad_request(
+                    "invalid_body",
+                    format!("cannot read request body: {e}"),
+                ))
+            }
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(c))) => c,
+        };
+        if buf.len() + chunk.len() > max {
+            return Err(ApiError::too_large(format!(
+                "request body exceeds the limit of {max} bytes"
+            )));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    if !buf.is_empty() && session.get_retry_buffer().is_none() {
+        return Err(ApiError::length_required(format!(
+            "chunked request bodies over {} KiB are not supported; send Content-Length",
+            RETRY_BUFFER_BYTES / 1024
+        )));
+    }
+    Ok(buf.freeze())
+}

@@ -1,0 +1,326 @@
+//! Reliability at the edge, through real processes: slow clients are cut at their deadlines,
+//! a backend answering 500s is ejected and comes back, a backend that hangs before its first
+//! byte is retried elsewhere or answered 504, the retry budget holds when the whole fleet
+//! hangs, and a stream cut by its backend ends with an SSE error event.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+fn faults(sim: SocketAddr, update: serde_json::Value) {
+    let body = update.to_string();
+    let mut s = TcpStream::connect(sim).unwrap();
+    write!(
+        s,
+        "POST /debug/faults HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    assert_eq!(
+        parse_response(&raw).map(|r| r.0),
+        Some(200),
+        "faults update"
+    );
+}
+
+fn hello(max_tokens: u32, stream: bool) -> serde_json::Value {
+    chat_body(
+        MODEL,
+        json!([{"role": "user", "content": "hello"}]),
+        stream,
+        max_tokens,
+    )
+}
+
+/// Seconds until the server closes `s` (read returns 0 or an error), at most `limit`.
+fn closed_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let t0 = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < limit {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(t0.elapsed()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => return Some(t0.elapsed()),
+        }
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_at_their_deadlines() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(
+        &[sims[0].addr],
+        "  timeouts:\n    client_header_ms: 1000\n    client_body_ms: 1000\n    client_body_read_ms: 5000\n",
+    );
+    let addr = kv.addr;
+
+    // A header trickled a byte every 200 ms (each read well inside Pingora's per-read timeout)
+    // is cut at the 1 s header deadline.
+    let trickle = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let t0 = Instant::now();
+        let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nX-Pad: aaaaaaaaaaaaaaaaaaaa";
+        for b in head {
+            if s.write_all(&[*b]).is_err() {
+                return t0.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            if t0.elapsed() > Duration::from_secs(5) {
+                break;
+            }
+        }
+        closed_after(&mut s, Duration::from_secs(5)).map_or(Duration::MAX, |_| t0.elapsed())
+    });
+    // Meanwhile the proxy serves others.
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    let r = c.post(&url).json(&hello(2, false)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let cut = tokio::task::spawn_blocking(move || trickle.join().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        cut >= Duration::from_millis(900) && cut < Duration::from_millis(2500),
+        "slowloris connection lived {cut:?}"
+    );
+
+    // An idle connection that never sends a byte is closed too.
+    let mut idle = TcpStream::connect(addr).unwrap();
+    let lived = closed_after(&mut idle, Duration::from_secs(5)).expect("idle connection kept");
+    assert!(lived < Duration::from_millis(2500), "{lived:?}");
+
+    // A body trickled slower than its deadline gets 408 in the OpenAI shape.
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+         Content-Length: 4000\r\n\r\n{{\"model\":"
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < Duration::from_secs(5) {
+        let _ = s.write_all(b" ");
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(_) => {}
+        }
+        if raw.windows(4).any(|w| w == b"\r\n\r\n") && raw.ends_with(b"}}") {
+            break;
+        }
+    }
+    let (status, body) = parse_response(&raw).expect("a response to the slow body");
+    assert_eq!(status, 408);
+    assert_eq!(error_of(&body)["code"], "request_timeout");
+    assert!(t0.elapsed() < Duration::from_millis(2500));
+
+    let text = kv.metrics();
+    assert!(
+        metric_sum(
+            &text,
+            "kvroute_client_timeouts_total",
+            &[("phase", "header")]
+        ) >= 2.0
+    );
+    assert!(metric_sum(&text, "kvroute_client_timeouts_total", &[("phase", "body")]) >= 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_answering_500s_is_ejected_and_comes_back() {
+    let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let (a, b) = (sims[0].addr, sims[1].addr);
+    let kv = Kvroute::start(
+        &[a, b],
+        "  routing:\n    policy: round_robin\n  outlier:\n    consecutive_failures: 3\n    base_ejection_ms: 1500\n",
+    );
+    faults(a, json!({"fail_rate": 1.0}));
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let r = c.post(&url).json(&hello(2, false)).send().await.unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    // A's 500s pass through until its third in a row ejects it; then B answers everything.
+    assert_eq!(
+        statuses.iter().filter(|&&s| s == 500).count(),
+        3,
+        "{statuses:?}"
+    );
+    assert!(statuses[6..].iter().all(|&s| s == 200), "{statuses:?}");
+    let text = kv.metrics();
+    let name = a.to_string();
+    assert_eq!(
+        metric_sum(&text, "kvroute_backend_ejected", &[("backend", &name)]),
+        1.0
+    );
+    assert_eq!(
+        metric_sum(
+            &text,
+            "kvroute_outlier_ejections_total",
+            &[("backend", &name)]
+        ),
+        1.0
+    );
+
+    // Fixed, and back after its ejection: it gets traffic again.
+    faults(a, json!({"fail_rate": 0.0}));
+    let seen = sims[0].requests().len();
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    for _ in 0..10 {
+        let r = c.post(&url).json(&hello(2, false)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert!(
+        sims[0].requests().len() >= seen + 4,
+        "A got no traffic after its ejection"
+    );
+    assert_eq!(
+        kv.metric_sum("kvroute_backend_ejected", &[("backend", &name)]),
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hanging_backend_is_retried_elsewhere_then_504() {
+    let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let (a, b) = (sims[0].addr, sims[1].addr);
+    let kv = Kvroute::start(
+        &[a, b],
+        "  routing:\n    policy: round_robin\n  timeouts:\n    upstream_read_ms: 400\n  outlier:\n    enabled: false\n",
+    );
+    faults(a, json!({"hang": true}));
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    for _ in 0..4 {
+        let t0 = Instant::now();
+        let r = c.post(&url).json(&hello(2, true)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "a hang on A must be retried on B");
+        assert!(r.text().await.unwrap().contains("[DONE]"));
+        assert!(t0.elapsed() < Duration::from_secs(3));
+    }
+    faults(b, json!({"hang": true}));
+    let r = c.post(&url).json(&hello(2, false)).send().await.unwrap();
+    assert_eq!(r.status(), 504);
+    assert_eq!(
+        error_of(&r.bytes().await.unwrap())["code"],
+        "upstream_timeout"
+    );
+    faults(a, json!({"hang": false}));
+    faults(b, json!({"hang": false}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retry_budget_holds_when_the_whole_fleet_hangs() {
+    let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(
+        &[sims[0].addr, sims[1].addr],
+        "  timeouts:\n    upstream_read_ms: 500\n  outlier:\n    enabled: false\n  limits:\n    max_attempts: 3\n    retry_budget_ratio: 0.2\n    retry_budget_min: 3\n",
+    );
+    for s in &sims {
+        faults(s.addr, json!({"hang": true}));
+    }
+    let url = kv.url("/v1/chat/completions");
+    let n = 30;
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let body = chat_body(
+                    MODEL,
+                    json!([{"role": "user", "content": format!("storm {i}")}]),
+                    false,
+                    2,
+                );
+                client()
+                    .post(&url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+            })
+        })
+        .collect();
+    for t in tasks {
+        let status = t.await.unwrap().unwrap();
+        assert!(status == 504 || status == 502, "got {status}");
+    }
+    let text = kv.metrics();
+    let attempts = metric_sum(&text, "kvroute_upstream_failures_total", &[]);
+    let exhausted = metric_sum(
+        &text,
+        "kvroute_retries_total",
+        &[("outcome", "budget_exhausted")],
+    );
+    let retried = metric_sum(&text, "kvroute_retries_total", &[("outcome", "retried")]);
+    eprintln!("retry storm: {n} requests, {attempts} upstream attempts, {retried} retries, {exhausted} refused by the budget");
+    // 20% of 30 in flight is 6 retrying requests, each with at most 2 more attempts. Without
+    // the budget this would be 90.
+    assert!(attempts <= (n + 2 * 6) as f64, "{attempts} attempts");
+    assert!(exhausted >= (n - 6) as f64, "{exhausted} refused");
+    for s in &sims {
+        faults(s.addr, json!({"hang": false}));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_by_its_backend_ends_with_an_error_event() {
+    let mut sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "20"]);
+    let kv = Kvroute::start(&[sims[0].addr], "");
+    let c = client();
+    let mut r = c
+        .post(kv.url("/v1/chat/completions"))
+        .json(&hello(500, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut text = String::new();
+    while !text.contains("tok3") {
+        let chunk = r.chunk().await.unwrap().expect("stream ended early");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    sims[0].kill();
+    let rest = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut rest = String::new();
+        while let Ok(Some(chunk)) = r.chunk().await {
+            rest.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        rest
+    })
+    .await
+    .expect("the cut stream hung instead of ending");
+    let last = rest
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .last()
+        .expect("no event after the cut");
+    let ev: serde_json::Value =
+        serde_json::from_str(last.trim().trim_start_matches("data: ")).expect("last event JSON");
+    assert_eq!(ev["error"]["code"], "upstream_failed", "{last}");
+    assert!(!rest.contains("[DONE]"));
+    assert!(kv.metric_sum("kvroute_cut_streams_total", &[]) >= 1.0);
+}
