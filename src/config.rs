@@ -54,6 +54,33 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     #[serde(default)]
     pub outlier: OutlierConfig,
+    /// Models the fleet serves; a request for another gets 404. Empty: not checked.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// API keys and per-key limits; absent: no access control.
+    #[serde(default)]
+    pub access: Option<AccessConfig>,
+}
+
+/// Access control: every request needs one of these keys.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AccessConfig {
+    pub keys: Vec<ApiKeyConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// Hex SHA-256 of the key (`printf %s KEY | sha256sum`); the key itself is never stored.
+    pub sha256: String,
+    pub tenant: String,
+    /// Models this key may use; empty: all.
+    #[serde(default)]
+    pub models: Vec<String>,
+    pub requests_per_minute: Option<u64>,
+    /// Prompt plus completion tokens per minute (estimated up front, settled from `usage`).
+    pub tokens_per_minute: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -474,6 +501,38 @@ impl Config {
         }
         if l.max_connections == 0 {
             return Err(err("kvroute.limits.max_connections", "must be positive"));
+        }
+        if let Some(a) = &self.access {
+            if a.keys.is_empty() {
+                return Err(err(
+                    "kvroute.access.keys",
+                    "at least one key is required (remove `access` to turn access control off)",
+                ));
+            }
+            let mut seen = std::collections::HashSet::new();
+            for (i, k) in a.keys.iter().enumerate() {
+                let Some(d) = crate::access::parse_digest(&k.sha256) else {
+                    return Err(err(
+                        format!("kvroute.access.keys[{i}].sha256"),
+                        "must be 64 hex digits (the SHA-256 of the key)",
+                    ));
+                };
+                if !seen.insert(d) {
+                    return Err(err(
+                        format!("kvroute.access.keys[{i}].sha256"),
+                        "duplicate key",
+                    ));
+                }
+                if k.tenant.is_empty() {
+                    return Err(err(format!("kvroute.access.keys[{i}].tenant"), "required"));
+                }
+                if k.requests_per_minute == Some(0) || k.tokens_per_minute == Some(0) {
+                    return Err(err(
+                        format!("kvroute.access.keys[{i}]"),
+                        "rate limits must be positive (leave one out for no limit)",
+                    ));
+                }
+            }
         }
         let o = &self.outlier;
         if o.consecutive_failures == 0 {

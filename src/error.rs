@@ -57,6 +57,30 @@ impl ApiError {
         Self::new(502, "upstream_error", "upstream_failed", message)
     }
 
+    pub fn unauthorized(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(401, "authentication_error", code, message)
+    }
+
+    pub fn forbidden(code: &'static str, message: impl Into<String>) -> Self {
+        Self::new(403, "permission_error", code, message)
+    }
+
+    pub fn model_not_found(model: &str) -> Self {
+        Self::new(
+            404,
+            "invalid_request_error",
+            "model_not_found",
+            format!("the model `{model}` does not exist"),
+        )
+    }
+
+    pub fn rate_limited(message: impl Into<String>, retry_after: u32) -> Self {
+        ApiError {
+            retry_after: Some(retry_after),
+            ..Self::new(429, "rate_limit_error", "rate_limit_exceeded", message)
+        }
+    }
+
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
         Self::new(504, "upstream_error", "upstream_timeout", message)
     }

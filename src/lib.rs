@@ -27,6 +27,7 @@
 //! - [`edge`]: client connections: connection cap, request header deadline (slowloris).
 //! - [`outlier`]: passive outlier ejection of backends that fail requests in a row.
 //! - [`retry_budget`]: caps retries in flight at a share of requests in flight.
+//! - [`access`]: API keys (hashed, constant-time), tenants, allowed models, per-key rate limits.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz` listener.
 //! - [`admission`]: the router queue (priority, deadline) and shedding.
 //! - [`metrics`]: `kvroute_*` Prometheus families.
@@ -38,6 +39,7 @@
 //! - [`server`]: process wiring of the Pingora services.
 //! - [`usage`]: engine-reported usage from responses (asked for on streams, then stripped).
 
+pub mod access;
 pub mod admin;
 pub mod admission;
 pub mod body;

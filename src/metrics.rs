@@ -43,6 +43,7 @@ pub struct Metrics {
     pub connections: IntGauge,
     pub connections_refused: IntCounter,
     pub cut_streams: IntCounterVec,
+    pub rate_limited: IntCounterVec,
 }
 
 type Pick = fn(&EngineStats) -> Option<f64>;
@@ -339,6 +340,12 @@ impl Metrics {
                 "kvroute_cut_streams_total",
                 "Responses cut after they started (the backend failed mid-stream), by backend.",
                 &["backend"],
+            )?,
+            rate_limited: counter(
+                &r,
+                "kvroute_rate_limited_requests_total",
+                "Requests answered 429 because their API key was over its rate limit, by tenant.",
+                &["tenant"],
             )?,
             registry: r,
         })

@@ -10,7 +10,9 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::access::{self, Caller};
 use crate::body;
+use crate::config::Config;
 use crate::error::ApiError;
 use crate::fleet::{Fleet, InflightGuard};
 use crate::outlier::Outcome;
@@ -69,6 +71,9 @@ pub struct Ctx {
     retrying: Option<Retrying>,
     /// The last failed attempt timed out (504 rather than 502 if nothing else answers).
     timed_out: bool,
+    /// The API key's owner, when access control is on, and the tokens charged up front.
+    caller: Option<Caller>,
+    charged_tokens: u64,
 }
 
 impl Ctx {
@@ -158,6 +163,34 @@ impl Router {
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);
         }
+    }
+
+    /// Serve this model for this caller? 404 for a model the fleet does not serve, 403 for one
+    /// the key may not use, 429 over the key's rate limits (charged here when admitted).
+    fn admit(&self, ctx: &mut Ctx, cfg: &Config, p: &RequestProfile) -> Result<(), ApiError> {
+        if !cfg.models.is_empty() && !cfg.models.contains(&p.model) {
+            return Err(ApiError::model_not_found(&p.model));
+        }
+        let (Some(caller), Some(acl)) = (&ctx.caller, &cfg.access) else {
+            return Ok(());
+        };
+        let Some(key) = acl.keys.get(caller.index) else {
+            return Ok(());
+        };
+        access::check_model(key, &p.model)?;
+        let tokens = p.est_prompt_tokens + p.est_output_tokens;
+        self.state
+            .limiter
+            .admit(caller, key, tokens, Instant::now())
+            .inspect_err(|_| {
+                self.state
+                    .metrics
+                    .rate_limited
+                    .with_label_values(&[&caller.tenant])
+                    .inc();
+            })?;
+        ctx.charged_tokens = tokens;
+        Ok(())
     }
 
     /// The backend failed after the response started. A client reading an event stream gets a
@@ -309,6 +342,8 @@ impl ProxyHttp for Router {
             _active: self.state.retry_budget.start(),
             retrying: None,
             timed_out: false,
+            caller: None,
+            charged_tokens: 0,
         }
     }
 
@@ -325,6 +360,18 @@ impl ProxyHttp for Router {
             // Tell keep-alive clients to reconnect (to the new process) after this response,
             // rather than leave an idle connection for the old process to close under them.
             session.set_keepalive(None);
+        }
+        let cfg = self.state.config();
+        if let Some(acl) = &cfg.access {
+            let authorization = session
+                .req_header()
+                .headers
+                .get(http::header::AUTHORIZATION)
+                .map(|v| v.as_bytes());
+            match access::authenticate(acl, authorization) {
+                Ok(c) => ctx.caller = Some(c),
+                Err(e) => return reject(session, ctx, e, true).await,
+            }
         }
         let Some(endpoint) = Endpoint::from_path(session.req_header().uri.path()) else {
             return Ok(false);
@@ -372,6 +419,9 @@ impl ProxyHttp for Router {
             .map(|v| v.as_bytes());
         match request::profile(endpoint, &body, header, DEFAULT_BLOCK_BYTES) {
             Ok(p) => {
+                if let Err(e) = self.admit(ctx, &cfg, &p) {
+                    return reject(session, ctx, e, false).await;
+                }
                 // Engines report usage on streams only when asked; ask, and hide it again.
                 let body = match (p.stream && !p.has_stream_options)
                     .then(|| usage::ask_for_usage(&body))
@@ -640,6 +690,20 @@ impl ProxyHttp for Router {
                 {
                     f.record(i, &blocks);
                 }
+            }
+        }
+        if let (Some(caller), Some(acl)) = (&ctx.caller, &self.state.config().access) {
+            if let (Some(key), true) = (acl.keys.get(caller.index), ctx.charged_tokens > 0) {
+                // Settle the up-front estimate with what the engine reports; a request that
+                // never reached a backend used nothing.
+                let used = match ctx.usage.as_ref().and_then(|t| t.usage) {
+                    Some(u) => u.prompt_tokens + u.completion_tokens,
+                    None if ctx.backend.is_none() => 0,
+                    None => ctx.charged_tokens,
+                };
+                self.state
+                    .limiter
+                    .settle(caller, key, ctx.charged_tokens, used);
             }
         }
         if let Some(u) = ctx.usage.as_ref().and_then(|t| t.usage) {

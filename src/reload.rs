@@ -90,6 +90,10 @@ impl Reloader {
             removed: before.difference(&after).map(|s| s.to_string()).collect(),
             pending_upgrade,
         };
+        match &cfg.access {
+            Some(acl) => self.state.limiter.retain(acl),
+            None => self.state.limiter.retain(&Default::default()),
+        }
         self.state.publish(cfg, fleet);
         for name in &applied.removed {
             self.state.metrics.forget_backend(name);

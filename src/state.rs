@@ -4,6 +4,7 @@ use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use crate::access::Limiter;
 use crate::admission::Admission;
 use crate::config::Config;
 use crate::edge::HeaderWatches;
@@ -19,6 +20,8 @@ pub struct State {
     pub retry_budget: Arc<RetryBudget>,
     /// Request headers parsed per client connection (the edge's header deadline).
     pub headers: HeaderWatches,
+    /// Per-key rate limits (kept across reloads).
+    pub limiter: Limiter,
     draining: AtomicBool,
 }
 
@@ -31,6 +34,7 @@ impl State {
             admission: Admission::default(),
             retry_budget: Arc::default(),
             headers: HeaderWatches::default(),
+            limiter: Limiter::default(),
             draining: AtomicBool::new(false),
         }
     }

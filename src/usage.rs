@@ -19,12 +19,15 @@ use std::borrow::Cow;
 pub struct Usage {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    pub completion_tokens: u64,
 }
 
 #[derive(Deserialize)]
 struct UsageJson {
     #[serde(default)]
     prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
     #[serde(default)]
     prompt_tokens_details: Option<Details>,
 }
@@ -102,6 +105,7 @@ fn parse_usage(json: &[u8]) -> Option<(Usage, bool)> {
             .prompt_tokens_details
             .and_then(|d| d.cached_tokens)
             .unwrap_or(0),
+        completion_tokens: u.completion_tokens,
     };
     let usage_only = v.choices.is_some_and(|c| c.is_empty());
     Some((usage, usage_only))
@@ -324,7 +328,8 @@ mod tests {
             tap.usage,
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 64
+                cached_tokens: 64,
+                completion_tokens: 2,
             })
         );
     }
@@ -402,7 +407,8 @@ mod tests {
             tap.usage,
             Some(Usage {
                 prompt_tokens: 7,
-                cached_tokens: 0
+                cached_tokens: 0,
+                completion_tokens: 0,
             })
         );
     }

@@ -1,0 +1,29 @@
+//! The request parser and canonicaliser on arbitrary bytes: whatever a client sends, `profile`
+//! returns a profile or an error, never panics, and a profile is consistent with the input
+//! (the prefix blocks of a request with a reply start with the request's own blocks).
+#![no_main]
+
+use kvroute::request::{self, Endpoint};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    // First byte: endpoint and whether a session header is present; the rest is the body.
+    let Some((&sel, body)) = data.split_first() else {
+        return;
+    };
+    let endpoint = if sel & 1 == 0 {
+        Endpoint::Chat
+    } else {
+        Endpoint::Completions
+    };
+    let header = (sel & 2 != 0).then_some(&body[..body.len().min(16)]);
+    let block = [16, 64, 256][(sel as usize >> 2) % 3];
+    let Ok(p) = request::profile(endpoint, body, header, block) else {
+        return;
+    };
+    assert!(p.est_prompt_tokens > 0 || p.prefix_blocks.is_empty());
+    if let Ok(with_reply) = request::blocks_with_reply(endpoint, body, "a reply", block) {
+        assert!(with_reply.len() >= p.prefix_blocks.len());
+        assert_eq!(&with_reply[..p.prefix_blocks.len()], &p.prefix_blocks[..]);
+    }
+});

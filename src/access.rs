@@ -1,0 +1,295 @@
+//! Access control (off unless `kvroute.access` is configured): API keys, stored only as SHA-256
+//! digests and compared in constant time, mapped to tenants; which models a key may use; and per
+//! key request and token rate limits (token buckets refilled per minute). Tokens are charged up
+//! front from the request's estimate (prompt + `max_tokens`) and settled from the engine's
+//! `usage` once the response is done.
+
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+use subtle::ConstantTimeEq;
+
+use crate::config::{AccessConfig, ApiKeyConfig};
+use crate::error::ApiError;
+
+pub type KeyDigest = [u8; 32];
+
+/// The key a request presented, once recognised.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub digest: KeyDigest,
+    pub tenant: String,
+    /// Index into `access.keys` of the config the request started with.
+    pub index: usize,
+}
+
+pub fn digest(key: &[u8]) -> KeyDigest {
+    Sha256::digest(key).into()
+}
+
+/// Parse a `sha256:` hex digest from the config.
+pub fn parse_digest(hex: &str) -> Option<KeyDigest> {
+    let hex = hex.trim();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Who is calling, from the `Authorization: Bearer` header. Every configured key is compared,
+/// in constant time, so neither a key's bytes nor its position in the list leak through timing.
+pub fn authenticate(cfg: &AccessConfig, authorization: Option<&[u8]>) -> Result<Caller, ApiError> {
+    let presented = authorization
+        .and_then(|h| std::str::from_utf8(h).ok())
+        .and_then(|h| {
+            let (scheme, key) = h.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+        })
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| {
+            ApiError::unauthorized(
+                "missing_api_key",
+                "an API key is required: send `Authorization: Bearer <key>`",
+            )
+        })?;
+    let d = digest(presented.as_bytes());
+    let mut found = None;
+    for (i, k) in cfg.keys.iter().enumerate() {
+        let stored = parse_digest(&k.sha256).unwrap_or([0; 32]);
+        if bool::from(stored.ct_eq(&d)) && found.is_none() {
+            found = Some(i);
+        }
+    }
+    let index = found
+        .ok_or_else(|| ApiError::unauthorized("invalid_api_key", "the API key is not valid"))?;
+    Ok(Caller {
+        digest: d,
+        tenant: cfg.keys[index].tenant.clone(),
+        index,
+    })
+}
+
+/// Whether `key` may use `model` (403 if not).
+pub fn check_model(key: &ApiKeyConfig, model: &str) -> Result<(), ApiError> {
+    if key.models.is_empty() || key.models.iter().any(|m| m == model) {
+        Ok(())
+    } else {
+        Err(ApiError::forbidden(
+            "model_not_allowed",
+            format!("this API key may not use model `{model}`"),
+        ))
+    }
+}
+
+/// A token bucket holding up to `per_minute`, refilled continuously.
+#[derive(Debug, Clone)]
+struct Bucket {
+    level: f64,
+    updated: Instant,
+}
+
+impl Bucket {
+    fn full(per_minute: u64, now: Instant) -> Bucket {
+        Bucket {
+            level: per_minute as f64,
+            updated: now,
+        }
+    }
+
+    fn refill(&mut self, per_minute: u64, now: Instant) {
+        let rate = per_minute as f64 / 60.0;
+        let dt = now.saturating_duration_since(self.updated).as_secs_f64();
+        self.level = (self.level + dt * rate).min(per_minute as f64);
+        self.updated = now;
+    }
+
+    /// Seconds until `amount` fits (0 if it does now).
+    fn wait_for(&self, amount: f64, per_minute: u64) -> f64 {
+        let missing = amount.min(per_minute as f64) - self.level;
+        if missing <= 0.0 {
+            0.0
+        } else {
+            missing / (per_minute as f64 / 60.0)
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Quota {
+    requests: Option<Bucket>,
+    tokens: Option<Bucket>,
+}
+
+/// Per-key rate state. Kept across reloads (keyed by digest), so a reload neither resets nor
+/// loses what a tenant has used.
+#[derive(Default)]
+pub struct Limiter(Mutex<HashMap<KeyDigest, Quota>>);
+
+impl Limiter {
+    /// Charge one request and `est_tokens` to the key, or say how long to wait (429). A request
+    /// larger than a whole minute's token allowance is admitted once the bucket is full.
+    pub fn admit(
+        &self,
+        caller: &Caller,
+        key: &ApiKeyConfig,
+        est_tokens: u64,
+        now: Instant,
+    ) -> Result<(), ApiError> {
+        let Ok(mut map) = self.0.lock() else {
+            return Ok(());
+        };
+        let q = map.entry(caller.digest).or_default();
+        let mut wait: f64 = 0.0;
+        if let Some(rpm) = key.requests_per_minute {
+            let b = q.requests.get_or_insert_with(|| Bucket::full(rpm, now));
+            b.refill(rpm, now);
+            wait = wait.max(b.wait_for(1.0, rpm));
+        }
+        if let Some(tpm) = key.tokens_per_minute {
+            let b = q.tokens.get_or_insert_with(|| Bucket::full(tpm, now));
+            b.refill(tpm, now);
+            wait = wait.max(b.wait_for(est_tokens as f64, tpm));
+        }
+        if wait > 0.0 {
+            return Err(ApiError::rate_limited(
+                format!(
+                    "tenant `{}` is over its rate limit; retry in {:.1} s",
+                    caller.tenant, wait
+                ),
+                wait.ceil().max(1.0) as u32,
+            ));
+        }
+        if let Some(b) = q.requests.as_mut() {
+            b.level -= 1.0;
+        }
+        if let Some(b) = q.tokens.as_mut() {
+            b.level -= est_tokens as f64;
+        }
+        Ok(())
+    }
+
+    /// The request is done: it used `used` tokens where `charged` were taken up front.
+    pub fn settle(&self, caller: &Caller, key: &ApiKeyConfig, charged: u64, used: u64) {
+        let (Some(tpm), Ok(mut map)) = (key.tokens_per_minute, self.0.lock()) else {
+            return;
+        };
+        if let Some(b) = map.get_mut(&caller.digest).and_then(|q| q.tokens.as_mut()) {
+            b.level = (b.level + charged as f64 - used as f64).min(tpm as f64);
+        }
+    }
+
+    /// Forget keys no longer configured (after a reload).
+    pub fn retain(&self, cfg: &AccessConfig) {
+        let keep: Vec<KeyDigest> = cfg
+            .keys
+            .iter()
+            .filter_map(|k| parse_digest(&k.sha256))
+            .collect();
+        if let Ok(mut map) = self.0.lock() {
+            map.retain(|d, _| keep.contains(d));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn hex(d: &KeyDigest) -> String {
+        d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn cfg() -> AccessConfig {
+        AccessConfig {
+            keys: vec![
+                ApiKeyConfig {
+                    sha256: hex(&digest(b"alpha-key")),
+                    tenant: "alpha".into(),
+                    models: vec!["m1".into()],
+                    requests_per_minute: Some(60),
+                    tokens_per_minute: Some(6000),
+                },
+                ApiKeyConfig {
+                    sha256: hex(&digest(b"beta-key")),
+                    tenant: "beta".into(),
+                    models: vec![],
+                    requests_per_minute: None,
+                    tokens_per_minute: None,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn keys_are_recognised_by_digest_only() {
+        let c = cfg();
+        let who = authenticate(&c, Some(b"Bearer beta-key")).unwrap();
+        assert_eq!((who.tenant.as_str(), who.index), ("beta", 1));
+        assert_eq!(
+            authenticate(&c, Some(b"bearer  alpha-key "))
+                .unwrap()
+                .tenant,
+            "alpha"
+        );
+        for bad in [
+            None,
+            Some(&b"Bearer"[..]),
+            Some(b"Basic alpha-key"),
+            Some(b"Bearer nope"),
+        ] {
+            assert_eq!(authenticate(&c, bad).unwrap_err().status, 401, "{bad:?}");
+        }
+        assert_eq!(parse_digest(&c.keys[0].sha256), Some(digest(b"alpha-key")));
+        assert_eq!(parse_digest("zz"), None);
+    }
+
+    #[test]
+    fn models_are_checked_per_key() {
+        let c = cfg();
+        assert!(check_model(&c.keys[0], "m1").is_ok());
+        assert_eq!(check_model(&c.keys[0], "m2").unwrap_err().status, 403);
+        assert!(check_model(&c.keys[1], "anything").is_ok());
+    }
+
+    #[test]
+    fn request_and_token_buckets_refill_and_settle() {
+        let c = cfg();
+        let (key, l, t0) = (&c.keys[0], Limiter::default(), Instant::now());
+        let who = authenticate(&c, Some(b"Bearer alpha-key")).unwrap();
+        // 6000 tokens a minute: two 2500-token requests fit, a third must wait.
+        l.admit(&who, key, 2500, t0).unwrap();
+        l.admit(&who, key, 2500, t0).unwrap();
+        let e = l.admit(&who, key, 2500, t0).unwrap_err();
+        assert_eq!(
+            (e.status, e.retry_after),
+            (429, Some(15)),
+            "1500 missing at 100/s"
+        );
+        // The first two used only 500 each: settling gives 4000 back.
+        l.settle(&who, key, 2500, 500);
+        l.settle(&who, key, 2500, 500);
+        l.admit(&who, key, 2500, t0).unwrap();
+        // 60 requests a minute: the request bucket runs dry, then refills at one a second.
+        let big = ApiKeyConfig {
+            tokens_per_minute: None,
+            ..key.clone()
+        };
+        for _ in 0..57 {
+            l.admit(&who, &big, 0, t0).unwrap();
+        }
+        assert_eq!(l.admit(&who, &big, 0, t0).unwrap_err().retry_after, Some(1));
+        l.admit(&who, &big, 0, t0 + Duration::from_millis(1100))
+            .unwrap();
+        // A request bigger than a minute's allowance waits for a full bucket, not forever.
+        let other = authenticate(&c, Some(b"Bearer alpha-key")).unwrap();
+        let l2 = Limiter::default();
+        l2.admit(&other, key, 50_000, t0).unwrap();
+        assert!(l2.admit(&other, key, 50_000, t0).is_err());
+    }
+}
