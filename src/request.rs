@@ -397,12 +397,14 @@ fn write_prompt(canon: &mut Canon, prompt: &RawValue, reply: Option<&str>) -> Re
         Some(b'"') => {
             let s: Cow<str> = serde_json::from_str(text).map_err(|_| invalid())?;
             match reply {
-                // The next prompt is this one continued: no separator between them.
+                // The next prompt is this one continued, so nothing (no field separator) may
+                // follow the text: the prompt's stream must be a prefix of prompt + reply.
+                // Found by fuzzing (fuzz/): a separator completing a block broke the prefix.
                 Some(r) => {
                     canon.write(s.as_bytes());
                     canon.write(r.as_bytes());
                 }
-                None => canon.field(s.as_bytes()),
+                None => canon.write(s.as_bytes()),
             }
         }
         Some(b'[') => {
@@ -601,5 +603,20 @@ mod tests {
         let r = chat(json!({"model":"m","messages":[{"role":"user","content":"a"}],"max_completion_tokens":9})).unwrap();
         assert_eq!(r.est_output_tokens, 9);
         assert!(!r.include_usage && !r.stream);
+    }
+
+    #[test]
+    fn a_completions_prompt_is_a_block_prefix_of_its_continuation() {
+        // Every prompt length around the block edges (the fuzzer's find: a trailing separator
+        // completing a block made the prompt's last block differ from its continuation's).
+        for n in 0..80 {
+            let body = serde_json::json!({"model": "m", "prompt": "p".repeat(n)}).to_string();
+            let own = profile(Endpoint::Completions, body.as_bytes(), None, 16)
+                .unwrap()
+                .prefix_blocks;
+            let next =
+                blocks_with_reply(Endpoint::Completions, body.as_bytes(), "reply", 16).unwrap();
+            assert_eq!(&next[..own.len()], &own[..], "prompt of {n} bytes");
+        }
     }
 }

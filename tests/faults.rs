@@ -324,3 +324,35 @@ async fn a_stream_cut_by_its_backend_ends_with_an_error_event() {
     assert!(!rest.contains("[DONE]"));
     assert!(kv.metric_sum("kvroute_cut_streams_total", &[]) >= 1.0);
 }
+
+#[test]
+fn connections_over_the_cap_are_closed_and_huge_headers_refused() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "  limits:\n    max_connections: 2\n");
+    // Two idle connections take the whole allowance; a third is closed at once.
+    let held: Vec<_> = (0..2)
+        .map(|_| TcpStream::connect(kv.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut third = TcpStream::connect(kv.addr).unwrap();
+    let closed = closed_after(&mut third, Duration::from_secs(3)).expect("third connection kept");
+    assert!(closed < Duration::from_secs(1), "{closed:?}");
+    assert!(kv.metric_sum("kvroute_client_connections_refused_total", &[]) >= 1.0);
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+
+    // A header over Pingora's 1 MiB limit gets 400, not a buffer that grows forever.
+    let mut s = TcpStream::connect(kv.addr).unwrap();
+    let pad = "a".repeat(64 * 1024);
+    let _ = write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n");
+    for i in 0..20 {
+        if write!(s, "X-Pad-{i}: {pad}\r\n").is_err() {
+            break;
+        }
+    }
+    let _ = write!(s, "\r\n");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    assert_eq!(parse_response(&raw).map(|r| r.0), Some(400));
+}

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Soak: the Mooncake trace through kvroute at ~80% of a 4-server simulated H100 fleet's prefill
+# capacity (the trace offers ~54k prompt tokens/s at 1x; 4 x 25k tok/s = 100k; 1.5x is ~80%)
+# for DURATION_S seconds, killing one backend (kill -9) and restarting it every minute, in turn.
+#
+# Reports requests sent and failed (only requests in flight on the killed backend may fail),
+# the in-flight count on each backend just before it was killed, and kvroute's RSS at start
+# and end. Writes bench/results/soak/README.md. Needs release binaries:
+#   cargo build --release --workspace && bench/scripts/soak.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+DURATION_S=${DURATION_S:-600}
+SPEEDUP=${SPEEDUP:-1.5}
+KILL_EVERY_S=${KILL_EVERY_S:-60}
+BASE_PORT=${BASE_PORT:-19100}
+N=4
+BIN=${CARGO_TARGET_DIR:-target}/release
+OUT=${OUT:-bench/results/soak}
+LISTEN=127.0.0.1:$((BASE_PORT + 80))
+ADMIN=127.0.0.1:$((BASE_PORT + 90))
+rm -rf "$OUT" && mkdir -p "$OUT"
+RUN=$(mktemp -d)
+
+declare -a SIM_PIDS
+start_sim() {
+  "$BIN/kvbench" sim --servers 1 --base-port $((BASE_PORT + $1)) --profile h100-llama8b \
+    >> "$RUN/sim$1.log" 2>&1 &
+  SIM_PIDS[$1]=$!
+}
+cleanup() {
+  kill "${SIM_PIDS[@]}" "${KV_PID:-}" "${REPLAY_PID:-}" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+for i in $(seq 0 $((N - 1))); do start_sim "$i"; done
+{
+  echo "version: 1"
+  echo "threads: 2"
+  echo "pid_file: $RUN/kvroute.pid"
+  echo "upgrade_sock: $RUN/upgrade.sock"
+  echo "grace_period_seconds: 0"
+  echo "kvroute:"
+  echo "  listen: \"$LISTEN\""
+  echo "  admin_listen: \"$ADMIN\""
+  echo "  backends:"
+  for i in $(seq 0 $((N - 1))); do echo "    - addr: \"127.0.0.1:$((BASE_PORT + i))\""; done
+  echo "  health_check:"
+  echo "    interval_ms: 500"
+} > "$OUT/kvroute.yaml"
+RUST_LOG=warn "$BIN/kvroute" -c "$OUT/kvroute.yaml" 2> "$OUT/kvroute.log" &
+KV_PID=$!
+for _ in $(seq 1 100); do
+  curl -fs "http://$ADMIN/readyz" > /dev/null 2>&1 && break
+  sleep 0.1
+done
+sleep 1
+RSS_START=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
+
+"$BIN/kvbench" replay --target "http://$LISTEN" --workload mooncake --trace-speedup "$SPEEDUP" \
+  --duration-s "$DURATION_S" --grace-s 120 --out "$OUT/replay" --label soak \
+  > "$RUN/replay.log" 2>&1 &
+REPLAY_PID=$!
+
+KILLS=""
+t=0
+while (( t + KILL_EVERY_S < DURATION_S )); do
+  sleep "$KILL_EVERY_S"
+  t=$((t + KILL_EVERY_S))
+  i=$(( (t / KILL_EVERY_S - 1) % N ))
+  addr="127.0.0.1:$((BASE_PORT + i))"
+  inflight=$(curl -fs "http://$ADMIN/metrics" \
+    | awk -v b="kvroute_backend_inflight_requests{backend=\"$addr\"}" '$1 == b { print $2 }')
+  kill -9 "${SIM_PIDS[$i]}"
+  wait "${SIM_PIDS[$i]}" 2>/dev/null || true
+  echo "t=${t}s killed $addr with ${inflight:-0} requests in flight"
+  KILLS="$KILLS| ${t} | $addr | ${inflight:-0} |"$'\n'
+  sleep 2
+  start_sim "$i"
+done
+wait "$REPLAY_PID"
+RSS_END=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
+curl -fs "http://$ADMIN/metrics" > "$OUT/metrics.txt"
+
+python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" <<'PY'
+import json, sys
+out, rss0, rss1, dur, speedup, kills = sys.argv[1:7]
+r = json.load(open(f"{out}/replay/report.json"))
+s = r["summary"]
+def metric(name):
+    tot = 0.0
+    for line in open(f"{out}/metrics.txt"):
+        if line.startswith(name) and not line.startswith("#"):
+            tot += float(line.rsplit(" ", 1)[1])
+    return tot
+cut = metric("kvroute_cut_streams_total")
+failed_attempts = metric("kvroute_upstream_failures_total")
+retried = metric('kvroute_retries_total{outcome="retried"}')
+ejections = metric("kvroute_outlier_ejections_total")
+in_flight_at_kills = sum(int(float(row.split("|")[3])) for row in kills.strip().splitlines() if row)
+text = f"""# Soak run
+
+`bench/scripts/soak.sh` (DURATION_S={dur}, SPEEDUP={speedup}): the Mooncake trace at {speedup}x
+through kvroute (kv_aware) to 4 simulated H100 servers, one killed (kill -9) and restarted every
+minute in turn.
+
+| requests sent | failed (errors + timeouts) | in flight on killed backends | TTFT p50 ms | TTFT p90 ms | kvroute RSS start / end |
+|---|---|---|---|---|---|
+| {s['requests']} | {s['errors']} + {s['timeouts']} | {in_flight_at_kills} | {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} | {int(rss0)//1024} / {int(rss1)//1024} MiB |
+
+Kills (time, backend, requests in flight on it just before):
+
+| t s | backend | in flight |
+|---|---|---|
+{kills.strip()}
+
+kvroute counted {cut:.0f} streams cut mid-response, {failed_attempts:.0f} failed upstream
+attempts, {retried:.0f} retries and {ejections:.0f} ejections. Full report: `replay/report.md`.
+"""
+open(f"{out}/README.md", "w").write(text)
+print(text)
+PY
+rm -rf "$RUN"
