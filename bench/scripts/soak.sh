@@ -82,9 +82,9 @@ wait "$REPLAY_PID"
 RSS_END=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
 curl -fs "http://$ADMIN/metrics" > "$OUT/metrics.txt"
 
-python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" <<'PY'
+python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" "$KILL_EVERY_S" <<'PY'
 import json, sys
-out, rss0, rss1, dur, speedup, kills = sys.argv[1:7]
+out, rss0, rss1, dur, speedup, kills, every = sys.argv[1:8]
 r = json.load(open(f"{out}/replay/report.json"))
 s = r["summary"]
 def metric(name):
@@ -100,9 +100,9 @@ ejections = metric("kvroute_outlier_ejections_total")
 in_flight_at_kills = sum(int(float(row.split("|")[3])) for row in kills.strip().splitlines() if row)
 text = f"""# Soak run
 
-`bench/scripts/soak.sh` (DURATION_S={dur}, SPEEDUP={speedup}): the Mooncake trace at {speedup}x
-through kvroute (kv_aware) to 4 simulated H100 servers, one killed (kill -9) and restarted every
-minute in turn.
+`bench/scripts/soak.sh` (DURATION_S={dur}, SPEEDUP={speedup}, KILL_EVERY_S={every}): the Mooncake trace at {speedup}x
+through kvroute (kv_aware) to 4 simulated H100 servers, one killed (kill -9) and restarted
+(2 s later) every {every} s in turn.
 
 | requests sent | failed (errors + timeouts) | in flight on killed backends | TTFT p50 ms | TTFT p90 ms | kvroute RSS start / end |
 |---|---|---|---|---|---|
