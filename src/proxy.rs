@@ -272,7 +272,9 @@ impl Router {
         }
         let outcome = if ctx.attempts >= cfg.limits.max_attempts {
             "attempts_exhausted"
-        } else if ctx.retrying.is_some() {
+        } else if ctx.retrying.is_some() || kind == "connect" {
+            // A refused or failed connect never reached the backend: retrying it adds no work
+            // anywhere, so it needs no budget (attempts still bound it).
             "retried"
         } else {
             match self
@@ -398,7 +400,6 @@ impl ProxyHttp for Router {
                 return reject(session, ctx, err, true).await;
             }
         }
-        let cfg = self.state.config();
         let per_read = Duration::from_millis(cfg.timeouts.client_body_read_ms);
         let body = match body::read_body(
             session,
@@ -552,6 +553,8 @@ impl ProxyHttp for Router {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.upstream_responded = true;
+        // The retry was answered: it no longer multiplies load, so free its budget unit.
+        ctx.retrying = None;
         if let Some(b) = ctx.backend {
             self.report(ctx, b, Outcome::of_status(upstream.status.as_u16()));
         }

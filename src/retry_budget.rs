@@ -1,5 +1,6 @@
-//! Retry budget: retries in flight may be at most a share of the requests in flight (with a
-//! floor), so a failing fleet sees each client request once or twice, never a retry storm.
+//! Retry budget: requests waiting on a retried attempt may be at most a share of the requests
+//! in flight (with a floor), so a failing fleet sees each client request once or twice, never a
+//! retry storm. A unit is held from the first retry until the retried attempt is answered.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -19,7 +20,8 @@ impl Drop for Active {
     }
 }
 
-/// A request that is retrying; holds one unit of the budget until dropped (the request ends).
+/// A request that is retrying; holds one unit of the budget until dropped (its retry is
+/// answered, or the request ends).
 pub struct Retrying(Arc<RetryBudget>);
 
 impl Drop for Retrying {

@@ -356,3 +356,38 @@ fn connections_over_the_cap_are_closed_and_huge_headers_refused() {
     let _ = s.read_to_end(&mut raw);
     assert_eq!(parse_response(&raw).map(|r| r.0), Some(400));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_connects_are_retried_outside_the_budget() {
+    let mut sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    // No retry budget at all, and health checks too slow to notice the kill below.
+    let kv = Kvroute::start(
+        &[sims[0].addr, sims[1].addr],
+        "  routing:\n    policy: round_robin\n  health_check:\n    interval_ms: 600000\n  outlier:\n    enabled: false\n  limits:\n    retry_budget_ratio: 0\n    retry_budget_min: 0\n",
+    );
+    sims[0].kill();
+    let c = client();
+    for _ in 0..6 {
+        let r = c
+            .post(kv.url("/v1/chat/completions"))
+            .json(&hello(2, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "a refused connect must be retried elsewhere"
+        );
+    }
+    let text = kv.metrics();
+    assert!(metric_sum(&text, "kvroute_retries_total", &[("outcome", "retried")]) >= 2.0);
+    assert_eq!(
+        metric_sum(
+            &text,
+            "kvroute_retries_total",
+            &[("outcome", "budget_exhausted")]
+        ),
+        0.0
+    );
+}
