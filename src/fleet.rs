@@ -35,6 +35,19 @@ struct Live {
     queued_prefill: AtomicU64,
     decoding: AtomicU64,
     outlier: Mutex<Outlier>,
+    /// End of the current ejection in ms since [`epoch`]: read on every placement without the
+    /// outlier lock, which only responses take.
+    ejected_until_ms: AtomicU64,
+}
+
+/// A fixed origin for timestamps stored in atomics.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn since_epoch_ms(t: Instant) -> u64 {
+    t.saturating_duration_since(epoch()).as_millis() as u64
 }
 
 impl Live {
@@ -46,6 +59,7 @@ impl Live {
             queued_prefill: AtomicU64::new(0),
             decoding: AtomicU64::new(0),
             outlier: Mutex::new(Outlier::default()),
+            ejected_until_ms: AtomicU64::new(0),
         }
     }
 }
@@ -87,7 +101,7 @@ impl BackendState {
 
     /// Taken out of placement by passive outlier detection.
     pub fn ejected(&self, now: Instant) -> bool {
-        self.live.outlier.lock().is_ok_and(|o| o.ejected(now))
+        since_epoch_ms(now) < self.live.ejected_until_ms.load(Ordering::Relaxed)
     }
 
     /// The prefill rate placement uses: configured, times what observed TTFTs taught.
@@ -490,7 +504,11 @@ impl Fleet {
         let may = outlier::may_eject(ejected, self.backends.len(), cfg.max_ejected_percent);
         let b = self.backends.get(i)?;
         let mut o = b.live.outlier.lock().ok()?;
-        o.observe(outcome, now, cfg, may)
+        let ejection = o.observe(outcome, now, cfg, may)?;
+        b.live
+            .ejected_until_ms
+            .store(since_epoch_ms(now + ejection), Ordering::Relaxed);
+        Some(ejection)
     }
 
     /// A healthy, not ejected backend not in `excluded`, for requests passed through unrouted.
