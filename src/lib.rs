@@ -22,7 +22,8 @@
 //! - [`kv_aware`]: the kv_aware policy: work-bounded ring, prefix matches, TTFT cost model.
 //! - [`fleet`]: backends, health, in-flight accounting, snapshot.
 //! - [`index`]: prefix index (per-backend LRU of block hashes, reverse map for longest match).
-//! - [`proxy`]: the Pingora `ProxyHttp` phases.
+//! - [`proxy`]: the Pingora `ProxyHttp` phases (placement glue, failure handling and the end
+//!   of a request in its submodules).
 //! - [`body`]: reading a routed request's body (limits, deadlines, Pingora's retry buffer).
 //! - [`edge`]: client connections: connection cap, request header deadline (slowloris).
 //! - [`outlier`]: passive outlier ejection of backends that fail requests in a row.
