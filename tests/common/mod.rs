@@ -120,7 +120,14 @@ impl Kvroute {
         ));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-        let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        // Two ports taken and released in turn can be the same one.
+        let admin_port = loop {
+            let p = free_port();
+            if p != addr.port() {
+                break p;
+            }
+        };
+        let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
         let mut k = Kvroute {
             child: None,
             addr,
