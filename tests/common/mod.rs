@@ -113,10 +113,12 @@ impl Kvroute {
 
     /// Start with `server_keys` (Pingora's top-level keys, one per line) in the file.
     pub fn launch(backends: &[SocketAddr], extra: &str, server_keys: &str) -> Kvroute {
+        // Tests of one binary run in parallel in one process: number their directories.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "kvroute-test-{}-{}",
             std::process::id(),
-            free_port()
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
