@@ -62,6 +62,20 @@ RSS_START=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
   > "$RUN/replay.log" 2>&1 &
 REPLAY_PID=$!
 
+# RSS and requests in flight every 10 s: growth that tracks load is buffers, growth that does
+# not come back down with it would be a leak.
+(
+  echo "t_s,rss_kib,inflight"
+  s=0
+  while kill -0 "$REPLAY_PID" 2>/dev/null; do
+    inflight=$(curl -fs "http://$ADMIN/metrics" \
+      | awk '$1 ~ /^kvroute_backend_inflight_requests/ { n += $2 } END { print n + 0 }')
+    echo "$s,$(ps -o rss= -p "$KV_PID" | tr -d ' '),$inflight"
+    sleep 10
+    s=$((s + 10))
+  done
+) > "$OUT/rss.csv" &
+
 KILLS=""
 t=0
 while (( t + KILL_EVERY_S < DURATION_S )); do
@@ -97,6 +111,10 @@ cut = metric("kvroute_cut_streams_total")
 failed_attempts = metric("kvroute_upstream_failures_total")
 retried = metric('kvroute_retries_total{outcome="retried"}')
 ejections = metric("kvroute_outlier_ejections_total")
+rows = [l.strip().split(",") for l in open(f"{out}/rss.csv").readlines()[1:] if l.strip()]
+rows = [(int(t), int(r), float(n)) for t, r, n in rows if r]
+peak_at, peak_rss, peak_inflight = max(rows, key=lambda x: x[1]) if rows else (0, 0, 0)
+peak_inflight = int(peak_inflight)
 in_flight_at_kills = sum(int(float(row.split("|")[3])) for row in kills.strip().splitlines() if row)
 text = f"""# Soak run
 
@@ -113,6 +131,9 @@ Kills (time, backend, requests in flight on it just before):
 | t s | backend | in flight |
 |---|---|---|
 {kills.strip()}
+
+RSS and requests in flight every 10 s: `rss.csv` (peak RSS {peak_rss // 1024} MiB at
+{peak_at} s with {peak_inflight} in flight; at the end {int(rss1)//1024} MiB).
 
 kvroute counted {cut:.0f} streams cut mid-response, {failed_attempts:.0f} failed upstream
 attempts, {retried:.0f} retries and {ejections:.0f} ejections. Full report: `replay/report.md`.
