@@ -484,18 +484,6 @@ impl Fleet {
             .unwrap_or((0, 0))
     }
 
-    /// Blocks the index holds for backend `i`.
-    pub fn indexed_blocks(&self, i: usize) -> usize {
-        let Some(slot) = self.backends.get(i).and_then(|b| b.slot) else {
-            return 0;
-        };
-        self.shared
-            .beliefs
-            .lock()
-            .map(|b| b.index.blocks_of(slot))
-            .unwrap_or(0)
-    }
-
     /// What an upstream attempt on backend `i` said about it; returns the ejection this
     /// caused, if any.
     pub fn report(&self, i: usize, outcome: Outcome, cfg: &OutlierConfig) -> Option<Duration> {

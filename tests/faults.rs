@@ -11,13 +11,6 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
-}
-
 fn faults(sim: SocketAddr, update: serde_json::Value) {
     let body = update.to_string();
     let mut s = TcpStream::connect(sim).unwrap();

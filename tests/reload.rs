@@ -9,16 +9,7 @@ use common::*;
 use serde_json::json;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
-}
 
 /// Turn `turn` of conversation `conv`: a long private opening (~2k tokens, well past kv_aware's
 /// minimum worthwhile prefix) and the turns so far.
@@ -61,70 +52,6 @@ async fn send(
     Ok((status, server))
 }
 
-/// Clients sending continuously until stopped; every non-200 or transport error is recorded.
-struct Load {
-    stop: Arc<AtomicBool>,
-    sent: Arc<AtomicU64>,
-    failures: Arc<Mutex<Vec<String>>>,
-    per_server: Arc<Mutex<HashMap<String, u64>>>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Load {
-    fn start(url: String, workers: usize) -> Load {
-        let load = Load {
-            stop: Arc::default(),
-            sent: Arc::default(),
-            failures: Arc::default(),
-            per_server: Arc::default(),
-            tasks: Vec::new(),
-        };
-        let mut tasks = Vec::new();
-        for w in 0..workers {
-            let (stop, sent, failures, per_server, url) = (
-                load.stop.clone(),
-                load.sent.clone(),
-                load.failures.clone(),
-                load.per_server.clone(),
-                url.clone(),
-            );
-            tasks.push(tokio::spawn(async move {
-                let c = client();
-                let mut i = 0usize;
-                while !stop.load(Ordering::Relaxed) {
-                    let body = chat_body(
-                        MODEL,
-                        json!([{"role": "user", "content": format!("load {w}/{i}")}]),
-                        i % 2 == 0,
-                        4,
-                    );
-                    sent.fetch_add(1, Ordering::Relaxed);
-                    match send(&c, &url, &body).await {
-                        Ok((200, server)) => {
-                            *per_server.lock().unwrap().entry(server).or_default() += 1;
-                        }
-                        Ok((status, _)) => {
-                            failures.lock().unwrap().push(format!("status {status}"))
-                        }
-                        Err(e) => failures.lock().unwrap().push(e),
-                    }
-                    i += 1;
-                }
-            }));
-        }
-        Load { tasks, ..load }
-    }
-
-    async fn stop(self) -> (u64, Vec<String>) {
-        self.stop.store(true, Ordering::Relaxed);
-        for t in self.tasks {
-            t.await.unwrap();
-        }
-        let failures = self.failures.lock().unwrap().clone();
-        (self.sent.load(Ordering::Relaxed), failures)
-    }
-}
-
 /// SIGHUP, then wait until `kvroute_config_reloads_total{result}` reaches `count`.
 fn reload(kv: &Kvroute, result: &str, count: f64) {
     signal(kv.pid(), "HUP");
@@ -157,7 +84,7 @@ async fn reload_under_load_drops_nothing_and_keeps_affinity() {
         assert_eq!(status, 200);
         owner.insert(conv, server);
     }
-    let load = Load::start(url.clone(), 2);
+    let load = Load::start(&url, &[false, false], 4);
 
     // 1. Add D.
     kv.write_config(&[a, b, c_, d], EXTRA);
@@ -269,7 +196,7 @@ async fn reload_under_load_drops_nothing_and_keeps_affinity() {
         3.0
     );
 
-    let per_server = load.per_server.lock().unwrap().clone();
+    let per_server = load.per_server();
     let (sent, failures) = load.stop().await;
     eprintln!(
         "reload under load: {sent} requests sent, {} failed; per backend {per_server:?}",

@@ -8,13 +8,6 @@ use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap()
-}
-
 async fn post(
     c: &reqwest::Client,
     url: &str,

@@ -8,54 +8,11 @@ mod common;
 use common::*;
 use serde_json::json;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Pingora's fixed hand-over window: the old process keeps accepting this long after SIGQUIT.
 const CLOSE_TIMEOUT_S: u64 = 5;
 const GRACE_S: u64 = 4;
-
-/// Continuous short requests; `fresh` opens a new connection for every request (so a refused
-/// connection would show), otherwise connections are kept alive.
-fn spawn_load(
-    url: String,
-    fresh: bool,
-    stop: Arc<AtomicBool>,
-    sent: Arc<AtomicU64>,
-    failures: Arc<Mutex<Vec<String>>>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut b = reqwest::Client::builder().timeout(Duration::from_secs(30));
-        if fresh {
-            b = b.pool_max_idle_per_host(0);
-        }
-        let c = b.build().unwrap();
-        let mut i = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let body = chat_body(
-                MODEL,
-                json!([{"role": "user", "content": format!("upgrade load {fresh} {i}")}]),
-                i % 2 == 0,
-                2,
-            );
-            sent.fetch_add(1, Ordering::Relaxed);
-            match c.post(&url).json(&body).send().await {
-                Ok(r) if r.status() == 200 => match r.bytes().await {
-                    Ok(b) if !b.is_empty() => {}
-                    Ok(_) => failures.lock().unwrap().push("empty body".into()),
-                    Err(e) => failures.lock().unwrap().push(format!("body: {e}")),
-                },
-                Ok(r) => failures
-                    .lock()
-                    .unwrap()
-                    .push(format!("status {}", r.status())),
-                Err(e) => failures.lock().unwrap().push(format!("{e:?}")),
-            }
-            i += 1;
-        }
-    })
-}
 
 /// One long stream; Ok(()) once it ended with `[DONE]`.
 async fn long_stream(url: String, n: usize) -> Result<(), String> {
@@ -109,21 +66,8 @@ async fn upgrade_under_load_drops_nothing() {
     kv.wait_ready();
     let url = kv.url("/v1/chat/completions");
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicU64::new(0));
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let load: Vec<_> = [false, true]
-        .into_iter()
-        .map(|fresh| {
-            spawn_load(
-                url.clone(),
-                fresh,
-                stop.clone(),
-                sent.clone(),
-                failures.clone(),
-            )
-        })
-        .collect();
+    // One keep-alive client, one opening a connection per request (a refusal would show).
+    let load = Load::start(&url, &[false, true], 2);
 
     let mut streams_done = 0;
     for round in 0..3 {
@@ -188,12 +132,7 @@ async fn upgrade_under_load_drops_nothing() {
         assert_eq!(readyz(kv.admin), Some(200), "round {round}");
     }
 
-    stop.store(true, Ordering::Relaxed);
-    for l in load {
-        l.await.unwrap();
-    }
-    let failures = failures.lock().unwrap().clone();
-    let sent = sent.load(Ordering::Relaxed);
+    let (sent, failures) = load.stop().await;
     eprintln!(
         "upgrade under load: 3 upgrades, {sent} requests sent, {} failed, {streams_done} long streams completed",
         failures.len()

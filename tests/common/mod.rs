@@ -343,3 +343,106 @@ pub fn error_of(body: &[u8]) -> serde_json::Value {
     assert!(e.get("code").is_some(), "no error.code in {v}");
     e
 }
+
+/// An HTTP client with a 30 s deadline per request.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("reqwest client")
+}
+
+/// Clients sending chat requests (streamed and not, in turn) continuously until stopped. Every
+/// non-200, empty body or transport error is recorded; 200s are counted per answering server.
+pub struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    failures: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    per_server: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, u64>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    /// One worker per entry of `fresh_connections`: `true` opens a new connection for every
+    /// request (so a refused connection would show), `false` keeps connections alive.
+    pub fn start(url: &str, fresh_connections: &[bool], max_tokens: u32) -> Load {
+        use std::sync::atomic::Ordering;
+        let mut load = Load {
+            stop: Default::default(),
+            sent: Default::default(),
+            failures: Default::default(),
+            per_server: Default::default(),
+            tasks: Vec::new(),
+        };
+        for (w, &fresh) in fresh_connections.iter().enumerate() {
+            let (stop, sent, failures, per_server, url) = (
+                load.stop.clone(),
+                load.sent.clone(),
+                load.failures.clone(),
+                load.per_server.clone(),
+                url.to_string(),
+            );
+            load.tasks.push(tokio::spawn(async move {
+                let mut b = reqwest::Client::builder().timeout(Duration::from_secs(30));
+                if fresh {
+                    b = b.pool_max_idle_per_host(0);
+                }
+                let c = b.build().expect("reqwest client");
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let body = chat_body(
+                        MODEL,
+                        serde_json::json!([{"role": "user", "content": format!("load {w}/{i}")}]),
+                        i % 2 == 0,
+                        max_tokens,
+                    );
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    let failure = match c.post(&url).json(&body).send().await {
+                        Ok(r) => {
+                            let status = r.status().as_u16();
+                            let server = r
+                                .headers()
+                                .get("x-kvbench-addr")
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or_default()
+                                .to_string();
+                            match (status, r.bytes().await) {
+                                (200, Ok(b)) if !b.is_empty() => {
+                                    *per_server.lock().unwrap().entry(server).or_default() += 1;
+                                    None
+                                }
+                                (_, Ok(b)) if b.is_empty() => Some(format!("{status}, empty body")),
+                                (_, Ok(_)) => Some(format!("status {status}")),
+                                (_, Err(e)) => Some(format!("body: {e}")),
+                            }
+                        }
+                        Err(e) => Some(format!("{e:?}")),
+                    };
+                    if let Some(f) = failure {
+                        failures.lock().unwrap().push(f);
+                    }
+                    i += 1;
+                }
+            }));
+        }
+        load
+    }
+
+    /// 200s so far, per answering server.
+    pub fn per_server(&self) -> std::collections::HashMap<String, u64> {
+        self.per_server.lock().unwrap().clone()
+    }
+
+    /// Stop and wait for the workers: requests sent, and the failures.
+    pub async fn stop(self) -> (u64, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("load worker");
+        }
+        let failures = self.failures.lock().unwrap().clone();
+        (
+            self.sent.load(std::sync::atomic::Ordering::Relaxed),
+            failures,
+        )
+    }
+}
