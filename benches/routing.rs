@@ -4,11 +4,9 @@
 //! `cargo bench --bench routing`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvroute::index::PrefixIndex;
-use kvroute::policy::{self, BackendLoad, Params, PolicyKind, Snapshot};
-use kvroute::prefix::DEFAULT_BLOCK_BYTES;
+use kvroute::placement::{self, BackendLoad, Params, PolicyKind, PrefixIndex, Ring, Snapshot};
+use kvroute::request::DEFAULT_BLOCK_BYTES;
 use kvroute::request::{self, Endpoint};
-use kvroute::ring::Ring;
 use std::hint::black_box;
 use std::net::SocketAddr;
 
@@ -65,7 +63,7 @@ fn routing(c: &mut Criterion) {
                     ring: &ring,
                     matched: &[],
                 };
-                black_box(policy::choose(&params, &p, &snap, &[], 0))
+                black_box(placement::choose(&params, &p, &snap, &[], 0))
             })
         });
     }
@@ -82,7 +80,7 @@ fn routing(c: &mut Criterion) {
                     ring: &ring,
                     matched: &[],
                 };
-                black_box(policy::choose(&params, black_box(&p), &snap, &[], 0))
+                black_box(placement::choose(&params, black_box(&p), &snap, &[], 0))
             })
         });
     }
@@ -129,7 +127,7 @@ fn kv_aware(c: &mut Criterion) {
                 ring: &ring,
                 matched: &matched,
             };
-            black_box(policy::choose(&params, &p, &snap, &[], 0))
+            black_box(placement::choose(&params, &p, &snap, &[], 0))
         })
     });
 }

@@ -15,8 +15,8 @@ fn hex(d: &[u8; 32]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_models_and_quotas() {
     let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
-    let alpha = hex(&kvroute::access::digest(b"alpha-secret"));
-    let beta = hex(&kvroute::access::digest(b"beta-secret"));
+    let alpha = hex(&kvroute::digest(b"alpha-secret"));
+    let beta = hex(&kvroute::digest(b"beta-secret"));
     let extra = format!(
         "  models: [\"{MODEL}\", \"other-model\"]\n  access:\n    keys:\n\
          \x20     - sha256: \"{alpha}\"\n        tenant: alpha\n        models: [\"{MODEL}\"]\n        requests_per_minute: 3\n\

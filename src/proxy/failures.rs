@@ -1,25 +1,79 @@
 //! What a failed upstream attempt means: outlier detection, whether to retry (attempts, retry
 //! budget), and how a response cut after it started ends for the client.
 
-use super::*;
+use pingora::proxy::Session;
+use pingora::Error;
 
-impl Router {
+use super::ctx::Ctx;
+use super::metrics::ProxyMetrics;
+use crate::edge::EdgeState;
+use crate::error::ApiError;
+use crate::fleet::outlier::Outcome;
+
+/// How an attempt failed before the backend answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FailureKind {
+    /// The connection could not be made: the request never reached the backend.
+    Connect,
+    /// The connection broke or timed out before a response header.
+    Io,
+}
+
+impl FailureKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::Connect => "connect",
+            FailureKind::Io => "io",
+        }
+    }
+}
+
+/// Whether a failed attempt is tried again, and why (the `outcome` label of
+/// `kvroute_retries_total`, except for a stale pooled connection, which is not counted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RetryDecision {
+    /// A pooled keep-alive connection the backend had already closed: once more on a fresh
+    /// connection.
+    FreshConnection,
+    Retried,
+    BudgetExhausted,
+    AttemptsExhausted,
+}
+
+impl RetryDecision {
+    fn as_str(self) -> &'static str {
+        match self {
+            RetryDecision::FreshConnection => "fresh_connection",
+            RetryDecision::Retried => "retried",
+            RetryDecision::BudgetExhausted => "budget_exhausted",
+            RetryDecision::AttemptsExhausted => "attempts_exhausted",
+        }
+    }
+
+    pub fn retries(self) -> bool {
+        matches!(
+            self,
+            RetryDecision::FreshConnection | RetryDecision::Retried
+        )
+    }
+}
+
+/// Decides what follows a failed attempt.
+pub(super) struct FailurePolicy<'a> {
+    pub edge: &'a EdgeState,
+    pub metrics: &'a ProxyMetrics,
+}
+
+impl FailurePolicy<'_> {
     /// The backend failed after the response started. A client reading an event stream gets a
     /// final error event (the OpenAI shape, as `data:`) and a properly ended body, so it can tell
     /// a cut stream from a finished one; other bodies can only be closed short.
-    pub(super) async fn end_cut_stream(
-        &self,
-        session: &mut Session,
-        ctx: &Ctx,
-        e: &Error,
-        status: u16,
-    ) {
-        self.state
-            .metrics
+    pub async fn end_cut_stream(&self, session: &mut Session, ctx: &Ctx, e: &Error, status: u16) {
+        self.metrics
             .cut_streams
             .with_label_values(&[ctx.backend_name()])
             .inc();
-        if status != 200 || !ctx.profile.as_ref().is_some_and(|p| p.stream) {
+        if status != 200 || !ctx.route.profile.as_ref().is_some_and(|p| p.stream) {
             return;
         }
         let err = ApiError::upstream(format!(
@@ -37,65 +91,72 @@ impl Router {
 
     /// After a failed attempt: tell outlier detection, exclude that backend and decide whether
     /// another attempt is allowed (attempts left, retry budget).
-    pub(super) fn after_failure(&self, ctx: &mut Ctx, kind: &str, stale_pooled_conn: bool) -> bool {
-        let cfg = self.state.config();
-        let m = &self.state.metrics;
-        ctx.guard = None;
-        self.state.admission.wake_one();
-        m.upstream_failures
-            .with_label_values(&[ctx.backend_name(), kind])
+    pub fn after_failure(
+        &self,
+        ctx: &mut Ctx,
+        kind: FailureKind,
+        stale_pooled_conn: bool,
+    ) -> RetryDecision {
+        let limits = &ctx.generation.config.limits;
+        let (max_attempts, ratio, min) = (
+            limits.max_attempts,
+            limits.retry_budget_ratio,
+            limits.retry_budget_min,
+        );
+        ctx.charge.guard = None;
+        self.edge.queue.wake_one();
+        self.metrics
+            .upstream_failures
+            .with_label_values(&[ctx.backend_name(), kind.as_str()])
             .inc();
-        if stale_pooled_conn && !ctx.stale_conn_retried {
+        if stale_pooled_conn && !ctx.attempts.stale_conn_retried {
             // A pooled keep-alive connection the backend had already closed says nothing
             // about the backend: try it again once on a fresh connection (outside the budget,
             // at most once per request).
-            ctx.stale_conn_retried = true;
-            return ctx.attempts < cfg.limits.max_attempts;
+            ctx.attempts.stale_conn_retried = true;
+            return if ctx.attempts.count < max_attempts {
+                RetryDecision::FreshConnection
+            } else {
+                RetryDecision::AttemptsExhausted
+            };
         }
-        if let Some(b) = ctx.backend {
-            ctx.tried.push(b);
+        if let Some(b) = ctx.attempts.backend {
+            ctx.attempts.tried.push(b);
             self.report(ctx, b, Outcome::Failure);
         }
-        let outcome = if ctx.attempts >= cfg.limits.max_attempts {
-            "attempts_exhausted"
-        } else if ctx.retrying.is_some() || kind == "connect" {
+        let decision = if ctx.attempts.count >= max_attempts {
+            RetryDecision::AttemptsExhausted
+        } else if ctx.attempts.retrying.is_some() || kind == FailureKind::Connect {
             // A refused or failed connect never reached the backend: retrying it adds no work
             // anywhere, so it needs no budget (attempts still bound it).
-            "retried"
+            RetryDecision::Retried
         } else {
-            match self
-                .state
-                .retry_budget
-                .try_retry(cfg.limits.retry_budget_ratio, cfg.limits.retry_budget_min)
-            {
+            match self.edge.retry_budget.try_retry(ratio, min) {
                 Some(r) => {
-                    ctx.retrying = Some(r);
-                    "retried"
+                    ctx.attempts.retrying = Some(r);
+                    RetryDecision::Retried
                 }
-                None => "budget_exhausted",
+                None => RetryDecision::BudgetExhausted,
             }
         };
-        m.retries.with_label_values(&[outcome]).inc();
-        outcome == "retried"
+        self.metrics
+            .retries
+            .with_label_values(&[decision.as_str()])
+            .inc();
+        decision
     }
 
     /// Feed an attempt's outcome on backend `b` to outlier detection.
-    pub(super) fn report(&self, ctx: &Ctx, b: usize, outcome: Outcome) {
-        let Some(fleet) = ctx.fleet.as_ref() else {
-            return;
-        };
-        let cfg = self.state.config();
-        if let Some(d) = fleet.report(b, outcome, &cfg.outlier) {
+    pub fn report(&self, ctx: &Ctx, b: usize, outcome: Outcome) {
+        let fleet = &ctx.generation.fleet;
+        let cfg = &ctx.generation.config.outlier;
+        if let Some(d) = fleet.report(b, outcome, cfg) {
             let name = &fleet.backends()[b].name;
-            self.state
-                .metrics
-                .ejections
-                .with_label_values(&[name])
-                .inc();
+            self.metrics.ejections.with_label_values(&[name]).inc();
             log::warn!(
                 "backend {name} ejected for {} ms after {} failed requests in a row",
                 d.as_millis(),
-                cfg.outlier.consecutive_failures
+                cfg.consecutive_failures
             );
         }
     }

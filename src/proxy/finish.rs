@@ -1,102 +1,111 @@
 //! The end of a request: accounting, learning, metrics and the access log.
 
-use super::*;
+use pingora::proxy::Session;
+use pingora::Error;
 
-impl Router {
-    /// The request is over, however it ended: release its charge, teach the fleet what the
-    /// response showed, settle the caller's quota, count it and write the access log line.
-    pub(super) fn finish(&self, session: &Session, e: Option<&Error>, ctx: &mut Ctx) {
-        if ctx.guard.take().is_some() {
-            // A slot freed up: the router queue's best waiter may go.
-            self.state.admission.wake_one();
-        }
-        let status = session.response_written().map_or(0, |r| r.status.as_u16());
-        let backend = ctx.backend_name().to_owned();
-        let m = &self.state.metrics;
-        let elapsed = ctx.start.elapsed();
-        m.duration
-            .with_label_values(&[&backend])
-            .observe(elapsed.as_secs_f64());
-        let streamed = ctx.profile.as_ref().is_some_and(|p| p.stream);
-        let ttft = ctx.first_byte.map(|t| t.duration_since(ctx.start));
-        // Teach the backend's prefill rate from clean samples (see `learn_rate`).
-        if let (Some(f), Some(i), Some(sent), Some(first), 200) = (
-            &ctx.fleet,
-            ctx.backend,
-            ctx.dispatched,
-            ctx.first_byte,
-            status,
-        ) {
-            if ctx.learn_rate && streamed {
-                f.backends()[i]
-                    .observe_ttft(ctx.est_ttft_s, first.duration_since(sent).as_secs_f64());
-            }
-        }
-        if let (true, Some(t), 200) = (streamed, ttft, status) {
-            m.ttft
-                .with_label_values(&[&backend])
-                .observe(t.as_secs_f64());
-        }
-        // The engine now also holds the reply's KV: the next turn's prefix.
-        if let (Some(f), Some(i), Some(p), Some(body), Some(reply), 200) = (
-            &ctx.fleet,
-            ctx.backend,
-            &ctx.profile,
-            &ctx.body,
-            ctx.usage.as_ref().and_then(|t| t.reply.as_deref()),
-            status,
-        ) {
-            if !reply.is_empty() {
-                if let Ok(blocks) =
-                    request::blocks_with_reply(p.endpoint, body, reply, DEFAULT_BLOCK_BYTES)
-                {
-                    f.record(i, &blocks);
-                }
-            }
-        }
-        if let (Some(caller), Some(acl)) = (&ctx.caller, &self.state.config().access) {
-            if let (Some(key), true) = (acl.keys.get(caller.index), ctx.charged_tokens > 0) {
-                // Settle the up-front estimate with what the engine reports; a request that
-                // never reached a backend used nothing.
-                let used = match ctx.usage.as_ref().and_then(|t| t.usage) {
-                    Some(u) => u.prompt_tokens + u.completion_tokens,
-                    None if ctx.backend.is_none() => 0,
-                    None => ctx.charged_tokens,
-                };
-                self.state
-                    .limiter
-                    .settle(caller, key, ctx.charged_tokens, used);
-            }
-        }
-        if let Some(u) = ctx.usage.as_ref().and_then(|t| t.usage) {
-            m.prompt_tokens
-                .with_label_values(&[&backend])
-                .inc_by(u.prompt_tokens);
-            m.cached_prompt_tokens
-                .with_label_values(&[&backend])
-                .inc_by(u.cached_tokens);
-        }
-        // Counted last: a scrape that sees the request counted sees its histograms too.
-        m.requests
-            .with_label_values(&[&backend, &status.to_string()])
-            .inc();
-        let req = session.req_header();
-        log::info!(
-            target: "kvroute::access",
-            "{} \"{} {}\" {} backend={} reason={} attempts={} dur_ms={:.1} ttft_ms={} body_bytes={}{}",
-            session
-                .client_addr()
-                .map_or_else(|| "-".to_string(), |a| a.to_string()),
-            req.method,
-            req.uri.path(),
-            status,
-            backend,
-            if ctx.reason.is_empty() { "-" } else { ctx.reason },
-            ctx.attempts,
-            elapsed.as_secs_f64() * 1000.0,
-            ttft.map_or_else(|| "-".to_string(), |t| format!("{:.1}", t.as_secs_f64() * 1000.0)),
-            ctx.body.as_ref().map_or(0, |b| b.len()),
-            e.map_or_else(String::new, |e| format!(" error=\"{e}\"")),
-        );
+use super::ctx::Ctx;
+use super::metrics::ProxyMetrics;
+use crate::edge::EdgeState;
+use crate::request::{self, DEFAULT_BLOCK_BYTES};
+
+/// The request is over, however it ended: release its charge, teach the fleet what the
+/// response showed, settle the caller's quota, count it and write the access log line.
+pub(super) fn end_request(
+    edge: &EdgeState,
+    m: &ProxyMetrics,
+    session: &Session,
+    e: Option<&Error>,
+    ctx: &mut Ctx,
+) {
+    if ctx.charge.guard.take().is_some() {
+        // A slot freed up: the router queue's best waiter may go.
+        edge.queue.wake_one();
     }
+    let status = session.response_written().map_or(0, |r| r.status.as_u16());
+    let backend = ctx.backend_name().to_owned();
+    let elapsed = ctx.start.elapsed();
+    m.duration
+        .with_label_values(&[&backend])
+        .observe(elapsed.as_secs_f64());
+    let streamed = ctx.route.profile.as_ref().is_some_and(|p| p.stream);
+    let ttft = ctx.tap.first_byte.map(|t| t.duration_since(ctx.start));
+    // Teach the backend's prefill rate from clean samples (see `learn_rate`).
+    let fleet = &ctx.generation.fleet;
+    if let (Some(i), Some(sent), Some(first), 200) = (
+        ctx.attempts.backend,
+        ctx.charge.dispatched,
+        ctx.tap.first_byte,
+        status,
+    ) {
+        if ctx.charge.learn_rate && streamed {
+            fleet.backends()[i].observe_ttft(
+                ctx.charge.est_ttft_s,
+                first.duration_since(sent).as_secs_f64(),
+            );
+        }
+    }
+    if let (true, Some(t), 200) = (streamed, ttft, status) {
+        m.ttft
+            .with_label_values(&[&backend])
+            .observe(t.as_secs_f64());
+    }
+    // The engine now also holds the reply's KV: the next turn's prefix.
+    if let (Some(i), Some(p), Some(body), Some(reply), 200) = (
+        ctx.attempts.backend,
+        &ctx.route.profile,
+        &ctx.route.body,
+        ctx.tap.usage.as_ref().and_then(|t| t.reply.as_deref()),
+        status,
+    ) {
+        if !reply.is_empty() {
+            if let Ok(blocks) =
+                request::blocks_with_reply(p.endpoint, body, reply, DEFAULT_BLOCK_BYTES)
+            {
+                fleet.record(i, &blocks);
+            }
+        }
+    }
+    if let (Some(caller), Some(acl)) = (&ctx.quota.caller, &ctx.generation.config.access) {
+        if let (Some(key), true) = (acl.keys.get(caller.index), ctx.quota.charged_tokens > 0) {
+            // Settle the up-front estimate with what the engine reports; a request that
+            // never reached a backend used nothing.
+            let used = match ctx.tap.usage.as_ref().and_then(|t| t.usage) {
+                Some(u) => u.prompt_tokens + u.completion_tokens,
+                None if ctx.attempts.backend.is_none() => 0,
+                None => ctx.quota.charged_tokens,
+            };
+            edge.limiter
+                .settle(caller, key, ctx.quota.charged_tokens, used);
+        }
+    }
+    if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
+        m.prompt_tokens
+            .with_label_values(&[&backend])
+            .inc_by(u.prompt_tokens);
+        m.cached_prompt_tokens
+            .with_label_values(&[&backend])
+            .inc_by(u.cached_tokens);
+    }
+    // Counted last: a scrape that sees the request counted sees its histograms too.
+    m.requests
+        .with_label_values(&[&backend, &status.to_string()])
+        .inc();
+    let req = session.req_header();
+    log::info!(
+        target: "kvroute::access",
+        "{} \"{} {}\" {} backend={} reason={} attempts={} dur_ms={:.1} ttft_ms={} body_bytes={}{}",
+        session
+            .client_addr()
+            .map_or_else(|| "-".to_string(), |a| a.to_string()),
+        req.method,
+        req.uri.path(),
+        status,
+        backend,
+        ctx.attempts.reason.map_or("-", |r| r.as_str()),
+        ctx.attempts.count,
+        elapsed.as_secs_f64() * 1000.0,
+        ttft.map_or_else(|| "-".to_string(), |t| format!("{:.1}", t.as_secs_f64() * 1000.0)),
+        ctx.route.body.as_ref().map_or(0, |b| b.len()),
+        e.map_or_else(String::new, |e| format!(" error=\"{e}\"")),
+    );
 }

@@ -1,6 +1,7 @@
-//! The Pingora `ProxyHttp` phases. Each phase only wires the request to the module that owns
-//! the work: parsing (`request`), placement (`policy`), accounting (`fleet`), metrics. The glue
-//! around placement, failures and a request's end lives in `placement`, `failures`, `finish`.
+//! The Pingora `ProxyHttp` phases. Each phase only wires the request to the type that owns the
+//! work: parsing (`request`), the [`Placer`] (placement, admission, the router queue), the
+//! [`FailurePolicy`] (retries, outlier reports, cut streams) and [`finish::end_request`]
+//! (accounting, learning, metrics, the access log). Per-request state is [`Ctx`].
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -11,81 +12,57 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::access::{self, Caller};
-use crate::body;
-use crate::config::Config;
+use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
-use crate::fleet::{Fleet, InflightGuard};
-use crate::outlier::Outcome;
-use crate::policy::{self, PolicyKind, Snapshot};
-use crate::prefix::DEFAULT_BLOCK_BYTES;
-use crate::request::{self, Endpoint, RequestProfile, SESSION_HEADER};
-use crate::retry_budget::{Active, Retrying};
-use crate::state::State;
-use crate::usage::{self, UsageTap};
+use crate::fleet::outlier::Outcome;
+use crate::fleet::Current;
+use crate::placement::PolicyKind;
+use crate::request::body::read_body;
+use crate::request::usage::{self, UsageTap};
+use crate::request::{self, Endpoint, DEFAULT_BLOCK_BYTES, SESSION_HEADER};
 
+mod ctx;
 mod failures;
 mod finish;
+mod metrics;
 mod placement;
+
+pub use ctx::Ctx;
+pub use metrics::ProxyMetrics;
+
+use failures::{FailureKind, FailurePolicy};
+use placement::Placer;
 
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
 
-/// Only prefills at least this long teach the prefill rate: shorter ones are mostly step
-/// overhead and network.
-const MIN_LEARNING_PREFILL_TOKENS: u64 = 2048;
-
+/// kvroute's `ProxyHttp`: each phase hands its work to the type that owns it.
 pub struct Router {
-    pub state: Arc<State>,
+    current: Arc<Current>,
+    edge: Arc<EdgeState>,
+    metrics: ProxyMetrics,
 }
 
-/// Per-request state carried across phases.
-pub struct Ctx {
-    start: Instant,
-    profile: Option<RequestProfile>,
-    /// The whole request body, read before placement.
-    body: Option<Bytes>,
-    /// The fleet this request was placed on (indices below refer to it).
-    fleet: Option<Arc<Fleet>>,
-    backend: Option<usize>,
-    reason: &'static str,
-    /// Backends that failed this request before answering.
-    tried: Vec<usize>,
-    attempts: u32,
-    stale_conn_retried: bool,
-    guard: Option<InflightGuard>,
-    /// Estimated uncached prompt tokens charged to the chosen backend.
-    prefill: u64,
-    upstream_responded: bool,
-    first_byte: Option<Instant>,
-    /// A specific error to render instead of the generic one for the Pingora error.
-    error: Option<ApiError>,
-    /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
-    strip_usage: bool,
-    usage: Option<UsageTap>,
-    /// `x-priority`: higher leaves the router queue first.
-    priority: i32,
-    /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
-    dispatched: Option<Instant>,
-    est_ttft_s: f64,
-    /// This request's TTFT is a clean sample of its backend's prefill rate.
-    learn_rate: bool,
-    /// Counts toward the retry budget's base while the request runs.
-    _active: Active,
-    /// Held once the request has retried (see `retry_budget`).
-    retrying: Option<Retrying>,
-    /// The last failed attempt timed out (504 rather than 502 if nothing else answers).
-    timed_out: bool,
-    /// The API key's owner, when access control is on, and the tokens charged up front.
-    caller: Option<Caller>,
-    charged_tokens: u64,
-}
+impl Router {
+    pub fn new(current: Arc<Current>, edge: Arc<EdgeState>, metrics: ProxyMetrics) -> Router {
+        Router {
+            current,
+            edge,
+            metrics,
+        }
+    }
 
-impl Ctx {
-    fn backend_name(&self) -> &str {
-        match (&self.fleet, self.backend) {
-            (Some(f), Some(i)) => &f.backends()[i].name,
-            _ => "none",
+    fn placer(&self) -> Placer<'_> {
+        Placer {
+            edge: &self.edge,
+            metrics: &self.metrics,
+        }
+    }
+
+    fn failures(&self) -> FailurePolicy<'_> {
+        FailurePolicy {
+            edge: &self.edge,
+            metrics: &self.metrics,
         }
     }
 }
@@ -108,50 +85,25 @@ impl ProxyHttp for Router {
     type CTX = Ctx;
 
     fn new_ctx(&self) -> Ctx {
-        Ctx {
-            start: Instant::now(),
-            profile: None,
-            body: None,
-            fleet: None,
-            backend: None,
-            reason: "",
-            tried: Vec::new(),
-            attempts: 0,
-            stale_conn_retried: false,
-            guard: None,
-            prefill: 0,
-            upstream_responded: false,
-            first_byte: None,
-            error: None,
-            strip_usage: false,
-            usage: None,
-            priority: 0,
-            dispatched: None,
-            est_ttft_s: 0.0,
-            learn_rate: false,
-            _active: self.state.retry_budget.start(),
-            retrying: None,
-            timed_out: false,
-            caller: None,
-            charged_tokens: 0,
-        }
+        Ctx::new(self.current.load(), self.edge.retry_budget.start())
     }
 
     async fn early_request_filter(&self, session: &mut Session, _ctx: &mut Ctx) -> Result<()> {
         // The header is complete: the edge's header deadline no longer applies.
         if let Some(peer) = session.client_addr().and_then(|a| a.as_inet()) {
-            self.state.headers.header_seen(*peer);
+            self.edge.headers.header_seen(*peer);
         }
         Ok(())
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        if self.state.draining() {
+        if self.edge.draining.is_on() {
             // Tell keep-alive clients to reconnect (to the new process) after this response,
             // rather than leave an idle connection for the old process to close under them.
             session.set_keepalive(None);
         }
-        let cfg = self.state.config();
+        let generation = ctx.generation.clone();
+        let cfg = &generation.config;
         if let Some(acl) = &cfg.access {
             let authorization = session
                 .req_header()
@@ -159,7 +111,7 @@ impl ProxyHttp for Router {
                 .get(http::header::AUTHORIZATION)
                 .map(|v| v.as_bytes());
             match access::authenticate(acl, authorization) {
-                Ok(c) => ctx.caller = Some(c),
+                Ok(c) => ctx.quota.caller = Some(c),
                 Err(e) => return reject(session, ctx, e, true).await,
             }
         }
@@ -181,7 +133,7 @@ impl ProxyHttp for Router {
             .map(|v| v.to_str().ok().and_then(|s| s.trim().parse::<i32>().ok()))
         {
             None => {}
-            Some(Some(p)) => ctx.priority = p,
+            Some(Some(p)) => ctx.route.priority = p,
             Some(None) => {
                 let err =
                     ApiError::bad_request("invalid_priority", "x-priority must be an integer");
@@ -189,12 +141,17 @@ impl ProxyHttp for Router {
             }
         }
         let per_read = Duration::from_millis(cfg.timeouts.client_body_read_ms);
-        let body = match body::read_body(
+        let body_timeouts = self
+            .edge
+            .metrics
+            .client_timeouts
+            .with_label_values(&["body"]);
+        let body = match read_body(
             session,
             cfg.limits.max_body_bytes,
             per_read,
             Duration::from_millis(cfg.timeouts.client_body_ms),
-            &self.state.metrics,
+            &body_timeouts,
         )
         .await
         {
@@ -208,7 +165,7 @@ impl ProxyHttp for Router {
             .map(|v| v.as_bytes());
         match request::profile(endpoint, &body, header, DEFAULT_BLOCK_BYTES) {
             Ok(p) => {
-                if let Err(e) = self.admit(ctx, &cfg, &p) {
+                if let Err(e) = self.placer().admit(ctx, &p) {
                     return reject(session, ctx, e, false).await;
                 }
                 // Engines report usage on streams only when asked; ask, and hide it again.
@@ -217,13 +174,13 @@ impl ProxyHttp for Router {
                     .flatten()
                 {
                     Some(with_usage) => {
-                        ctx.strip_usage = true;
+                        ctx.route.strip_usage = true;
                         with_usage
                     }
                     None => body,
                 };
-                ctx.profile = Some(p);
-                ctx.body = Some(body);
+                ctx.route.profile = Some(p);
+                ctx.route.body = Some(body);
                 Ok(false)
             }
             Err(e) => reject(session, ctx, e, false).await,
@@ -231,66 +188,65 @@ impl ProxyHttp for Router {
     }
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let fleet = ctx.fleet.get_or_insert_with(|| self.state.fleet()).clone();
-        ctx.attempts += 1;
-        let cap = self.state.config().limits.backend_max_inflight;
+        let generation = ctx.generation.clone();
+        let (fleet, cfg) = (&generation.fleet, &generation.config);
+        ctx.attempts.count += 1;
+        let cap = cfg.limits.backend_max_inflight;
+        let placer = self.placer();
         // Placement and the hard cap race with concurrent requests: a charge that finds its
         // backend full since the decision places again (or queues).
         let idx = loop {
-            if ctx.profile.is_some() {
-                if let Err(err) = self.queue_for_capacity(ctx, &fleet).await {
+            if ctx.route.profile.is_some() {
+                if let Err(err) = placer.queue_for_capacity(ctx).await {
                     ctx.error = Some(err.clone());
                     return Err(err.into_pingora());
                 }
             }
             let placing = Instant::now();
-            let placed = self.place(ctx, &fleet);
+            let placed = placer.place(ctx);
             if placed.as_ref().is_some_and(|p| p.1.is_some()) {
-                self.state
-                    .metrics
+                self.metrics
                     .decision_time
                     .observe(placing.elapsed().as_secs_f64());
             }
             let Some((idx, decision)) = placed else {
-                if ctx.profile.is_some() && self.saturated(ctx, &fleet) {
+                if ctx.route.profile.is_some() && placer.saturated(ctx) {
                     continue;
                 }
-                let err = if ctx.tried.is_empty() {
+                let tried = ctx.attempts.tried.len();
+                let err = if tried == 0 {
                     ApiError::unavailable(
                         "no_healthy_backend",
                         "no healthy backend is available",
-                        self.state.config().limits.retry_after_seconds,
+                        cfg.limits.retry_after_seconds,
                     )
-                } else if ctx.timed_out {
+                } else if ctx.attempts.timed_out {
                     ApiError::gateway_timeout(format!(
-                        "{} backend(s) sent nothing within timeouts.upstream_read_ms and no other healthy backend is left",
-                        ctx.tried.len()
+                        "{tried} backend(s) sent nothing within timeouts.upstream_read_ms and no other healthy backend is left"
                     ))
                 } else {
                     ApiError::upstream(format!(
-                        "{} backend(s) failed before responding and no other healthy backend is left",
-                        ctx.tried.len()
+                        "{tried} backend(s) failed before responding and no other healthy backend is left"
                     ))
                 };
                 ctx.error = Some(err.clone());
                 return Err(err.into_pingora());
             };
             let guard = match decision {
-                Some(_) => fleet.try_charge(idx, ctx.prefill, cap),
-                None => Some(fleet.charge(idx, ctx.prefill)),
+                Some(_) => fleet.try_charge(idx, ctx.charge.prefill, cap),
+                None => Some(fleet.charge(idx, ctx.charge.prefill)),
             };
             if let Some(g) = guard {
                 if let Some(d) = decision {
-                    self.record(ctx, &fleet, &d);
-                    ctx.est_ttft_s = d.est_ttft_s;
+                    placer.record(ctx, &d);
+                    ctx.charge.est_ttft_s = d.est_ttft_s;
                 }
-                ctx.dispatched = Some(Instant::now());
-                ctx.guard = Some(g);
+                ctx.charge.dispatched = Some(Instant::now());
+                ctx.charge.guard = Some(g);
                 break idx;
             }
         };
-        ctx.backend = Some(idx);
-        let cfg = self.state.config();
+        ctx.attempts.backend = Some(idx);
         let mut peer = HttpPeer::new(fleet.backends()[idx].addr, false, String::new());
         let t = &cfg.timeouts;
         peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
@@ -306,7 +262,7 @@ impl ProxyHttp for Router {
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(body) = &ctx.body {
+        if let Some(body) = &ctx.route.body {
             // The body is already here in full: the backend must not wait for a 100-continue
             // handshake or a chunked stream.
             upstream.remove_header(&http::header::EXPECT);
@@ -323,7 +279,7 @@ impl ProxyHttp for Router {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(full) = &ctx.body {
+        if let Some(full) = &ctx.route.body {
             // Replace Pingora's retry-buffer tail with the whole body (see `read_body`).
             *body = Some(if end_of_stream {
                 full.clone()
@@ -340,16 +296,21 @@ impl ProxyHttp for Router {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        ctx.upstream_responded = true;
+        ctx.attempts.upstream_responded = true;
         // The retry was answered: it no longer multiplies load, so free its budget unit.
-        ctx.retrying = None;
-        if let Some(b) = ctx.backend {
-            self.report(ctx, b, Outcome::of_status(upstream.status.as_u16()));
+        ctx.attempts.retrying = None;
+        if let Some(b) = ctx.attempts.backend {
+            self.failures()
+                .report(ctx, b, Outcome::of_status(upstream.status.as_u16()));
         }
-        if let (Some(p), 200) = (&ctx.profile, upstream.status.as_u16()) {
-            let collect_reply = self.state.config().routing.policy == PolicyKind::KvAware;
-            ctx.usage = Some(UsageTap::new(p.stream, ctx.strip_usage, collect_reply));
-            if ctx.strip_usage {
+        if let (Some(p), 200) = (&ctx.route.profile, upstream.status.as_u16()) {
+            let collect_reply = ctx.generation.config.routing.policy == PolicyKind::KvAware;
+            ctx.tap.usage = Some(UsageTap::new(
+                p.stream,
+                ctx.route.strip_usage,
+                collect_reply,
+            ));
+            if ctx.route.strip_usage {
                 // The body will be shorter than the backend said.
                 upstream.remove_header(&http::header::CONTENT_LENGTH);
             }
@@ -364,13 +325,13 @@ impl ProxyHttp for Router {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
-        if ctx.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
-            ctx.first_byte = Some(Instant::now());
-            if let Some(g) = ctx.guard.as_mut() {
+        if ctx.tap.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
+            ctx.tap.first_byte = Some(Instant::now());
+            if let Some(g) = ctx.charge.guard.as_mut() {
                 g.first_byte();
             }
         }
-        if let Some(tap) = ctx.usage.as_mut() {
+        if let Some(tap) = ctx.tap.usage.as_mut() {
             tap.filter(body, end_of_stream);
         }
         Ok(None)
@@ -383,8 +344,10 @@ impl ProxyHttp for Router {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        let retry = self.after_failure(ctx, "connect", false);
-        e.set_retry(retry);
+        let retry = self
+            .failures()
+            .after_failure(ctx, FailureKind::Connect, false);
+        e.set_retry(retry.retries());
         e
     }
 
@@ -397,15 +360,18 @@ impl ProxyHttp for Router {
         client_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {peer}"));
-        ctx.timed_out = matches!(
+        ctx.attempts.timed_out = matches!(
             e.etype(),
             ErrorType::ReadTimedout | ErrorType::WriteTimedout
         );
         // Retry only while nothing has come back from the backend: once a response has started,
         // the client may already hold part of it.
-        let retry = !ctx.upstream_responded
+        let retry = !ctx.attempts.upstream_responded
             && *e.esource() == ErrorSource::Upstream
-            && self.after_failure(ctx, "io", client_reused);
+            && self
+                .failures()
+                .after_failure(ctx, FailureKind::Io, client_reused)
+                .retries();
         e.set_retry(retry);
         e
     }
@@ -424,7 +390,7 @@ impl ProxyHttp for Router {
                 }
             } else {
                 code = session.response_written().map_or(0, |r| r.status.as_u16());
-                self.end_cut_stream(session, ctx, e, code).await;
+                self.failures().end_cut_stream(session, ctx, e, code).await;
             }
             ctx.error = Some(api);
         }
@@ -435,6 +401,6 @@ impl ProxyHttp for Router {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        self.finish(session, e, ctx);
+        finish::end_request(&self.edge, &self.metrics, session, e, ctx);
     }
 }

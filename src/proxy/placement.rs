@@ -1,23 +1,39 @@
 //! Placement glue: the snapshot for the policy, recording a decision, the hard cap and the
 //! router queue, and admission of a request for its caller (model, quotas).
 
-use super::*;
+use std::time::Instant;
 
-impl Router {
+use super::ctx::Ctx;
+use super::metrics::ProxyMetrics;
+use crate::edge::{access, EdgeState};
+use crate::error::ApiError;
+use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
+use crate::request::RequestProfile;
+
+/// Only prefills at least this long teach the prefill rate: shorter ones are mostly step
+/// overhead and network.
+const MIN_LEARNING_PREFILL_TOKENS: u64 = 2048;
+
+/// Places one request on the fleet its context pinned.
+pub(super) struct Placer<'a> {
+    pub edge: &'a EdgeState,
+    pub metrics: &'a ProxyMetrics,
+}
+
+impl Placer<'_> {
     /// Choose a backend; `None` when none is eligible. Routed requests come back with their
     /// decision so it can be recorded once the charge succeeds.
-    pub(super) fn place(
-        &self,
-        ctx: &mut Ctx,
-        fleet: &Fleet,
-    ) -> Option<(usize, Option<policy::Decision>)> {
-        let Some(profile) = ctx.profile.as_ref() else {
-            ctx.reason = "passthrough";
-            return fleet.pick_passthrough(&ctx.tried).map(|i| (i, None));
+    pub fn place(&self, ctx: &mut Ctx) -> Option<(usize, Option<Decision>)> {
+        let generation = ctx.generation.clone();
+        let fleet = &generation.fleet;
+        let Some(profile) = ctx.route.profile.as_ref() else {
+            ctx.attempts.reason = Some(Reason::Passthrough);
+            return fleet
+                .pick_passthrough(&ctx.attempts.tried)
+                .map(|i| (i, None));
         };
-        let cfg = self.state.config();
-        let mut params = cfg.routing.params();
-        params.backend_max_inflight = cfg.limits.backend_max_inflight;
+        let cfg = &generation.config;
+        let params = Params::from_config(&cfg.routing, cfg.limits.backend_max_inflight);
         let loads = fleet.loads();
         let matched = if params.policy == PolicyKind::KvAware {
             fleet.matches(&profile.prefix_blocks)
@@ -29,7 +45,7 @@ impl Router {
             ring: fleet.ring(),
             matched: &matched,
         };
-        let d = policy::choose(&params, profile, &snap, &ctx.tried, fleet.ticket())?;
+        let d = placement::choose(&params, profile, &snap, &ctx.attempts.tried, fleet.ticket())?;
         log::debug!(
             "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,
@@ -42,33 +58,31 @@ impl Router {
             d.bound,
             d.predicted_cached_tokens,
             d.est_ttft_s * 1000.0,
-            ctx.tried,
+            ctx.attempts.tried,
         );
-        ctx.reason = d.reason.as_str();
-        ctx.prefill = profile
+        ctx.attempts.reason = Some(d.reason);
+        ctx.charge.prefill = profile
             .est_prompt_tokens
             .saturating_sub(d.predicted_cached_tokens);
         // Only a sizeable prefill on a backend with nothing queued says much about its rate:
         // otherwise the wait is mostly other requests' work, which the estimate only guesses.
-        ctx.learn_rate = cfg.routing.learn_prefill_rate
+        ctx.charge.learn_rate = cfg.routing.learn_prefill_rate
             && loads[d.backend].queued_prefill == 0
-            && ctx.prefill >= MIN_LEARNING_PREFILL_TOKENS;
+            && ctx.charge.prefill >= MIN_LEARNING_PREFILL_TOKENS;
         Some((d.backend, Some(d)))
     }
 
     /// A placement went through: count it and, for kv_aware, believe the backend now holds
     /// the prompt's blocks.
-    pub(super) fn record(&self, ctx: &Ctx, fleet: &Fleet, d: &policy::Decision) {
-        let policy = self.state.config().routing.policy;
-        self.state
-            .metrics
+    pub fn record(&self, ctx: &Ctx, d: &Decision) {
+        let policy = ctx.generation.config.routing.policy;
+        self.metrics
             .decisions
             .with_label_values(&[policy.as_str(), d.reason.as_str()])
             .inc();
-        if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.profile.as_ref()) {
-            fleet.record(d.backend, &p.prefix_blocks);
-            self.state
-                .metrics
+        if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
+            ctx.generation.fleet.record(d.backend, &p.prefix_blocks);
+            self.metrics
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);
         }
@@ -76,16 +90,12 @@ impl Router {
 
     /// Serve this model for this caller? 404 for a model the fleet does not serve, 403 for one
     /// the key may not use, 429 over the key's rate limits (charged here when admitted).
-    pub(super) fn admit(
-        &self,
-        ctx: &mut Ctx,
-        cfg: &Config,
-        p: &RequestProfile,
-    ) -> Result<(), ApiError> {
+    pub fn admit(&self, ctx: &mut Ctx, p: &RequestProfile) -> Result<(), ApiError> {
+        let cfg = &ctx.generation.config;
         if !cfg.models.is_empty() && !cfg.models.contains(&p.model) {
             return Err(ApiError::model_not_found(&p.model));
         }
-        let (Some(caller), Some(acl)) = (&ctx.caller, &cfg.access) else {
+        let (Some(caller), Some(acl)) = (&ctx.quota.caller, &cfg.access) else {
             return Ok(());
         };
         let Some(key) = acl.keys.get(caller.index) else {
@@ -93,47 +103,41 @@ impl Router {
         };
         access::check_model(key, &p.model)?;
         let tokens = p.est_prompt_tokens + p.est_output_tokens;
-        self.state
+        self.edge
             .limiter
             .admit(caller, key, tokens, Instant::now())
             .inspect_err(|_| {
-                self.state
+                self.edge
                     .metrics
                     .rate_limited
                     .with_label_values(&[&caller.tenant])
                     .inc();
             })?;
-        ctx.charged_tokens = tokens;
+        ctx.quota.charged_tokens = tokens;
         Ok(())
     }
 
     /// Every eligible (healthy, untried) backend is at its hard cap.
-    pub(super) fn saturated(&self, ctx: &Ctx, fleet: &Fleet) -> bool {
-        let cap = self.state.config().limits.backend_max_inflight;
-        let loads = fleet.loads();
+    pub fn saturated(&self, ctx: &Ctx) -> bool {
+        let cap = ctx.generation.config.limits.backend_max_inflight;
+        let loads = ctx.generation.fleet.loads();
         let mut eligible = loads
             .iter()
             .enumerate()
-            .filter(|(i, b)| b.healthy && !ctx.tried.contains(i))
+            .filter(|(i, b)| b.healthy && !ctx.attempts.tried.contains(i))
             .peekable();
         eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight >= cap * b.weight as u64)
     }
 
     /// Wait in the router queue while every eligible backend is at its hard cap.
-    pub(super) async fn queue_for_capacity(
-        &self,
-        ctx: &Ctx,
-        fleet: &Fleet,
-    ) -> std::result::Result<(), ApiError> {
-        let limits = self.state.config().limits.clone();
-        self.state
-            .admission
+    pub async fn queue_for_capacity(&self, ctx: &Ctx) -> Result<(), ApiError> {
+        self.edge
+            .queue
             .wait_for_capacity(
-                &self.state.metrics,
-                &limits,
-                ctx.priority,
+                &ctx.generation.config.limits,
+                ctx.route.priority,
                 ctx.start,
-                || self.saturated(ctx, fleet),
+                || self.saturated(ctx),
             )
             .await
     }

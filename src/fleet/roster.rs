@@ -1,13 +1,8 @@
-//! The backends: their identity, health (Pingora's active HTTP checks), in-flight accounting and
-//! the snapshot placement decides from. A reload builds a new `Fleet` from the old one: backends
+//! The roster of one generation: its backends, their ring, and the health checker and prefix
+//! index that outlive generations. A reload builds a new `Fleet` from the old one: backends
 //! that stay keep their accounting, telemetry, learned rate, health and prefix-index slot.
 
-use arc_swap::ArcSwap;
-use async_trait::async_trait;
 use futures_util::FutureExt;
-use pingora::http::RequestHeader;
-use pingora_load_balancing::discovery::ServiceDiscovery;
-use pingora_load_balancing::health_check::HttpHealthCheck;
 use pingora_load_balancing::selection::RoundRobin;
 use pingora_load_balancing::{Backend, Backends, LoadBalancer};
 use std::collections::{BTreeSet, HashMap};
@@ -16,169 +11,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::config::{
-    BackendConfig, Config, HealthCheckConfig, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS,
-};
-use crate::index::{PrefixIndex, MAX_BACKENDS};
-use crate::outlier::{self, Outcome, Outlier};
-use crate::policy::BackendLoad;
-use crate::ring::Ring;
-use crate::telemetry::{EngineKind, EngineStats, Slot};
-
-/// What a backend accumulates while it runs. Shared by `Arc` between fleet generations and the
-/// guards of requests in flight, so a reload neither loses nor double-counts load.
-struct Live {
-    telemetry: Slot,
-    /// Online correction of `prefill_rate` (f64 bits), learned from observed TTFTs.
-    rate_scale: AtomicU64,
-    inflight: AtomicU64,
-    queued_prefill: AtomicU64,
-    decoding: AtomicU64,
-    outlier: Mutex<Outlier>,
-    /// End of the current ejection in ms since [`epoch`]: read on every placement without the
-    /// outlier lock, which only responses take.
-    ejected_until_ms: AtomicU64,
-}
-
-/// A fixed origin for timestamps stored in atomics.
-fn epoch() -> Instant {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-fn since_epoch_ms(t: Instant) -> u64 {
-    t.saturating_duration_since(epoch()).as_millis() as u64
-}
-
-impl Live {
-    fn new() -> Live {
-        Live {
-            telemetry: Slot::default(),
-            rate_scale: AtomicU64::new(1.0f64.to_bits()),
-            inflight: AtomicU64::new(0),
-            queued_prefill: AtomicU64::new(0),
-            decoding: AtomicU64::new(0),
-            outlier: Mutex::new(Outlier::default()),
-            ejected_until_ms: AtomicU64::new(0),
-        }
-    }
-}
-
-/// One configured backend: its settings from the config in force plus its live state.
-pub struct BackendState {
-    pub addr: SocketAddr,
-    /// `ip:port`, the `backend` label in metrics and logs.
-    pub name: String,
-    pub weight: u32,
-    pub prefill_rate: f64,
-    pub engine: EngineKind,
-    pub metrics_path: String,
-    pub dcgm: Option<SocketAddr>,
-    /// Configured KV capacity; `None` lets telemetry set it.
-    kv_capacity_configured: Option<u64>,
-    /// Its slot in the prefix index (`None` past the index's 64 slots).
-    slot: Option<usize>,
-    live: Arc<Live>,
-    lb_backend: Backend,
-}
-
-impl BackendState {
-    pub fn inflight(&self) -> u64 {
-        self.live.inflight.load(Ordering::Relaxed)
-    }
-
-    pub fn queued_prefill(&self) -> u64 {
-        self.live.queued_prefill.load(Ordering::Relaxed)
-    }
-
-    pub fn decoding(&self) -> u64 {
-        self.live.decoding.load(Ordering::Relaxed)
-    }
-
-    pub fn telemetry(&self) -> &Slot {
-        &self.live.telemetry
-    }
-
-    /// Taken out of placement by passive outlier detection.
-    pub fn ejected(&self, now: Instant) -> bool {
-        since_epoch_ms(now) < self.live.ejected_until_ms.load(Ordering::Relaxed)
-    }
-
-    /// The prefill rate placement uses: configured, times what observed TTFTs taught.
-    pub fn effective_prefill_rate(&self) -> f64 {
-        self.prefill_rate * f64::from_bits(self.live.rate_scale.load(Ordering::Relaxed))
-    }
-
-    /// A request estimated to wait `est_s` for its first byte waited `observed_s`: move the rate
-    /// a tenth of the way (in log space) toward what would have predicted it.
-    pub fn observe_ttft(&self, est_s: f64, observed_s: f64) {
-        if !(est_s > 0.0 && observed_s > 0.0) {
-            return;
-        }
-        let step = (est_s / observed_s).clamp(0.25, 4.0).powf(0.1);
-        let _ = self
-            .live
-            .rate_scale
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some((f64::from_bits(bits) * step).clamp(0.1, 10.0).to_bits())
-            });
-    }
-}
-
-/// One request's charge on a backend: in flight until dropped; its estimated prefill counts as
-/// queued until the first response byte, then it counts as a decoding stream. Dropping releases
-/// whatever is still charged, however the request ends.
-pub struct InflightGuard {
-    live: Arc<Live>,
-    prefill: u64,
-    decoding: bool,
-}
-
-impl InflightGuard {
-    fn new(live: Arc<Live>, prefill: u64) -> InflightGuard {
-        live.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
-        InflightGuard {
-            live,
-            prefill,
-            decoding: false,
-        }
-    }
-
-    /// The backend answered: its prefill is done and the request is decoding.
-    pub fn first_byte(&mut self) {
-        if !self.decoding {
-            self.decoding = true;
-            self.live
-                .queued_prefill
-                .fetch_sub(self.prefill, Ordering::Relaxed);
-            self.live.decoding.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        let l = &self.live;
-        l.inflight.fetch_sub(1, Ordering::Relaxed);
-        if self.decoding {
-            l.decoding.fetch_sub(1, Ordering::Relaxed);
-        } else {
-            l.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
-        }
-    }
-}
-
-/// The backend set Pingora's load balancer health-checks, replaced on reload. Pingora's own
-/// `Static` discovery cannot be changed from outside its crate.
-#[derive(Clone, Default)]
-struct Membership(Arc<ArcSwap<BTreeSet<Backend>>>);
-
-#[async_trait]
-impl ServiceDiscovery for Membership {
-    async fn discover(&self) -> pingora::Result<(BTreeSet<Backend>, HashMap<u64, bool>)> {
-        Ok((BTreeSet::clone(&self.0.load()), HashMap::new()))
-    }
-}
+use super::backend::{since_epoch_ms, BackendState, InflightGuard, Live};
+use super::error::FleetError;
+use super::health::{health_check, Membership};
+use super::outlier::{self, Outcome};
+use super::telemetry::EngineStats;
+use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
+use crate::placement::index::MAX_BACKENDS;
+use crate::placement::{BackendLoad, PrefixIndex, Ring};
 
 /// The prefix index and which backend owns each of its slots. Owners are checked on every
 /// write, so a request placed by an older fleet cannot teach a reassigned slot.
@@ -204,14 +44,17 @@ pub struct Fleet {
 }
 
 /// A backend's address and optional DCGM exporter, parsed before anything is changed.
-fn parse_backend(b: &BackendConfig) -> Result<(SocketAddr, Option<SocketAddr>, Backend), String> {
+fn parse_backend(
+    b: &BackendConfig,
+) -> Result<(SocketAddr, Option<SocketAddr>, Backend), FleetError> {
     let addr: SocketAddr = b
         .addr
         .parse()
-        .map_err(|_| format!("invalid backend address {}", b.addr))?;
-    let lb_backend = Backend::new(&b.addr).map_err(|e| e.to_string())?;
+        .map_err(|_| FleetError::BackendAddress(b.addr.clone()))?;
+    let lb_backend =
+        Backend::new(&b.addr).map_err(|_| FleetError::BackendAddress(b.addr.clone()))?;
     let dcgm = match &b.dcgm_addr {
-        Some(d) => Some(d.parse().map_err(|_| format!("invalid dcgm_addr {d}"))?),
+        Some(d) => Some(d.parse().map_err(|_| FleetError::DcgmAddress(d.clone()))?),
         None => None,
     };
     Ok((addr, dcgm, lb_backend))
@@ -225,7 +68,7 @@ fn capacity_blocks(b: &BackendConfig, block_tokens: u64) -> usize {
 impl Fleet {
     /// Build the first fleet. The returned load balancer must run as a Pingora background
     /// service for health checks to happen.
-    pub fn new(cfg: &Config) -> Result<Fleet, String> {
+    pub fn new(cfg: &Config) -> Result<Fleet, FleetError> {
         let membership = Membership::default();
         let mut lb =
             LoadBalancer::<RoundRobin>::from_backends(Backends::new(Box::new(membership.clone())));
@@ -243,7 +86,7 @@ impl Fleet {
         let fleet = Fleet::build(cfg, shared, &[])?;
         // Membership is in memory: the update completes at once.
         if let Some(Err(e)) = fleet.shared.lb.update().now_or_never() {
-            return Err(format!("backends: {e}"));
+            return Err(FleetError::Membership(e.to_string()));
         }
         Ok(fleet)
     }
@@ -251,21 +94,25 @@ impl Fleet {
     /// The fleet `cfg` describes, carrying over everything known about backends that stay.
     /// Nothing is changed if `cfg` is rejected. Call [`Fleet::sync_health`] before publishing
     /// the result so added backends are health-checked.
-    pub fn reload(&self, cfg: &Config) -> Result<Fleet, String> {
+    pub fn reload(&self, cfg: &Config) -> Result<Fleet, FleetError> {
         Fleet::build(cfg, self.shared.clone(), &self.backends)
     }
 
     /// Hand the current backend set to Pingora's health checker; backends that stay keep their
     /// health, added ones start healthy until a check fails.
-    pub async fn sync_health(&self) -> Result<(), String> {
-        self.shared.lb.update().await.map_err(|e| e.to_string())
+    pub async fn sync_health(&self) -> Result<(), FleetError> {
+        self.shared
+            .lb
+            .update()
+            .await
+            .map_err(|e| FleetError::Membership(e.to_string()))
     }
 
     fn build(
         cfg: &Config,
         shared: Arc<Shared>,
         previous: &[Arc<BackendState>],
-    ) -> Result<Fleet, String> {
+    ) -> Result<Fleet, FleetError> {
         let parsed = cfg
             .backends
             .iter()
@@ -284,7 +131,7 @@ impl Fleet {
             let mut beliefs = shared
                 .beliefs
                 .lock()
-                .map_err(|_| "prefix index lock poisoned".to_string())?;
+                .map_err(|_| FleetError::IndexPoisoned)?;
             let Beliefs { index, owner } = &mut *beliefs;
             // Free the slots of removed backends first so added ones can reuse them.
             for b in previous.iter().filter(|b| !kept.contains(&b.addr)) {
@@ -517,21 +364,6 @@ impl Fleet {
             .iter()
             .position(|s| s.lb_backend.addr == b.addr)
     }
-}
-
-fn health_check(cfg: &HealthCheckConfig) -> Result<Box<HttpHealthCheck>, String> {
-    let mut hc = HttpHealthCheck::new("localhost", false);
-    let mut req =
-        RequestHeader::build("GET", cfg.path.as_bytes(), None).map_err(|e| e.to_string())?;
-    req.append_header("Host", "localhost")
-        .map_err(|e| e.to_string())?;
-    hc.req = req;
-    let timeout = Some(Duration::from_millis(cfg.timeout_ms));
-    hc.peer_template.options.connection_timeout = timeout;
-    hc.peer_template.options.read_timeout = timeout;
-    hc.consecutive_success = cfg.consecutive_success;
-    hc.consecutive_failure = cfg.consecutive_failure;
-    Ok(Box::new(hc))
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// Backends an index can track: owners are a 64-bit mask.
-pub const MAX_BACKENDS: usize = 64;
+pub use crate::config::MAX_INDEXED_BACKENDS as MAX_BACKENDS;
 
 /// Identity hasher for keys that are already hashes.
 #[derive(Default)]

@@ -10,20 +10,22 @@ use bytes::{Bytes, BytesMut};
 use pingora::proxy::Session;
 use std::time::{Duration, Instant};
 
+use prometheus::IntCounter;
+
 use crate::error::ApiError;
-use crate::metrics::Metrics;
 
 /// The most Pingora's retry buffer holds.
-pub const RETRY_BUFFER_BYTES: usize = 64 * 1024;
+const RETRY_BUFFER_BYTES: usize = 64 * 1024;
 
 /// Read the whole body: 413 over `max`, 408 when a read takes longer than `per_read` or the
-/// whole body longer than `total`, 411 for a chunked body too large to forward.
-pub async fn read_body(
+/// whole body longer than `total`, 411 for a chunked body too large to forward. A timeout is
+/// also counted on `timeouts`.
+pub(crate) async fn read_body(
     session: &mut Session,
     max: usize,
     per_read: Duration,
     total: Duration,
-    metrics: &Metrics,
+    timeouts: &IntCounter,
 ) -> Result<Bytes, ApiError> {
     let deadline = Instant::now() + total;
     let declared = session
@@ -58,7 +60,7 @@ pub async fn read_body(
         let wait = per_read.min(deadline.saturating_duration_since(Instant::now()));
         let chunk = match tokio::time::timeout(wait, session.read_request_body()).await {
             Err(_) => {
-                metrics.client_timeouts.with_label_values(&["body"]).inc();
+                timeouts.inc();
                 return Err(ApiError::timeout(format!(
                     "request body not received in time (each read within {} ms, all of it within {} ms)",
                     per_read.as_millis(),

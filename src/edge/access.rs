@@ -10,10 +10,8 @@ use std::sync::Mutex;
 use std::time::Instant;
 use subtle::ConstantTimeEq;
 
-use crate::config::{AccessConfig, ApiKeyConfig};
+use crate::config::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
 use crate::error::ApiError;
-
-pub type KeyDigest = [u8; 32];
 
 /// The key a request presented, once recognised.
 #[derive(Debug, Clone)]
@@ -26,19 +24,6 @@ pub struct Caller {
 
 pub fn digest(key: &[u8]) -> KeyDigest {
     Sha256::digest(key).into()
-}
-
-/// Parse a `sha256:` hex digest from the config.
-pub fn parse_digest(hex: &str) -> Option<KeyDigest> {
-    let hex = hex.trim();
-    if hex.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
 }
 
 /// Who is calling, from the `Authorization: Bearer` header. Every configured key is compared,

@@ -3,31 +3,13 @@
 //! [`EngineStats`] per backend. A sample older than `telemetry.stale_after_ms` is ignored, and
 //! placement falls back to kvroute's own accounting.
 //!
-//! Parsing is a pure function of the text (unit-tested); the scrape loop is a Pingora
-//! background service using Pingora's HTTP connector.
+//! Parsing is a pure function of the text (unit-tested); the scrape loop is in `scrape.rs`.
 
 use arc_swap::ArcSwapOption;
-use async_trait::async_trait;
-use pingora::connectors::http::Connector;
-use pingora::http::RequestHeader;
-use pingora::prelude::HttpPeer;
-use pingora::server::ShutdownWatch;
-use pingora::services::background::BackgroundService;
-use serde::Deserialize;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::state::State;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum EngineKind {
-    #[default]
-    Vllm,
-    Sglang,
-    Llamacpp,
-}
+pub use crate::config::EngineKind;
 
 /// What one scrape said about an engine. Fields the engine does not export stay `None`.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -149,113 +131,6 @@ pub fn parse_dcgm(text: &str, into: &mut EngineStats) {
         into.gpu_utilization = Some(util / n as f64 / 100.0);
     }
     into.gpu_memory_used_bytes = fb;
-}
-
-/// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
-async fn fetch(
-    connector: &Connector,
-    addr: SocketAddr,
-    path: &str,
-    timeout: Duration,
-) -> Result<String, String> {
-    let mut peer = HttpPeer::new(addr, false, String::new());
-    peer.options.connection_timeout = Some(timeout);
-    peer.options.read_timeout = Some(timeout);
-    peer.options.write_timeout = Some(timeout);
-    let work = async {
-        let (mut session, _) = connector
-            .get_http_session(&peer)
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut req =
-            RequestHeader::build("GET", path.as_bytes(), None).map_err(|e| e.to_string())?;
-        req.insert_header("Host", addr.to_string())
-            .map_err(|e| e.to_string())?;
-        session
-            .write_request_header(Box::new(req))
-            .await
-            .map_err(|e| e.to_string())?;
-        session
-            .finish_request_body()
-            .await
-            .map_err(|e| e.to_string())?;
-        session
-            .read_response_header()
-            .await
-            .map_err(|e| e.to_string())?;
-        let status = session.response_header().map_or(0, |h| h.status.as_u16());
-        if status != 200 {
-            return Err(format!("status {status}"));
-        }
-        let mut body = Vec::new();
-        while let Some(chunk) = session
-            .read_response_body()
-            .await
-            .map_err(|e| e.to_string())?
-        {
-            if body.len() + chunk.len() > 4 << 20 {
-                return Err("metrics body over 4 MiB".into());
-            }
-            body.extend_from_slice(&chunk);
-        }
-        connector
-            .release_http_session(session, &peer, Some(Duration::from_secs(30)))
-            .await;
-        String::from_utf8(body).map_err(|_| "metrics body is not UTF-8".to_string())
-    };
-    tokio::time::timeout(timeout, work)
-        .await
-        .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
-}
-
-/// The scrape loop, as a Pingora background service.
-pub struct TelemetryService {
-    pub state: Arc<State>,
-}
-
-#[async_trait]
-impl BackgroundService for TelemetryService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let connector = Arc::new(Connector::new(None));
-        loop {
-            let cfg = self.state.config();
-            let interval = Duration::from_millis(cfg.telemetry.interval_ms);
-            let timeout = Duration::from_millis(cfg.telemetry.timeout_ms).min(interval);
-            let fleet = self.state.fleet();
-            let mut tasks = tokio::task::JoinSet::new();
-            // Checked every round so a reload can turn scraping on or off.
-            let backends = if cfg.telemetry.enabled {
-                fleet.backends()
-            } else {
-                &[]
-            };
-            for (i, b) in backends.iter().enumerate() {
-                let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
-                tasks.spawn(async move {
-                    let text = match fetch(&connector, b.addr, &b.metrics_path, timeout).await {
-                        Ok(t) => t,
-                        Err(e) => {
-                            log::debug!("telemetry {}: {e}", b.name);
-                            return;
-                        }
-                    };
-                    let mut stats = parse_engine(b.engine, &text);
-                    if let Some(dcgm) = b.dcgm {
-                        match fetch(&connector, dcgm, "/metrics", timeout).await {
-                            Ok(t) => parse_dcgm(&t, &mut stats),
-                            Err(e) => log::debug!("dcgm {}: {e}", b.name),
-                        }
-                    }
-                    fleet.observe(i, stats);
-                });
-            }
-            while tasks.join_next().await.is_some() {}
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = shutdown.changed() => return,
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -13,9 +13,11 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use prometheus::{HistogramVec, IntCounterVec, IntGauge, Registry};
+
 use crate::config::LimitsConfig;
 use crate::error::ApiError;
-use crate::metrics::Metrics;
+use crate::metrics::{counter_vec, int_gauge, seconds_vec};
 
 /// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
 /// longer than this).
@@ -69,12 +71,40 @@ struct Queue {
     seq: u64,
 }
 
-#[derive(Default)]
+/// The router queue's own families.
+struct QueueMetrics {
+    depth: IntGauge,
+    wait: HistogramVec,
+    shed: IntCounterVec,
+}
+
 pub struct Admission {
     queue: Mutex<Queue>,
+    metrics: QueueMetrics,
 }
 
 impl Admission {
+    pub fn register(r: &Registry) -> prometheus::Result<Admission> {
+        Ok(Admission {
+            queue: Mutex::default(),
+            metrics: QueueMetrics {
+                depth: int_gauge(r, "kvroute_queue_depth", "Requests waiting in the router queue.")?,
+                wait: seconds_vec(
+                    r,
+                    "kvroute_queue_wait_seconds",
+                    "Time requests spent in the router queue, by outcome (admitted, shed).",
+                    &["outcome"],
+                )?,
+                shed: counter_vec(
+                    r,
+                    "kvroute_shed_requests_total",
+                    "Requests answered 503 because the fleet was saturated, by reason (queue_full, queue_timeout).",
+                    &["reason"],
+                )?,
+            },
+        })
+    }
+
     /// An arrival number, fixed once per request so re-queueing keeps its place.
     pub fn ticket(&self) -> u64 {
         self.queue
@@ -139,12 +169,12 @@ impl Admission {
     /// or the deadline passes.
     pub async fn wait_for_capacity(
         &self,
-        metrics: &Metrics,
         limits: &LimitsConfig,
         priority: i32,
         start: std::time::Instant,
         saturated: impl Fn() -> bool,
     ) -> Result<(), ApiError> {
+        let metrics = &self.metrics;
         if !saturated() {
             return Ok(());
         }
@@ -160,7 +190,7 @@ impl Admission {
             };
             if let Some(reason) = shed {
                 metrics
-                    .queue_wait
+                    .wait
                     .with_label_values(&["shed"])
                     .observe(entered.elapsed().as_secs_f64());
                 metrics.shed.with_label_values(&[reason.as_str()]).inc();
@@ -180,12 +210,17 @@ impl Admission {
             }
             if !saturated() {
                 metrics
-                    .queue_wait
+                    .wait
                     .with_label_values(&["admitted"])
                     .observe(entered.elapsed().as_secs_f64());
                 return Ok(());
             }
         }
+    }
+
+    /// Set the depth gauge, just before a scrape renders it.
+    pub fn publish_depth(&self) {
+        self.metrics.depth.set(self.depth() as i64);
     }
 
     pub fn depth(&self) -> usize {
@@ -204,7 +239,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn priority_then_arrival_order() {
-        let a = Arc::new(Admission::default());
+        let a = Arc::new(Admission::register(&Registry::new()).unwrap());
         let far = Instant::now() + Duration::from_secs(60);
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
@@ -231,7 +266,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn full_queue_and_deadline_shed() {
-        let a = Arc::new(Admission::default());
+        let a = Arc::new(Admission::register(&Registry::new()).unwrap());
         let soon = Instant::now() + Duration::from_millis(100);
         let a2 = a.clone();
         let waiting = tokio::spawn(async move { a2.wait(0, 1, soon, 1).await });

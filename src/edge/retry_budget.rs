@@ -49,6 +49,7 @@ impl RetryBudget {
         Some(Retrying(self.clone()))
     }
 
+    #[cfg(test)]
     pub fn retrying(&self) -> u64 {
         self.retrying.load(Ordering::Relaxed)
     }

@@ -1,23 +1,39 @@
 //! Process wiring: config -> fleet -> Pingora services (proxy, admin, health checks) -> run.
 //! Shared by the `kvroute` binary and `kvbench`, which embeds the proxy for its comparisons.
 
+use async_trait::async_trait;
 use pingora::server::configuration::Opt;
-use pingora::server::Server;
-use pingora::services::background::GenBackgroundService;
+use pingora::server::{Server, ShutdownWatch};
+use pingora::services::background::{BackgroundService, GenBackgroundService};
 use pingora::services::listening::Service;
+use prometheus::Registry;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use crate::admin::AdminApp;
 use crate::config::Config;
-use crate::drain::DrainWatch;
-use crate::edge::Edge;
-use crate::fleet::Fleet;
-use crate::metrics::Metrics;
-use crate::proxy::Router;
-use crate::reload::{unix_now, Reloader};
-use crate::state::State;
-use crate::telemetry::TelemetryService;
+use crate::edge::{EdgeState, Listener};
+use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
+use crate::proxy::{ProxyMetrics, Router};
+
+mod admin;
+mod drain;
+mod reload;
+
+use admin::AdminApp;
+use drain::DrainWatch;
+use reload::{unix_now, ReloadMetrics, Reloader};
+
+pub use reload::{effective, needs_upgrade, Applied, ReloadError};
+
+/// The engine telemetry scrape loop as a Pingora background service.
+struct Telemetry(Arc<Current>);
+
+#[async_trait]
+impl BackgroundService for Telemetry {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        scrape_forever(&self.0, &mut shutdown).await;
+    }
+}
 
 fn fail(msg: impl std::fmt::Display) -> ! {
     eprintln!("kvroute: {msg}");
@@ -55,7 +71,12 @@ pub fn run(mut opt: Opt) -> ! {
     let cfg = Config::load(&path)
         .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
     let fleet = Fleet::new(&cfg).unwrap_or_else(|e| fail(e));
-    let metrics = Metrics::new().unwrap_or_else(|e| fail(format!("metrics: {e}")));
+    let registry = Registry::new();
+    let metrics_failed = |e: prometheus::Error| -> ! { fail(format!("metrics: {e}")) };
+    let edge = Arc::new(EdgeState::register(&registry).unwrap_or_else(|e| metrics_failed(e)));
+    let proxy_metrics = ProxyMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
+    let fleet_metrics = FleetMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
+    let reload_metrics = ReloadMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
 
     shield_sighup();
     // A reload re-reads the file's Pingora keys as the process did at start (Opt is not Clone).
@@ -83,25 +104,27 @@ pub fn run(mut opt: Opt) -> ! {
     let listen = cfg.listen.clone();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
-    let state = Arc::new(State::new(cfg, fleet, metrics));
-    state.metrics.config_last_reload.set(unix_now());
+    let current = Arc::new(Current::new(Generation::new(cfg, fleet)));
+    reload_metrics.last_success.set(unix_now());
+    let fleet_metrics = Arc::new(fleet_metrics);
 
     let router = pingora::proxy::http_proxy(
         &server.configuration,
-        Router {
-            state: state.clone(),
-        },
+        Router::new(current.clone(), edge.clone(), proxy_metrics),
     );
     let mut proxy = Service::new(
         "kvroute proxy".to_string(),
-        Edge::new(router, state.clone()),
+        Listener::new(router, current.clone(), edge.clone()),
     );
     proxy.add_tcp(&listen);
 
     let mut admin = Service::new(
         "kvroute admin".to_string(),
         AdminApp {
-            state: state.clone(),
+            registry,
+            current: current.clone(),
+            edge: edge.clone(),
+            fleet_metrics: fleet_metrics.clone(),
         },
     );
     admin.add_tcp(&admin_listen);
@@ -113,14 +136,15 @@ pub fn run(mut opt: Opt) -> ! {
     server.add_service(health);
     server.add_service(GenBackgroundService::new(
         "kvroute engine telemetry".to_string(),
-        Arc::new(TelemetryService {
-            state: state.clone(),
-        }),
+        Arc::new(Telemetry(current.clone())),
     ));
     server.add_service(GenBackgroundService::new(
         "kvroute config reload".to_string(),
         Arc::new(Reloader {
-            state: state.clone(),
+            current: current.clone(),
+            edge: edge.clone(),
+            fleet_metrics,
+            metrics: reload_metrics,
             opt: reload_opt,
             server_conf: server.configuration.clone(),
         }),
@@ -128,7 +152,7 @@ pub fn run(mut opt: Opt) -> ! {
     server.add_service(GenBackgroundService::new(
         "kvroute drain watch".to_string(),
         Arc::new(DrainWatch {
-            state: state.clone(),
+            edge,
             phases: Mutex::new(Some(server.watch_execution_phase())),
         }),
     ));

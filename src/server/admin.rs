@@ -7,10 +7,18 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 use std::sync::Arc;
 
-use crate::state::State;
+use prometheus::{Encoder, TextEncoder};
 
-pub struct AdminApp {
-    pub state: Arc<State>,
+use crate::edge::EdgeState;
+use crate::fleet::Fleet;
+use crate::fleet::{Current, FleetMetrics};
+
+pub(super) struct AdminApp {
+    /// Every `kvroute_*` family, registered by the component that updates it.
+    pub registry: prometheus::Registry,
+    pub current: Arc<Current>,
+    pub edge: Arc<EdgeState>,
+    pub fleet_metrics: Arc<FleetMetrics>,
 }
 
 fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -22,21 +30,34 @@ fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<
         .unwrap_or_else(|_| Response::new(Vec::new()))
 }
 
+impl AdminApp {
+    /// Prometheus text exposition, with the gauges that are read from the fleet and the queue
+    /// set first.
+    fn render(&self, fleet: &Fleet) -> Vec<u8> {
+        self.fleet_metrics.refresh(fleet);
+        self.edge.queue.publish_depth();
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            log::error!("metrics encoding failed: {e}");
+        }
+        out
+    }
+}
+
 #[async_trait]
 impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let path = session.req_header().uri.path().to_owned();
-        let fleet = self.state.fleet();
+        let generation = self.current.load();
+        let fleet = &generation.fleet;
         match path.as_str() {
             "/metrics" => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
-                self.state
-                    .metrics
-                    .render(&fleet, self.state.admission.depth()),
+                self.render(fleet),
             ),
             "/healthz" => reply(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
-            "/readyz" if self.state.draining() => reply(
+            "/readyz" if self.edge.draining.is_on() => reply(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "text/plain",
                 b"not ready: draining for upgrade or shutdown\n".to_vec(),

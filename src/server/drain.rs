@@ -7,10 +7,10 @@ use pingora::services::background::BackgroundService;
 use std::sync::{Arc, Mutex};
 use tokio::sync::broadcast::{error::RecvError, Receiver};
 
-use crate::state::State;
+use crate::edge::EdgeState;
 
-pub struct DrainWatch {
-    pub state: Arc<State>,
+pub(super) struct DrainWatch {
+    pub edge: Arc<EdgeState>,
     /// Taken by the one task that watches.
     pub phases: Mutex<Option<Receiver<ExecutionPhase>>>,
 }
@@ -39,14 +39,14 @@ impl BackgroundService for DrainWatch {
                 phase = phases.recv() => match phase {
                     Ok(p) if is_draining(&p) => {
                         log::info!("draining ({p:?}): /readyz now reports not ready");
-                        self.state.start_draining();
+                        self.edge.draining.start();
                     }
                     Ok(_) | Err(RecvError::Lagged(_)) => {}
                     Err(RecvError::Closed) => return,
                 },
                 // Pingora's own shutdown broadcast: draining for certain from here on.
                 _ = shutdown.changed() => {
-                    self.state.start_draining();
+                    self.edge.draining.start();
                     return;
                 }
             }

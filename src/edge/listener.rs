@@ -8,100 +8,92 @@
 //! [`HeaderWatches::header_seen`], keyed by the client's socket address) and a connection whose
 //! header has not arrived in time is closed. Only HTTP/1 is served (kvroute enables neither TLS
 //! nor h2c).
+//!
+//! The listener is generic over the `ProxyHttp` it serves, so the edge does not depend on the
+//! proxy layer above it.
 
 use async_trait::async_trait;
 use pingora::apps::{HttpServerApp, ServerApp};
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::Stream;
-use pingora::proxy::HttpProxy;
+use pingora::proxy::{HttpProxy, ProxyHttp};
 use pingora::server::ShutdownWatch;
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
 
-use crate::proxy::Router;
-use crate::state::State;
+use super::state::EdgeState;
+use crate::fleet::Current;
 
-/// Per connection, a counter of request headers parsed so far.
-#[derive(Default)]
-pub struct HeaderWatches(Mutex<HashMap<SocketAddr, watch::Sender<u64>>>);
-
-impl HeaderWatches {
-    fn register(&self, peer: SocketAddr) -> watch::Receiver<u64> {
-        let (tx, rx) = watch::channel(0);
-        if let Ok(mut m) = self.0.lock() {
-            m.insert(peer, tx);
-        }
-        rx
-    }
-
-    fn unregister(&self, peer: SocketAddr) {
-        if let Ok(mut m) = self.0.lock() {
-            m.remove(&peer);
-        }
-    }
-
-    /// The connection from `peer` delivered a complete request header.
-    pub fn header_seen(&self, peer: SocketAddr) {
-        if let Ok(m) = self.0.lock() {
-            if let Some(tx) = m.get(&peer) {
-                tx.send_modify(|n| *n += 1);
-            }
-        }
-    }
-}
-
-pub struct Edge {
-    pub proxy: Arc<HttpProxy<Router>>,
-    pub state: Arc<State>,
+pub struct Listener<P> {
+    proxy: Arc<HttpProxy<P>>,
+    current: Arc<Current>,
+    edge: Arc<EdgeState>,
     open: AtomicUsize,
 }
 
 /// One open client connection, counted until dropped.
-struct Open<'a> {
-    edge: &'a Edge,
+struct Open<'a, P> {
+    listener: &'a Listener<P>,
     peer: Option<SocketAddr>,
 }
 
-impl Drop for Open<'_> {
+impl<P> Drop for Open<'_, P> {
     fn drop(&mut self) {
-        let n = self.edge.open.fetch_sub(1, Ordering::Relaxed) - 1;
-        self.edge.state.metrics.connections.set(n as i64);
+        let n = self.listener.open.fetch_sub(1, Ordering::Relaxed) - 1;
+        let edge = &self.listener.edge;
+        edge.metrics.connections.set(n as i64);
         if let Some(p) = self.peer {
-            self.edge.state.headers.unregister(p);
+            edge.headers.unregister(p);
         }
     }
 }
 
-impl Edge {
-    pub fn new(proxy: HttpProxy<Router>, state: Arc<State>) -> Edge {
-        Edge {
+impl<P> Listener<P> {
+    pub fn new(proxy: HttpProxy<P>, current: Arc<Current>, edge: Arc<EdgeState>) -> Listener<P> {
+        Listener {
             proxy: Arc::new(proxy),
-            state,
+            current,
+            edge,
             open: AtomicUsize::new(0),
         }
     }
 }
 
 #[async_trait]
-impl ServerApp for Edge {
+impl<P> ServerApp for Listener<P>
+where
+    P: ProxyHttp + Send + Sync + 'static,
+    P::CTX: Send + Sync,
+{
     async fn process_new(
         self: &Arc<Self>,
         stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
-        let cfg = self.state.config();
-        let m = &self.state.metrics;
+        // The connection's limits come from the config in force when it opened; the generation
+        // itself is not held, so a long keep-alive connection pins no old fleet.
+        let (max_connections, header, idle) = {
+            let generation = self.current.load();
+            let c = &generation.config;
+            (
+                c.limits.max_connections,
+                Duration::from_millis(c.timeouts.client_header_ms),
+                Duration::from_millis(c.timeouts.client_idle_ms),
+            )
+        };
+        let m = &self.edge.metrics;
         let n = self.open.fetch_add(1, Ordering::Relaxed) + 1;
         let peer = stream
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet().copied()));
-        let _open = Open { edge: self, peer };
+        let _open = Open {
+            listener: self.as_ref(),
+            peer,
+        };
         m.connections.set(n as i64);
-        if n > cfg.limits.max_connections {
+        if n > max_connections {
             m.connections_refused.inc();
             log::warn!(
                 "closing a new client connection: {} open (limits.max_connections)",
@@ -109,10 +101,8 @@ impl ServerApp for Edge {
             );
             return None;
         }
-        let mut headers = peer.map(|p| self.state.headers.register(p));
+        let mut headers = peer.map(|p| self.edge.headers.register(p));
 
-        let header = Duration::from_millis(cfg.timeouts.client_header_ms);
-        let idle = Duration::from_millis(cfg.timeouts.client_idle_ms);
         let mut session = ServerSession::new_http1(stream);
         if *shutdown.borrow() {
             session.set_keepalive(None);

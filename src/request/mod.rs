@@ -8,7 +8,12 @@ use std::borrow::Cow;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::ApiError;
-use crate::prefix::BlockHasher;
+
+mod blocks;
+pub(crate) mod body;
+pub(crate) mod usage;
+
+pub use blocks::{BlockHasher, DEFAULT_BLOCK_BYTES};
 
 /// Which OpenAI endpoint a routed request is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -26,9 +26,11 @@
 //! deterministic. When no backend is admissible (cannot happen with this bound), the least
 //! loaded eligible backend takes it.
 
-use crate::policy::{least_load, Decision, Params, Reason, Snapshot};
+use super::decision::{Decision, Params, Reason};
+use super::least_load;
+use super::ring::capacity;
+use super::snapshot::Snapshot;
 use crate::request::RequestProfile;
-use crate::ring::capacity;
 
 /// The terms behind one backend's score, for the debug log and tests.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,7 +45,7 @@ pub struct Terms {
     pub score: f64,
 }
 
-pub fn choose(
+pub(super) fn choose(
     params: &Params,
     profile: &RequestProfile,
     snap: &Snapshot,
@@ -148,7 +150,7 @@ pub fn choose(
         found => found,
     };
     let Some(t) = best else {
-        return least_load(snap, eligible, ticket, Reason::Fallback);
+        return least_load::choose(snap, eligible, ticket, Reason::Fallback);
     };
     let reason = match owner {
         Some(o) if o == t.backend => Reason::Affinity,
@@ -181,9 +183,9 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::{choose as policy_choose, BackendLoad, PolicyKind};
+    use crate::placement::Ring;
+    use crate::placement::{choose as policy_choose, BackendLoad, PolicyKind};
     use crate::request::{Endpoint, SessionSource};
-    use crate::ring::Ring;
     use proptest::prelude::*;
     use std::net::SocketAddr;
 

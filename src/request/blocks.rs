@@ -8,7 +8,7 @@
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Default block size in bytes (about 64 tokens of English text).
-pub const DEFAULT_BLOCK_BYTES: usize = 256;
+pub use crate::config::BLOCK_BYTES as DEFAULT_BLOCK_BYTES;
 
 /// Streaming block hasher: feed bytes in any split, get the same hashes.
 pub struct BlockHasher {

@@ -10,14 +10,81 @@ use async_trait::async_trait;
 use pingora::server::configuration::{Opt, ServerConf};
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use prometheus::{Gauge, IntCounterVec, IntGauge, Registry};
 use std::collections::BTreeSet;
+use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::config::Config;
-use crate::state::State;
+use crate::config::{Config, ConfigError};
+use crate::edge::EdgeState;
+use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
+use crate::metrics::{counter_vec, gauge, int_gauge};
+
+/// Why a reload changed nothing.
+#[derive(Debug)]
+pub enum ReloadError {
+    /// The file could not be read or is not a valid config.
+    Config { path: PathBuf, error: ConfigError },
+    /// Pingora's own keys in the file are invalid.
+    ServerKeys { path: PathBuf, reason: String },
+    /// The fleet the file describes could not be built.
+    Fleet(FleetError),
+}
+
+impl fmt::Display for ReloadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReloadError::Config { path, error } => write!(f, "{}: {error}", path.display()),
+            ReloadError::ServerKeys { path, reason } => {
+                write!(f, "{}: Pingora server keys: {reason}", path.display())
+            }
+            ReloadError::Fleet(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ReloadError {}
+
+impl From<FleetError> for ReloadError {
+    fn from(e: FleetError) -> Self {
+        ReloadError::Fleet(e)
+    }
+}
+
+/// The reload service's families.
+pub(super) struct ReloadMetrics {
+    reloads: IntCounterVec,
+    /// Also set at start, by `server::run`.
+    pub last_success: Gauge,
+    pending_upgrade: IntGauge,
+}
+
+impl ReloadMetrics {
+    pub fn register(r: &Registry) -> prometheus::Result<ReloadMetrics> {
+        Ok(ReloadMetrics {
+            reloads: counter_vec(
+                r,
+                "kvroute_config_reloads_total",
+                "Config reloads (SIGHUP), by result (success, failure).",
+                &["result"],
+            )?,
+            last_success: gauge(
+                r,
+                "kvroute_config_last_reload_success_timestamp_seconds",
+                "Unix time of the last config load that took effect (start or reload).",
+            )?,
+            pending_upgrade: int_gauge(
+                r,
+                "kvroute_config_pending_upgrade",
+                "1 if the config file changes settings that only a binary upgrade applies \
+                 (listeners, health checks, Pingora server keys).",
+            )?,
+        })
+    }
+}
 
 /// What a successful reload changed.
 #[derive(Debug, Default, PartialEq)]
@@ -53,8 +120,12 @@ pub fn effective(running: &Config, mut file: Config) -> Config {
     file
 }
 
-pub struct Reloader {
-    pub state: Arc<State>,
+pub(super) struct Reloader {
+    pub current: Arc<Current>,
+    pub edge: Arc<EdgeState>,
+    /// Shared with the admin listener: a removed backend's gauges are dropped.
+    pub fleet_metrics: Arc<FleetMetrics>,
+    pub metrics: ReloadMetrics,
     /// The Pingora options the process started with, to re-read the file's server keys.
     pub opt: Opt,
     pub server_conf: Arc<ServerConf>,
@@ -66,49 +137,63 @@ impl Reloader {
     }
 
     /// Load the file and, if valid, publish it. On error nothing changes.
-    pub async fn reload(&self) -> Result<Applied, String> {
+    pub async fn reload(&self) -> Result<Applied, ReloadError> {
         let path = self.path();
-        let file = Config::load(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let running = self.state.config();
-        let mut pending_upgrade = needs_upgrade(&running, &file);
+        let file = Config::load(&path).map_err(|error| ReloadError::Config {
+            path: path.clone(),
+            error,
+        })?;
+        let old = self.current.load();
+        let running = &old.config;
+        let mut pending_upgrade = needs_upgrade(running, &file);
         match ServerConf::load_yaml_with_opt_override(&self.opt) {
             Ok(server) if server != *self.server_conf => {
                 pending_upgrade.push("Pingora server keys (threads, pid_file, grace periods, ...)")
             }
             Ok(_) => {}
-            Err(e) => return Err(format!("{}: Pingora server keys: {e}", path.display())),
+            Err(e) => {
+                return Err(ReloadError::ServerKeys {
+                    path,
+                    reason: e.to_string(),
+                })
+            }
         }
-        let cfg = effective(&running, file);
-        let old = self.state.fleet();
-        let fleet = old.reload(&cfg)?;
+        let cfg = effective(running, file);
+        let fleet = old.fleet.reload(&cfg)?;
         fleet.sync_health().await?;
 
-        let before: BTreeSet<&str> = old.backends().iter().map(|b| b.name.as_str()).collect();
+        let before: BTreeSet<&str> = old
+            .fleet
+            .backends()
+            .iter()
+            .map(|b| b.name.as_str())
+            .collect();
         let after: BTreeSet<&str> = fleet.backends().iter().map(|b| b.name.as_str()).collect();
         let applied = Applied {
             added: after.difference(&before).map(|s| s.to_string()).collect(),
             removed: before.difference(&after).map(|s| s.to_string()).collect(),
             pending_upgrade,
         };
+        let limiter = &self.edge.limiter;
         match &cfg.access {
-            Some(acl) => self.state.limiter.retain(acl),
-            None => self.state.limiter.retain(&Default::default()),
+            Some(acl) => limiter.retain(acl),
+            None => limiter.retain(&Default::default()),
         }
-        self.state.publish(cfg, fleet);
+        self.current.publish(Generation::new(cfg, fleet));
         for name in &applied.removed {
-            self.state.metrics.forget_backend(name);
+            self.fleet_metrics.forget_backend(name);
         }
         Ok(applied)
     }
 
     /// Reload and report: log, count, timestamp.
     pub async fn reload_and_report(&self) {
-        let m = &self.state.metrics;
+        let m = &self.metrics;
         match self.reload().await {
             Ok(a) => {
-                m.config_reloads.with_label_values(&["success"]).inc();
-                m.config_last_reload.set(unix_now());
-                m.config_pending_upgrade
+                m.reloads.with_label_values(&["success"]).inc();
+                m.last_success.set(unix_now());
+                m.pending_upgrade
                     .set(i64::from(!a.pending_upgrade.is_empty()));
                 log::info!(
                     "config reloaded from {}: backends added {:?}, removed {:?}",
@@ -125,7 +210,7 @@ impl Reloader {
                 }
             }
             Err(e) => {
-                m.config_reloads.with_label_values(&["failure"]).inc();
+                m.reloads.with_label_values(&["failure"]).inc();
                 log::error!("config reload rejected, still running the previous config: {e}");
             }
         }

@@ -1,0 +1,100 @@
+//! `kvroute.backends[]`: one OpenAI-compatible engine each.
+
+use serde::Deserialize;
+
+use super::error::{err, parse_addr, ConfigError};
+
+/// Which engine's metric names a backend's `/metrics` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    #[default]
+    Vllm,
+    Sglang,
+    Llamacpp,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// `ip:port` of an OpenAI-compatible engine (vLLM, SGLang, llama.cpp server, ...).
+    pub addr: String,
+    #[serde(default = "one")]
+    pub weight: u32,
+    /// Prefill throughput of this backend's engine (kv_aware's cost model).
+    #[serde(default = "default_prefill_rate")]
+    pub prefill_tokens_per_s: f64,
+    /// KV cache size of this backend's engine, which bounds its prefix index. Unset: learned
+    /// from `vllm:cache_config_info`, else `DEFAULT_KV_CAPACITY_TOKENS`.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
+    /// Which engine's metric names its `/metrics` uses.
+    #[serde(default)]
+    pub engine: EngineKind,
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: String,
+    /// Optional DCGM exporter (`ip:port`, `GET /metrics`) for this backend's GPU.
+    #[serde(default)]
+    pub dcgm_addr: Option<String>,
+}
+
+/// KV cache assumed when neither configured nor reported: an 8B model on one H100.
+pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 500_000;
+
+/// Prefill rate assumed when none is configured: an 8B model on one H100.
+pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 25_000.0;
+
+fn default_prefill_rate() -> f64 {
+    DEFAULT_PREFILL_TOKENS_PER_S
+}
+
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Every backend is a valid, distinct address with sane settings.
+pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
+    if backends.is_empty() {
+        return Err(err("kvroute.backends", "at least one backend is required"));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for (i, b) in backends.iter().enumerate() {
+        let key = format!("kvroute.backends[{i}].addr");
+        let addr = parse_addr(&key, &b.addr)?;
+        if !seen.insert(addr) {
+            return Err(err(key, format!("duplicate backend {addr}")));
+        }
+        if b.weight == 0 || b.weight > 1000 {
+            return Err(err(
+                format!("kvroute.backends[{i}].weight"),
+                "must be between 1 and 1000",
+            ));
+        }
+        if !(b.prefill_tokens_per_s.is_finite() && b.prefill_tokens_per_s >= 1.0) {
+            return Err(err(
+                format!("kvroute.backends[{i}].prefill_tokens_per_s"),
+                "must be at least 1",
+            ));
+        }
+        if b.kv_capacity_tokens.is_some_and(|t| t < 1024) {
+            return Err(err(
+                format!("kvroute.backends[{i}].kv_capacity_tokens"),
+                "must be at least 1024",
+            ));
+        }
+        if !b.metrics_path.starts_with('/') {
+            return Err(err(
+                format!("kvroute.backends[{i}].metrics_path"),
+                "must start with '/'",
+            ));
+        }
+        if let Some(d) = &b.dcgm_addr {
+            parse_addr(&format!("kvroute.backends[{i}].dcgm_addr"), d)?;
+        }
+    }
+    Ok(())
+}

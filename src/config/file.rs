@@ -1,0 +1,195 @@
+//! The `kvroute:` section of the YAML file as a whole: loading, and validation that spans
+//! sections.
+//!
+//! Pingora's own server keys (threads, pid_file, upgrade_sock, grace_period_seconds, ...) live at
+//! the top level of the same file and are read by Pingora. Unknown keys under `kvroute:` are
+//! errors, so a typo never silently falls back to a default.
+
+use serde::Deserialize;
+use std::path::Path;
+
+use super::access::AccessConfig;
+use super::backend::{self, BackendConfig};
+use super::error::{err, parse_addr, ConfigError};
+use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
+use super::limits::{LimitsConfig, TimeoutsConfig};
+use super::routing::{PolicyKind, RoutingConfig};
+
+/// Backends the prefix index can track: its per-block holder set is a 64-bit mask.
+pub const MAX_INDEXED_BACKENDS: usize = 64;
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Client traffic listener.
+    pub listen: String,
+    /// Metrics and health listener; must differ from `listen`.
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: String,
+    pub backends: Vec<BackendConfig>,
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    #[serde(default)]
+    pub health_check: HealthCheckConfig,
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    #[serde(default)]
+    pub timeouts: TimeoutsConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+    #[serde(default)]
+    pub outlier: OutlierConfig,
+    /// Models the fleet serves; a request for another gets 404. Empty: not checked.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// API keys and per-key limits; absent: no access control.
+    #[serde(default)]
+    pub access: Option<AccessConfig>,
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:9090".into()
+}
+
+#[derive(Deserialize)]
+struct FileRoot {
+    kvroute: Option<serde_yaml::Value>,
+}
+
+impl Config {
+    /// Read and validate the `kvroute:` section of a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| err(path.display().to_string(), format!("cannot read: {e}")))?;
+        Self::from_yaml(&text)
+    }
+
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        let root: FileRoot =
+            serde_yaml::from_str(text).map_err(|e| err("(file)", format!("invalid YAML: {e}")))?;
+        let section = root
+            .kvroute
+            .ok_or_else(|| err("kvroute", "missing section"))?;
+        // The path names the offending key (`kvroute.routing.policy`), not just the section.
+        let cfg: Config = serde_path_to_error::deserialize(section).map_err(|e| {
+            let path = e.path().to_string();
+            let key = if path == "." {
+                "kvroute".to_string()
+            } else {
+                format!("kvroute.{path}")
+            };
+            err(key, e.into_inner().to_string())
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let listen = parse_addr("kvroute.listen", &self.listen)?;
+        let admin = parse_addr("kvroute.admin_listen", &self.admin_listen)?;
+        if listen == admin {
+            return Err(err(
+                "kvroute.admin_listen",
+                "must differ from kvroute.listen (metrics never share the client port)",
+            ));
+        }
+        backend::validate(&self.backends)?;
+        self.routing.validate()?;
+        if self.routing.policy == PolicyKind::KvAware && self.backends.len() > MAX_INDEXED_BACKENDS
+        {
+            return Err(err(
+                "kvroute.backends",
+                format!("kv_aware tracks at most {MAX_INDEXED_BACKENDS} backends"),
+            ));
+        }
+        self.routing.validate_kv_aware()?;
+        self.telemetry.validate()?;
+        self.health_check.validate()?;
+        self.limits.validate()?;
+        if let Some(a) = &self.access {
+            a.validate()?;
+        }
+        self.outlier.validate()?;
+        self.timeouts.validate()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+version: 1
+threads: 2
+kvroute:
+  listen: "127.0.0.1:8080"
+  backends:
+    - addr: "127.0.0.1:8001"
+    - addr: "127.0.0.1:8002"
+      weight: 2
+"#;
+
+    #[test]
+    fn minimal_file_gets_defaults() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.admin_listen, "127.0.0.1:9090");
+        assert_eq!(c.backends[0].weight, 1);
+        assert_eq!(c.backends[1].weight, 2);
+        assert_eq!(c.routing.policy, PolicyKind::KvAware);
+        assert_eq!(c.routing.slack, 1);
+        assert_eq!(c.health_check.path, "/health");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let text = MINIMAL.replace("  listen:", "  lisen: x\n  listen:");
+        let e = Config::from_yaml(&text).unwrap_err();
+        assert!(e.reason.contains("lisen"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            (
+                "listen: \"127.0.0.1:8080\"",
+                "listen: \"nope\"",
+                "kvroute.listen",
+            ),
+            ("weight: 2", "weight: 0", "kvroute.backends[1].weight"),
+            (
+                "- addr: \"127.0.0.1:8002\"",
+                "- addr: \"127.0.0.1:8001\"",
+                "kvroute.backends[1].addr",
+            ),
+        ];
+        for (from, to, key) in cases {
+            let e = Config::from_yaml(&MINIMAL.replace(from, to)).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
+        let e = Config::from_yaml(&format!("{MINIMAL}  routing:\n    epsilon: -1\n")).unwrap_err();
+        assert_eq!(e.key, "kvroute.routing.epsilon");
+        let e =
+            Config::from_yaml(&format!("{MINIMAL}  routing:\n    policy: magic\n")).unwrap_err();
+        assert!(e.reason.contains("magic"), "{e}");
+        let e = Config::from_yaml(&format!("{MINIMAL}  admin_listen: \"127.0.0.1:8080\"\n"))
+            .unwrap_err();
+        assert_eq!(e.key, "kvroute.admin_listen");
+    }
+
+    #[test]
+    fn missing_section_and_empty_backends() {
+        assert_eq!(
+            Config::from_yaml("version: 1\n").unwrap_err().key,
+            "kvroute"
+        );
+        let e =
+            Config::from_yaml("kvroute:\n  listen: \"127.0.0.1:1\"\n  backends: []\n").unwrap_err();
+        assert_eq!(e.key, "kvroute.backends");
+    }
+
+    #[test]
+    fn example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/kvroute.yaml");
+        Config::load(&path).unwrap();
+    }
+}

@@ -1,0 +1,133 @@
+//! `kvroute.limits` and `kvroute.timeouts`: what one client, request or backend may hold.
+
+use serde::Deserialize;
+
+use super::error::{err, ConfigError};
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request body accepted (413 above it).
+    pub max_body_bytes: usize,
+    /// Upstream attempts per request (first try included); only failures before the first
+    /// response byte are retried, each on a backend not tried yet.
+    pub max_attempts: u32,
+    /// Seconds suggested in `Retry-After` when no backend can take a request.
+    pub retry_after_seconds: u32,
+    /// Hard cap of requests in flight per backend (per unit of weight); when every backend is
+    /// at it, requests wait in the router queue.
+    pub backend_max_inflight: u64,
+    /// Requests that may wait in the router queue; more are shed with 503.
+    pub queue_size: usize,
+    /// Longest wait in the router queue before a request is shed with 503.
+    pub queue_timeout_ms: u64,
+    /// Requests retrying at once may be at most this share of the requests in flight ...
+    pub retry_budget_ratio: f64,
+    /// ... or this many, whichever is more.
+    pub retry_budget_min: u64,
+    /// Client connections open at once; more are closed on accept.
+    pub max_connections: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_body_bytes: 32 * 1024 * 1024,
+            max_attempts: 3,
+            retry_after_seconds: 1,
+            backend_max_inflight: 256,
+            queue_size: 1024,
+            queue_timeout_ms: 10_000,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 3,
+            max_connections: 10_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsConfig {
+    /// TCP connect to a backend.
+    pub connect_ms: u64,
+    /// Longest silence while reading from a backend. Long prefills produce no bytes until the
+    /// first token, so this must exceed the worst TTFT you expect.
+    pub upstream_read_ms: u64,
+    /// Longest wait for each read of the client's request body.
+    pub client_body_read_ms: u64,
+    /// The whole request body must arrive within this (408 after), however it trickles.
+    pub client_body_ms: u64,
+    /// A new connection's first request header must be complete within this; slower
+    /// (slowloris) connections are closed.
+    pub client_header_ms: u64,
+    /// A keep-alive connection may sit idle this long before its next request; that request's
+    /// header must then be complete within `client_header_ms` more.
+    pub client_idle_ms: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        TimeoutsConfig {
+            connect_ms: 2000,
+            upstream_read_ms: 300_000,
+            client_body_read_ms: 30_000,
+            client_body_ms: 60_000,
+            client_header_ms: 10_000,
+            client_idle_ms: 60_000,
+        }
+    }
+}
+
+impl LimitsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_body_bytes == 0 {
+            return Err(err("kvroute.limits.max_body_bytes", "must be positive"));
+        }
+        if self.max_attempts == 0 || self.max_attempts > 16 {
+            return Err(err(
+                "kvroute.limits.max_attempts",
+                "must be between 1 and 16",
+            ));
+        }
+        if self.backend_max_inflight == 0 {
+            return Err(err(
+                "kvroute.limits.backend_max_inflight",
+                "must be positive",
+            ));
+        }
+        if self.queue_timeout_ms == 0 {
+            return Err(err("kvroute.limits.queue_timeout_ms", "must be positive"));
+        }
+        if !(0.0..=10.0).contains(&self.retry_budget_ratio) {
+            return Err(err(
+                "kvroute.limits.retry_budget_ratio",
+                "must be between 0 and 10",
+            ));
+        }
+        if self.max_connections == 0 {
+            return Err(err("kvroute.limits.max_connections", "must be positive"));
+        }
+        Ok(())
+    }
+}
+
+impl TimeoutsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        for (key, v) in [
+            ("kvroute.timeouts.connect_ms", self.connect_ms),
+            ("kvroute.timeouts.upstream_read_ms", self.upstream_read_ms),
+            (
+                "kvroute.timeouts.client_body_read_ms",
+                self.client_body_read_ms,
+            ),
+            ("kvroute.timeouts.client_body_ms", self.client_body_ms),
+            ("kvroute.timeouts.client_header_ms", self.client_header_ms),
+            ("kvroute.timeouts.client_idle_ms", self.client_idle_ms),
+        ] {
+            if v == 0 {
+                return Err(err(key, "must be positive"));
+            }
+        }
+        Ok(())
+    }
+}

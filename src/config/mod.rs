@@ -1,0 +1,21 @@
+//! kvroute's configuration: the `kvroute:` section of the YAML file. Each section's schema,
+//! defaults (written once, here) and validation live together in one file; nothing in this
+//! layer does I/O except reading the file in [`Config::load`].
+
+mod access;
+mod backend;
+mod error;
+mod file;
+mod health;
+mod limits;
+mod routing;
+
+pub use access::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
+pub use backend::{
+    BackendConfig, EngineKind, DEFAULT_KV_CAPACITY_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S,
+};
+pub use error::ConfigError;
+pub use file::{Config, MAX_INDEXED_BACKENDS};
+pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
+pub use limits::{LimitsConfig, TimeoutsConfig};
+pub use routing::{PolicyKind, RoutingConfig, BLOCK_BYTES};

@@ -1,0 +1,117 @@
+//! `kvroute.routing`: the placement policy and its knobs. The defaults here are the only ones:
+//! `placement::Params` is built from this section.
+
+use serde::Deserialize;
+
+use super::error::{err, ConfigError};
+
+/// Bytes of canonical prompt per prefix block (about 64 tokens at ~4 bytes a token).
+pub const BLOCK_BYTES: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Rotate over healthy backends, ignoring keys and load (baseline).
+    RoundRobin,
+    /// Fewest in-flight requests per unit of weight (baseline).
+    LeastLoad,
+    /// Plain consistent hashing on the session key, no load bound (sticky sessions).
+    SessionHash,
+    /// Consistent hashing with bounded loads: the owner unless it is over its bound, then the
+    /// next ring positions.
+    BoundedHash,
+    /// Bounded hashing with the bound in work, plus the prefix index and a cost model: the
+    /// admissible candidate with the lowest estimated time to first token.
+    KvAware,
+}
+
+impl PolicyKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::LeastLoad => "least_load",
+            PolicyKind::SessionHash => "session_hash",
+            PolicyKind::BoundedHash => "bounded_hash",
+            PolicyKind::KvAware => "kv_aware",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    pub policy: PolicyKind,
+    /// Load bound headroom: a backend takes a request while
+    /// `load + 1 <= ceil((1 + epsilon) * mean_load * weight_share) + slack`.
+    pub epsilon: f64,
+    /// Extra requests allowed over the bound, so low concurrency does not spill.
+    pub slack: u32,
+    /// kv_aware: prompt tokens that weigh as one more request in the load bound.
+    pub work_unit_tokens: u64,
+    /// kv_aware: ring positions considered besides backends holding a long prefix match.
+    pub candidates: usize,
+    /// kv_aware: requests with more uncached prompt tokens than this are placed by cost over
+    /// the whole fleet.
+    pub heavy_prefill_tokens: u64,
+    /// kv_aware: cost, per decoding stream on a backend, of each second of prefill there.
+    pub decode_stall_weight: f64,
+    /// kv_aware: a backend whose engine reports more KV cache in use than this takes new
+    /// requests only when no other can.
+    pub kv_usage_ceiling: f64,
+    /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
+    /// only when it saves at least this many prompt tokens.
+    pub min_prefix_saving_tokens: u64,
+    /// kv_aware: correct each backend's prefill rate online from observed TTFTs. Off by
+    /// default: in the N=8 comparison it skewed the fleet's prefill (see bench/README.md).
+    pub learn_prefill_rate: bool,
+}
+
+impl RoutingConfig {
+    /// Estimated tokens per prefix block (about 4 bytes a token).
+    pub fn block_tokens(&self) -> u64 {
+        (BLOCK_BYTES / 4) as u64
+    }
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            policy: PolicyKind::KvAware,
+            epsilon: 0.5,
+            slack: 1,
+            work_unit_tokens: 4096,
+            candidates: 3,
+            heavy_prefill_tokens: 8192,
+            decode_stall_weight: 0.02,
+            kv_usage_ceiling: 0.9,
+            min_prefix_saving_tokens: 1024,
+            learn_prefill_rate: false,
+        }
+    }
+}
+
+impl RoutingConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.epsilon.is_finite() && self.epsilon >= 0.0 && self.epsilon <= 100.0) {
+            return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
+        }
+        Ok(())
+    }
+
+    /// The kv_aware knobs, checked once the backend count is known (see `Config::validate`).
+    pub(super) fn validate_kv_aware(&self) -> Result<(), ConfigError> {
+        if self.work_unit_tokens == 0 {
+            return Err(err("kvroute.routing.work_unit_tokens", "must be positive"));
+        }
+        if self.candidates == 0 {
+            return Err(err("kvroute.routing.candidates", "must be at least 1"));
+        }
+        if !(self.decode_stall_weight.is_finite() && self.decode_stall_weight >= 0.0) {
+            return Err(err("kvroute.routing.decode_stall_weight", "must be >= 0"));
+        }
+        if !(self.kv_usage_ceiling > 0.0 && self.kv_usage_ceiling <= 1.0) {
+            return Err(err("kvroute.routing.kv_usage_ceiling", "must be in (0, 1]"));
+        }
+        Ok(())
+    }
+}

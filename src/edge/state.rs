@@ -1,0 +1,101 @@
+//! The edge's process-wide state: what outlives config generations (quotas, queue, budget,
+//! draining) and the edge's metric families.
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::access::Limiter;
+use super::headers::HeaderWatches;
+use super::queue::Admission;
+use super::retry_budget::RetryBudget;
+use crate::metrics::{counter, counter_vec, int_gauge};
+
+/// The edge's own families (the router queue registers its own).
+pub struct EdgeMetrics {
+    pub connections: IntGauge,
+    pub connections_refused: IntCounter,
+    /// By phase: `header` (the listener), `body` (reading a routed request's body).
+    pub client_timeouts: IntCounterVec,
+    pub rate_limited: IntCounterVec,
+}
+
+impl EdgeMetrics {
+    fn register(r: &Registry) -> prometheus::Result<EdgeMetrics> {
+        Ok(EdgeMetrics {
+            connections: int_gauge(r, "kvroute_client_connections", "Client connections open.")?,
+            connections_refused: counter(
+                r,
+                "kvroute_client_connections_refused_total",
+                "Client connections closed on accept because limits.max_connections were open.",
+            )?,
+            client_timeouts: counter_vec(
+                r,
+                "kvroute_client_timeouts_total",
+                "Client connections or requests cut for being too slow, by phase (header, body).",
+                &["phase"],
+            )?,
+            rate_limited: counter_vec(
+                r,
+                "kvroute_rate_limited_requests_total",
+                "Requests answered 429 because their API key was over its rate limit, by tenant.",
+                &["tenant"],
+            )?,
+        })
+    }
+}
+
+/// A graceful upgrade or shutdown has begun: this process finishes what it has, and `/readyz`
+/// says not ready.
+pub struct Draining {
+    flag: AtomicBool,
+    gauge: IntGauge,
+}
+
+impl Draining {
+    fn register(r: &Registry) -> prometheus::Result<Draining> {
+        Ok(Draining {
+            flag: AtomicBool::new(false),
+            gauge: int_gauge(
+                r,
+                "kvroute_draining",
+                "1 once a graceful upgrade or shutdown has begun: finishing in-flight work.",
+            )?,
+        })
+    }
+
+    pub fn start(&self) {
+        self.flag.store(true, Ordering::Relaxed);
+        self.gauge.set(1);
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.flag.load(Ordering::Relaxed)
+    }
+}
+
+/// Process-wide client-side state, shared by the listener, the proxy phases and the admin
+/// listener. It outlives config generations: quotas, queue and budget survive a reload.
+pub struct EdgeState {
+    pub queue: Admission,
+    pub retry_budget: Arc<RetryBudget>,
+    /// Request headers parsed per client connection (the listener's header deadline).
+    pub headers: HeaderWatches,
+    /// Per-key rate limits (kept across reloads).
+    pub limiter: Limiter,
+    pub draining: Draining,
+    pub metrics: EdgeMetrics,
+}
+
+impl EdgeState {
+    pub fn register(r: &Registry) -> prometheus::Result<EdgeState> {
+        Ok(EdgeState {
+            queue: Admission::register(r)?,
+            retry_budget: Arc::default(),
+            headers: HeaderWatches::default(),
+            limiter: Limiter::default(),
+            draining: Draining::register(r)?,
+            metrics: EdgeMetrics::register(r)?,
+        })
+    }
+}

@@ -1,0 +1,43 @@
+//! A generation: the config in force and the fleet built from it, published together by one
+//! atomic swap. A request pins the generation it started with, so it never sees a config from
+//! one reload and a fleet from another.
+
+use arc_swap::ArcSwap;
+use std::sync::Arc;
+
+use super::roster::Fleet;
+use crate::config::Config;
+
+pub struct Generation {
+    pub config: Config,
+    /// Shared with the scrape loop's tasks, which outlive a generation's swap.
+    pub fleet: Arc<Fleet>,
+}
+
+impl Generation {
+    pub fn new(config: Config, fleet: Fleet) -> Generation {
+        Generation {
+            config,
+            fleet: Arc::new(fleet),
+        }
+    }
+}
+
+/// The generation in force.
+pub struct Current(ArcSwap<Generation>);
+
+impl Current {
+    pub fn new(first: Generation) -> Current {
+        Current(ArcSwap::from_pointee(first))
+    }
+
+    /// The generation in force now; hold it for as long as one consistent view is needed.
+    pub fn load(&self) -> Arc<Generation> {
+        self.0.load_full()
+    }
+
+    /// Replace the generation in force. Holders of the old one keep it until they drop it.
+    pub fn publish(&self, next: Generation) {
+        self.0.store(Arc::new(next));
+    }
+}

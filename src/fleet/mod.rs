@@ -1,0 +1,20 @@
+//! The backends: their identity, health (Pingora's active HTTP checks), in-flight accounting,
+//! outlier ejection and engine telemetry, and the [`Generation`] (config + fleet) published as
+//! one on reload.
+
+mod backend;
+mod error;
+mod generation;
+mod health;
+mod metrics;
+pub(crate) mod outlier;
+mod roster;
+mod scrape;
+pub(crate) mod telemetry;
+
+pub use backend::InflightGuard;
+pub use error::FleetError;
+pub use generation::{Current, Generation};
+pub use metrics::FleetMetrics;
+pub use roster::Fleet;
+pub use scrape::scrape_forever;

@@ -1,0 +1,114 @@
+//! The engine telemetry scrape loop: each backend's `/metrics` (and DCGM exporter) over
+//! Pingora's HTTP connector, parsed by `telemetry` into the backend's slot.
+
+use pingora::connectors::http::Connector;
+use pingora::http::RequestHeader;
+use pingora::prelude::HttpPeer;
+use pingora::server::ShutdownWatch;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::generation::Current;
+use super::telemetry::{parse_dcgm, parse_engine};
+
+/// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
+async fn fetch(
+    connector: &Connector,
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<String, String> {
+    let mut peer = HttpPeer::new(addr, false, String::new());
+    peer.options.connection_timeout = Some(timeout);
+    peer.options.read_timeout = Some(timeout);
+    peer.options.write_timeout = Some(timeout);
+    let work = async {
+        let (mut session, _) = connector
+            .get_http_session(&peer)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut req =
+            RequestHeader::build("GET", path.as_bytes(), None).map_err(|e| e.to_string())?;
+        req.insert_header("Host", addr.to_string())
+            .map_err(|e| e.to_string())?;
+        session
+            .write_request_header(Box::new(req))
+            .await
+            .map_err(|e| e.to_string())?;
+        session
+            .finish_request_body()
+            .await
+            .map_err(|e| e.to_string())?;
+        session
+            .read_response_header()
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = session.response_header().map_or(0, |h| h.status.as_u16());
+        if status != 200 {
+            return Err(format!("status {status}"));
+        }
+        let mut body = Vec::new();
+        while let Some(chunk) = session
+            .read_response_body()
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            if body.len() + chunk.len() > 4 << 20 {
+                return Err("metrics body over 4 MiB".into());
+            }
+            body.extend_from_slice(&chunk);
+        }
+        connector
+            .release_http_session(session, &peer, Some(Duration::from_secs(30)))
+            .await;
+        String::from_utf8(body).map_err(|_| "metrics body is not UTF-8".to_string())
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+}
+
+/// Scrape every backend of the fleet in force, every `telemetry.interval_ms`, until `shutdown`.
+/// The generation is read afresh each round, so a reload can add backends or turn scraping off.
+pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
+    let connector = Arc::new(Connector::new(None));
+    loop {
+        let generation = current.load();
+        let cfg = &generation.config;
+        let interval = Duration::from_millis(cfg.telemetry.interval_ms);
+        let timeout = Duration::from_millis(cfg.telemetry.timeout_ms).min(interval);
+        let fleet = generation.fleet.clone();
+        let mut tasks = tokio::task::JoinSet::new();
+        let backends = if cfg.telemetry.enabled {
+            fleet.backends()
+        } else {
+            &[]
+        };
+        for (i, b) in backends.iter().enumerate() {
+            let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
+            tasks.spawn(async move {
+                let text = match fetch(&connector, b.addr, &b.metrics_path, timeout).await {
+                    Ok(t) => t,
+                    Err(e) => {
+                        log::debug!("telemetry {}: {e}", b.name);
+                        return;
+                    }
+                };
+                let mut stats = parse_engine(b.engine, &text);
+                if let Some(dcgm) = b.dcgm {
+                    match fetch(&connector, dcgm, "/metrics", timeout).await {
+                        Ok(t) => parse_dcgm(&t, &mut stats),
+                        Err(e) => log::debug!("dcgm {}: {e}", b.name),
+                    }
+                }
+                fleet.observe(i, stats);
+            });
+        }
+        while tasks.join_next().await.is_some() {}
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! What a decision sees: one immutable view of the fleet.
+
+use super::ring::Ring;
+
+/// What placement sees of one backend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BackendLoad {
+    pub healthy: bool,
+    pub weight: u32,
+    /// Requests dispatched and not yet finished.
+    pub inflight: u64,
+    /// Estimated prompt tokens dispatched and not yet prefilled (no first byte back yet).
+    pub queued_prefill: u64,
+    /// Requests streaming output (first byte seen, not finished).
+    pub decoding: u64,
+    /// Prefill throughput, tokens per second.
+    pub prefill_rate: f64,
+    /// Requests the engine reports running + waiting (fresh telemetry only).
+    pub engine_load: Option<u64>,
+    /// KV cache in use as the engine reports it, 0..1 (fresh telemetry only).
+    pub kv_usage: Option<f64>,
+}
+
+impl BackendLoad {
+    /// A healthy, idle backend of weight 1 (tests and benchmarks).
+    pub fn idle() -> BackendLoad {
+        BackendLoad {
+            healthy: true,
+            weight: 1,
+            inflight: 0,
+            queued_prefill: 0,
+            decoding: 0,
+            prefill_rate: 25_000.0,
+            engine_load: None,
+            kv_usage: None,
+        }
+    }
+}
+
+/// An immutable view of the fleet for one decision. `backends[i]` is ring index `i`.
+pub struct Snapshot<'a> {
+    pub backends: &'a [BackendLoad],
+    pub ring: &'a Ring,
+    /// Per backend, how many of this request's prefix blocks its index holds (empty when the
+    /// policy does not use the index).
+    pub matched: &'a [u32],
+}

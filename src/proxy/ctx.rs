@@ -1,0 +1,107 @@
+//! What one request carries across the Pingora phases, in named parts.
+
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::edge::retry_budget::{Active, Retrying};
+use crate::edge::Caller;
+use crate::error::ApiError;
+use crate::fleet::{Generation, InflightGuard};
+use crate::placement::Reason;
+use crate::request::usage::UsageTap;
+use crate::request::RequestProfile;
+
+pub struct Ctx {
+    pub(super) start: Instant,
+    /// The config and fleet this request runs under, pinned when it starts: backend indices
+    /// below refer to this fleet, and a reload mid-request changes nothing for it.
+    pub(super) generation: Arc<Generation>,
+    pub(super) route: Route,
+    pub(super) attempts: Attempts,
+    pub(super) charge: Charge,
+    pub(super) tap: ResponseTap,
+    pub(super) quota: Quota,
+    /// A specific error to render instead of the generic one for the Pingora error.
+    pub(super) error: Option<ApiError>,
+    /// Counts toward the retry budget's base while the request runs.
+    pub(super) _active: Active,
+}
+
+/// What is being routed: the parsed request and the body to forward.
+#[derive(Default)]
+pub(super) struct Route {
+    pub profile: Option<RequestProfile>,
+    /// The whole request body, read before placement.
+    pub body: Option<Bytes>,
+    /// `x-priority`: higher leaves the router queue first.
+    pub priority: i32,
+    /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
+    pub strip_usage: bool,
+}
+
+/// Where the request went and how each attempt ended.
+#[derive(Default)]
+pub(super) struct Attempts {
+    pub count: u32,
+    pub backend: Option<usize>,
+    pub reason: Option<Reason>,
+    /// Backends that failed this request before answering.
+    pub tried: Vec<usize>,
+    pub stale_conn_retried: bool,
+    /// Held once the request has retried (see `edge::retry_budget`).
+    pub retrying: Option<Retrying>,
+    /// The last failed attempt timed out (504 rather than 502 if nothing else answers).
+    pub timed_out: bool,
+    pub upstream_responded: bool,
+}
+
+/// The request's charge on its backend and what placement predicted for it.
+#[derive(Default)]
+pub(super) struct Charge {
+    pub guard: Option<InflightGuard>,
+    /// Estimated uncached prompt tokens charged to the chosen backend.
+    pub prefill: u64,
+    /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
+    pub dispatched: Option<Instant>,
+    pub est_ttft_s: f64,
+    /// This request's TTFT is a clean sample of its backend's prefill rate.
+    pub learn_rate: bool,
+}
+
+/// What the response showed.
+#[derive(Default)]
+pub(super) struct ResponseTap {
+    pub first_byte: Option<Instant>,
+    pub usage: Option<UsageTap>,
+}
+
+/// The caller's key (access control on) and the tokens charged to it up front.
+#[derive(Default)]
+pub(super) struct Quota {
+    pub caller: Option<Caller>,
+    pub charged_tokens: u64,
+}
+
+impl Ctx {
+    pub(super) fn new(generation: Arc<Generation>, active: Active) -> Ctx {
+        Ctx {
+            start: Instant::now(),
+            generation,
+            route: Route::default(),
+            attempts: Attempts::default(),
+            charge: Charge::default(),
+            tap: ResponseTap::default(),
+            quota: Quota::default(),
+            error: None,
+            _active: active,
+        }
+    }
+
+    pub(super) fn backend_name(&self) -> &str {
+        match self.attempts.backend {
+            Some(i) => &self.generation.fleet.backends()[i].name,
+            None => "none",
+        }
+    }
+}

@@ -1,0 +1,98 @@
+//! The request path's families: what happened to each request, how it was placed, retried and
+//! answered.
+
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
+
+use crate::metrics::{counter, counter_vec, microseconds, seconds_vec};
+
+pub struct ProxyMetrics {
+    pub(super) requests: IntCounterVec,
+    pub(super) duration: HistogramVec,
+    pub(super) ttft: HistogramVec,
+    pub(super) decisions: IntCounterVec,
+    pub(super) decision_time: Histogram,
+    pub(super) predicted_cached: IntCounter,
+    pub(super) prompt_tokens: IntCounterVec,
+    pub(super) cached_prompt_tokens: IntCounterVec,
+    pub(super) upstream_failures: IntCounterVec,
+    pub(super) retries: IntCounterVec,
+    pub(super) ejections: IntCounterVec,
+    pub(super) cut_streams: IntCounterVec,
+}
+
+impl ProxyMetrics {
+    pub fn register(r: &Registry) -> prometheus::Result<ProxyMetrics> {
+        Ok(ProxyMetrics {
+            requests: counter_vec(
+                r,
+                "kvroute_requests_total",
+                "Requests answered, by backend (\"none\" if never dispatched) and HTTP status code.",
+                &["backend", "code"],
+            )?,
+            duration: seconds_vec(
+                r,
+                "kvroute_request_duration_seconds",
+                "Time from request start to the last response byte.",
+                &["backend"],
+            )?,
+            ttft: seconds_vec(
+                r,
+                "kvroute_time_to_first_token_seconds",
+                "Time from request start to the first response body byte of a streamed response.",
+                &["backend"],
+            )?,
+            decisions: counter_vec(
+                r,
+                "kvroute_routing_decisions_total",
+                "Placement decisions by policy and reason (affinity, spill, failover, ...).",
+                &["policy", "reason"],
+            )?,
+            decision_time: microseconds(
+                r,
+                "kvroute_routing_decision_seconds",
+                "Time to place a routed request: index lookup, snapshot, policy.",
+            )?,
+            predicted_cached: counter(
+                r,
+                "kvroute_predicted_cached_prompt_tokens_total",
+                "Prompt tokens the prefix index predicted the chosen backend holds (kv_aware).",
+            )?,
+            prompt_tokens: counter_vec(
+                r,
+                "kvroute_prompt_tokens_total",
+                "Prompt tokens of answered requests, as the engine reported them in usage.",
+                &["backend"],
+            )?,
+            cached_prompt_tokens: counter_vec(
+                r,
+                "kvroute_cached_prompt_tokens_total",
+                "Prompt tokens the engine reported as served from its prefix cache.",
+                &["backend"],
+            )?,
+            upstream_failures: counter_vec(
+                r,
+                "kvroute_upstream_failures_total",
+                "Failed upstream attempts before any response byte, by backend and kind (connect, io).",
+                &["backend", "kind"],
+            )?,
+            retries: counter_vec(
+                r,
+                "kvroute_retries_total",
+                "Retry decisions after a failed attempt (retried, budget_exhausted, attempts_exhausted).",
+                &["outcome"],
+            )?,
+            ejections: counter_vec(
+                r,
+                "kvroute_outlier_ejections_total",
+                "Times a backend was ejected for failing requests in a row.",
+                &["backend"],
+            )?,
+            cut_streams: counter_vec(
+                r,
+                "kvroute_cut_streams_total",
+                "Responses cut after they started (the backend failed mid-stream), by backend.",
+                &["backend"],
+            )?,
+        })
+    }
+}
