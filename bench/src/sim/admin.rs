@@ -12,7 +12,7 @@ use serde_json::json;
 use super::error::ApiError;
 use super::faults::FaultUpdate;
 use super::metrics;
-use super::server::ServerState;
+use super::state::ServerState;
 
 pub async fn health(State(s): State<Arc<ServerState>>) -> Response {
     if s.in_slow_start() || s.faults().unhealthy {

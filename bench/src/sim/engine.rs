@@ -12,7 +12,7 @@
 //! A request whose receiver is gone (client disconnected) is aborted, freeing its blocks.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,9 +20,9 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{sleep_until, Instant};
 
-use super::metrics::Stats;
 use super::profile::Profile;
 use super::scheduler::{NewRequest, Scheduler};
+use super::stats::{EngineGauges, Stats};
 
 /// What a waiting client sees of its request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -36,21 +36,6 @@ pub struct Progress {
 pub struct Submission {
     pub req: NewRequest,
     pub progress: watch::Sender<Progress>,
-}
-
-/// Engine counters published after every step, read by `/metrics` and `/debug/state`.
-#[derive(Debug, Default)]
-pub struct EngineGauges {
-    pub running: AtomicU64,
-    pub waiting: AtomicU64,
-    pub used_blocks: AtomicU64,
-    pub cached_blocks: AtomicU64,
-    pub preemptions: AtomicU64,
-    pub steps: AtomicU64,
-    pub late_steps: AtomicU64,
-    pub max_late_us: AtomicU64,
-    pub late_us_total: AtomicU64,
-    pub prefill_tokens: AtomicU64,
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -17,14 +17,14 @@ use axum::Json;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::admission::Admitted;
 use super::engine::Progress;
 use super::error::ApiError;
-use super::generate::{completion_text, token_text};
-use super::inference::{reply_hashes, sse_response, Admitted};
+use super::generate::{completion_text, reply_hashes, token_text};
 use super::response::{Answer, Usage};
 use super::scheduler::NewRequest;
-use super::server::ServerState;
-use super::sse::{ChunkWriter, DONE};
+use super::sse::{sse_response, ChunkWriter, DONE};
+use super::state::ServerState;
 
 pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: Instant) -> Response {
     let Some(engine) = s.engine.as_ref() else {

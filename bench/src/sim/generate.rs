@@ -6,6 +6,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::kvcache::continued_hashes;
+use super::openai::Endpoint;
+use super::prompt::TURN_END;
+
 pub fn token_text(i: u64) -> String {
     format!(" tok{i}")
 }
@@ -27,6 +31,23 @@ impl Schedule {
         let gaps = u32::try_from(i).unwrap_or(u32::MAX);
         self.start + self.ttft + self.itl.saturating_mul(gaps)
     }
+}
+
+/// The chain of `prompt_hashes` continued over `n` tokens of reply and what the client puts
+/// after it when it sends the reply back: a chat template closes the assistant turn, a
+/// completions client appends the text as is. These are the blocks past the prompt's that a
+/// server keeps cached after answering, and that the conversation's next turn starts with.
+pub fn reply_hashes(endpoint: Endpoint, prompt: &[u8], prompt_hashes: &[u64], n: u64) -> Vec<u64> {
+    let end = match endpoint {
+        Endpoint::Chat => TURN_END,
+        Endpoint::Completions | Endpoint::Embeddings => "",
+    };
+    let reply = (0..n).map(token_text);
+    continued_hashes(
+        prompt,
+        prompt_hashes,
+        reply.chain(std::iter::once(end.to_owned())),
+    )
 }
 
 #[cfg(test)]

@@ -1,31 +1,29 @@
-//! The POST endpoints. A request is logged on arrival, admitted (slow start, parse, hang and
-//! failure faults), then answered: in engine mode by the server's engine (`engine_answer`),
-//! in fixed-timing mode here, after a prefix-cache lookup, with the first token after the TTFT
-//! and then one token per inter-token interval.
+//! The POST endpoints. A request is logged on arrival, admitted (`admission`: slow start,
+//! parse, hang and failure faults, prefix-cache lookup), then answered: in engine mode by the
+//! server's engine (`engine_answer`), in fixed-timing mode here, with the first token after the
+//! TTFT and then one token per inter-token interval.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use tokio::time::{sleep_until, Instant};
 use xxhash_rust::xxh3::xxh3_64;
 
+use super::admission::{admit, Admitted};
 use super::engine_answer;
-use super::error::ApiError;
-use super::faults::{hits, FAIL_SALT, HANG_SALT};
-use super::generate::{completion_text, token_text, Schedule};
-use super::kvcache::{block_hashes, continued_hashes, BLOCK_TOKENS};
-use super::metrics::Gauge;
-use super::openai::{self, Endpoint, SimRequest};
-use super::prompt::{count_tokens, TURN_END};
+use super::generate::{completion_text, reply_hashes, token_text, Schedule};
+use super::kvcache::BLOCK_TOKENS;
+use super::openai::Endpoint;
 use super::reqlog::Entry;
 use super::response::{Answer, Usage};
-use super::server::{header_value, ServerState};
-use super::sse::{ChunkWriter, DONE};
+use super::sse::{sse_response, ChunkWriter, DONE};
+use super::state::{header_value, ServerState};
+use super::stats::Gauge;
 
 pub const BODY_HASH_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-xxh3");
 pub const BODY_LEN_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-len");
@@ -80,100 +78,6 @@ async fn handle(
     headers.insert(BODY_HASH_HEADER, header_value(&hash));
     headers.insert(BODY_LEN_HEADER, HeaderValue::from(body.len()));
     res
-}
-
-/// A request that passed admission, with its prefix-cache result (fixed mode; the engine
-/// looks up its own pool when it schedules the request).
-pub struct Admitted {
-    pub req: SimRequest,
-    pub seq: u64,
-    pub usage: Usage,
-    /// Chained hashes of the prompt's full blocks.
-    pub blocks: Vec<u64>,
-}
-
-async fn admit(
-    s: &Arc<ServerState>,
-    seq: u64,
-    endpoint: Endpoint,
-    body: &[u8],
-) -> Result<Admitted, ApiError> {
-    if s.in_slow_start() {
-        return Err(ApiError::unavailable("kvbench-sim: server is starting"));
-    }
-    let req = openai::parse(endpoint, body)?;
-    let prompt_tokens = count_tokens(req.prompt.len());
-    s.log().update(seq, |e| {
-        e.model = Some(req.model.clone());
-        e.stream = req.stream;
-        e.prompt_tokens = Some(prompt_tokens);
-    });
-    hold_if_hung(s, seq).await;
-    if hits(s.faults().fail_rate, seq, s.index, FAIL_SALT) {
-        return Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "kvbench-sim: injected failure",
-        ));
-    }
-    let mut usage = Usage {
-        prompt_tokens,
-        completion_tokens: req.max_tokens,
-        cached_tokens: 0,
-    };
-    // Embedding models keep no prefix cache.
-    let blocks = if endpoint == Endpoint::Embeddings {
-        Vec::new()
-    } else {
-        block_hashes(&req.prompt)
-    };
-    if endpoint != Endpoint::Embeddings && s.engine.is_none() {
-        usage.cached_tokens = s.kv().match_prefix(&blocks) as u64 * BLOCK_TOKENS;
-        s.stats.admitted(prompt_tokens, usage.cached_tokens);
-    }
-    if s.engine.is_none() || endpoint == Endpoint::Embeddings {
-        s.log()
-            .update(seq, |e| e.cached_tokens = Some(usage.cached_tokens));
-    }
-    Ok(Admitted {
-        req,
-        seq,
-        usage,
-        blocks,
-    })
-}
-
-/// The chain of `prompt_hashes` continued over `n` tokens of reply and what the client puts
-/// after it when it sends the reply back: a chat template closes the assistant turn, a
-/// completions client appends the text as is. These are the blocks past the prompt's that a
-/// server keeps cached after answering, and that the conversation's next turn starts with.
-pub fn reply_hashes(endpoint: Endpoint, prompt: &[u8], prompt_hashes: &[u64], n: u64) -> Vec<u64> {
-    let end = match endpoint {
-        Endpoint::Chat => TURN_END,
-        Endpoint::Completions | Endpoint::Embeddings => "",
-    };
-    let reply = (0..n).map(token_text);
-    continued_hashes(
-        prompt,
-        prompt_hashes,
-        reply.chain(std::iter::once(end.to_owned())),
-    )
-}
-
-/// Holds a request the hang faults select: forever for `hang_rate`, until the `hang` knob is
-/// cleared for `hang`. Only this request's task waits; the server keeps serving others.
-async fn hold_if_hung(s: &Arc<ServerState>, seq: u64) {
-    let faults = s.faults();
-    let by_rate = hits(faults.hang_rate, seq, s.index, HANG_SALT);
-    if !by_rate && !faults.hang {
-        return;
-    }
-    let _waiting = s.stats.start_waiting();
-    if by_rate {
-        std::future::pending::<()>().await;
-    }
-    let mut rx = s.faults.subscribe();
-    // Err only if the sender is gone, which means the server is going away: stop holding.
-    let _ = rx.wait_for(|f| !f.hang).await;
 }
 
 async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
@@ -304,18 +208,4 @@ impl TokenStream {
         }
         None
     }
-}
-
-pub fn sse_response<S>(events: S) -> Response
-where
-    S: futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
-{
-    let mut res = Response::new(Body::from_stream(events));
-    let headers = res.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    res
 }

@@ -22,19 +22,27 @@
 //! # Layout
 //! - `cli`: arguments and their validation into a `SimConfig`.
 //! - `config`: the validated, time-scaled settings shared by every server.
-//! - `server`: per-server state, the axum router and the listener task.
-//! - `inference`: the POST endpoints: admission, faults, fixed-timing answers.
+//! - `server`: the axum router and the listener task; `state`: what each server holds.
+//! - `inference`: the POST endpoints and fixed-timing answers; `admission`: slow start,
+//!   parsing, hang and failure faults, prefix lookup.
 //! - `engine_answer`: engine-mode answers (waiting on the engine, SSE coalescing).
 //! - `engine`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
 //!   `kvpool`: its KV block pool; `profile`: GPU profiles and the step-time model.
 //! - `admin`: health, models, metrics and the `/debug` endpoints.
 //! - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer.
 //! - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
-//! - `generate`: filler text and token timing; `response` / `sse`: answer bodies.
-//! - `metrics`: counters and the Prometheus text; `faults`: fault knobs; `reqlog`: request log.
+//! - `generate`: filler text, token timing and the reply's block hashes; `response` / `sse`:
+//!   answer bodies.
+//! - `stats`: the counters (the server's and its engine's); `metrics`: their Prometheus text;
+//!   `faults`: fault knobs; `reqlog`: request log.
 //! - `error`: the one error type, rendered in OpenAI's error shape.
+//!
+//! Imports between these modules go one way only, from the endpoints (`server`, `admin`,
+//! `inference`, `engine_answer`) down to the parts they use, so that any module can be read
+//! and tested knowing only the ones below it.
 
 mod admin;
+mod admission;
 mod cli;
 mod config;
 mod engine;
@@ -54,6 +62,8 @@ mod response;
 mod scheduler;
 mod server;
 mod sse;
+mod state;
+mod stats;
 
 #[cfg(test)]
 mod e2e_tests;

@@ -5,8 +5,7 @@ use std::collections::HashMap;
 use serde_json::{json, Value};
 
 use super::*;
-use crate::sim::generate::completion_text;
-use crate::sim::inference::reply_hashes;
+use crate::sim::generate::{completion_text, reply_hashes};
 use crate::sim::kvcache::block_hashes;
 use crate::sim::openai::{self, Endpoint};
 use crate::sim::profile::ProfileName;

@@ -1,6 +1,11 @@
 //! Server-sent events for streamed answers: one `data: {chunk}\n\n` event per token, an
 //! optional usage chunk, then `data: [DONE]\n\n`, as vLLM and OpenAI send them.
 
+use std::convert::Infallible;
+
+use axum::body::Body;
+use axum::http::{header, HeaderValue};
+use axum::response::Response;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
@@ -55,6 +60,20 @@ impl ChunkWriter {
             "usage": usage.to_json(),
         }))
     }
+}
+
+pub fn sse_response<S>(events: S) -> Response
+where
+    S: futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+{
+    let mut res = Response::new(Body::from_stream(events));
+    let headers = res.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    res
 }
 
 fn event(chunk: &Value) -> Bytes {

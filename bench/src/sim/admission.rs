@@ -1,0 +1,92 @@
+//! Admission of a POST request: slow start, parsing, the hang and failure faults and, in
+//! fixed-timing mode, the prefix-cache lookup. Both answer paths take its `Admitted` (fixed
+//! timing in `inference`, engine mode in `engine_answer`), so it sits below both.
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+
+use super::error::ApiError;
+use super::faults::{hits, FAIL_SALT, HANG_SALT};
+use super::kvcache::{block_hashes, BLOCK_TOKENS};
+use super::openai::{self, Endpoint, SimRequest};
+use super::prompt::count_tokens;
+use super::response::Usage;
+use super::state::ServerState;
+
+/// A request that passed admission, with its prefix-cache result (fixed mode; the engine
+/// looks up its own pool when it schedules the request).
+pub struct Admitted {
+    pub req: SimRequest,
+    pub seq: u64,
+    pub usage: Usage,
+    /// Chained hashes of the prompt's full blocks.
+    pub blocks: Vec<u64>,
+}
+
+pub async fn admit(
+    s: &Arc<ServerState>,
+    seq: u64,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<Admitted, ApiError> {
+    if s.in_slow_start() {
+        return Err(ApiError::unavailable("kvbench-sim: server is starting"));
+    }
+    let req = openai::parse(endpoint, body)?;
+    let prompt_tokens = count_tokens(req.prompt.len());
+    s.log().update(seq, |e| {
+        e.model = Some(req.model.clone());
+        e.stream = req.stream;
+        e.prompt_tokens = Some(prompt_tokens);
+    });
+    hold_if_hung(s, seq).await;
+    if hits(s.faults().fail_rate, seq, s.index, FAIL_SALT) {
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "kvbench-sim: injected failure",
+        ));
+    }
+    let mut usage = Usage {
+        prompt_tokens,
+        completion_tokens: req.max_tokens,
+        cached_tokens: 0,
+    };
+    // Embedding models keep no prefix cache.
+    let blocks = if endpoint == Endpoint::Embeddings {
+        Vec::new()
+    } else {
+        block_hashes(&req.prompt)
+    };
+    if endpoint != Endpoint::Embeddings && s.engine.is_none() {
+        usage.cached_tokens = s.kv().match_prefix(&blocks) as u64 * BLOCK_TOKENS;
+        s.stats.admitted(prompt_tokens, usage.cached_tokens);
+    }
+    if s.engine.is_none() || endpoint == Endpoint::Embeddings {
+        s.log()
+            .update(seq, |e| e.cached_tokens = Some(usage.cached_tokens));
+    }
+    Ok(Admitted {
+        req,
+        seq,
+        usage,
+        blocks,
+    })
+}
+
+/// Holds a request the hang faults select: forever for `hang_rate`, until the `hang` knob is
+/// cleared for `hang`. Only this request's task waits; the server keeps serving others.
+async fn hold_if_hung(s: &Arc<ServerState>, seq: u64) {
+    let faults = s.faults();
+    let by_rate = hits(faults.hang_rate, seq, s.index, HANG_SALT);
+    if !by_rate && !faults.hang {
+        return;
+    }
+    let _waiting = s.stats.start_waiting();
+    if by_rate {
+        std::future::pending::<()>().await;
+    }
+    let mut rx = s.faults.subscribe();
+    // Err only if the sender is gone, which means the server is going away: stop holding.
+    let _ = rx.wait_for(|f| !f.hang).await;
+}

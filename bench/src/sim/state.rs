@@ -1,0 +1,83 @@
+//! What one simulated server holds while it serves: configuration, prefix cache, counters,
+//! engine, request log and fault knobs. Every handler module reads it, so it sits below
+//! `server` (which builds the router from those handlers) rather than inside it.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use axum::http::HeaderValue;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::config::SimConfig;
+use super::engine::EngineHandle;
+use super::faults::Faults;
+use super::kvcache::KvCache;
+use super::reqlog::{RequestLog, LOG_CAPACITY};
+use super::stats::Stats;
+
+pub struct ServerState {
+    pub index: usize,
+    pub addr: SocketAddr,
+    pub config: Arc<SimConfig>,
+    pub started: Instant,
+    pub kv: Mutex<KvCache>,
+    pub stats: Arc<Stats>,
+    /// Engine mode only; fixed-timing mode paces each request on its own.
+    pub engine: Option<EngineHandle>,
+    pub log: Mutex<RequestLog>,
+    /// A watch channel so that requests held by the `hang` fault wake when it is cleared.
+    pub faults: watch::Sender<Faults>,
+    /// Rendered once, not per answer: `server` adds them to every response.
+    pub index_header: HeaderValue,
+    pub addr_header: HeaderValue,
+}
+
+impl ServerState {
+    /// Must run inside a tokio runtime: in engine mode it spawns the engine task.
+    pub fn new(index: usize, addr: SocketAddr, config: Arc<SimConfig>) -> Self {
+        let (faults, _) = watch::channel(config.faults);
+        let stats = Arc::new(Stats::default());
+        let engine = config
+            .profile
+            .map(|p| EngineHandle::spawn(p, config.time_scale, stats.clone()));
+        Self {
+            index,
+            addr,
+            kv: Mutex::new(KvCache::new(config.num_gpu_blocks)),
+            stats,
+            engine,
+            log: Mutex::new(RequestLog::new(LOG_CAPACITY)),
+            faults,
+            started: Instant::now(),
+            index_header: HeaderValue::from(index),
+            addr_header: header_value(&addr.to_string()),
+            config,
+        }
+    }
+
+    pub fn in_slow_start(&self) -> bool {
+        self.started.elapsed() < self.config.slow_start
+    }
+
+    pub fn faults(&self) -> Faults {
+        *self.faults.borrow()
+    }
+
+    pub fn kv(&self) -> MutexGuard<'_, KvCache> {
+        self.kv.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn log(&self) -> MutexGuard<'_, RequestLog> {
+        self.log.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Model-time seconds elapsed since `since` (wall time times the time scale).
+    pub fn model_seconds_since(&self, since: Instant) -> f64 {
+        since.elapsed().as_secs_f64() * self.config.time_scale
+    }
+}
+
+pub fn header_value(s: &str) -> HeaderValue {
+    HeaderValue::from_str(s).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}

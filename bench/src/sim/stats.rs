@@ -1,0 +1,168 @@
+//! The counters a server keeps: its own (requests, tokens, prefix hits, TTFT, fixed-mode
+//! gauges) and the gauges its engine task publishes. Both live here, below `engine` and
+//! `metrics`, so that the engine can publish into them and `metrics` can render them without
+//! either module depending on the other.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use serde::Serialize;
+
+/// vLLM's TTFT buckets, in seconds, up to 10 s.
+pub const TTFT_BUCKETS: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
+
+/// Engine counters published after every step, read by `/metrics` and `/debug/state`.
+#[derive(Debug, Default)]
+pub struct EngineGauges {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub used_blocks: AtomicU64,
+    pub cached_blocks: AtomicU64,
+    pub preemptions: AtomicU64,
+    pub steps: AtomicU64,
+    pub late_steps: AtomicU64,
+    pub max_late_us: AtomicU64,
+    pub late_us_total: AtomicU64,
+    pub prefill_tokens: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+pub struct Stats {
+    running: AtomicU64,
+    waiting: AtomicU64,
+    /// KV blocks held by running requests (prompt plus output), for the usage gauge.
+    blocks_in_use: AtomicU64,
+    requests_total: AtomicU64,
+    prompt_tokens_total: AtomicU64,
+    generation_tokens_total: AtomicU64,
+    prefix_queries_total: AtomicU64,
+    prefix_hits_total: AtomicU64,
+    ttft: Mutex<Histogram>,
+    /// Published by the engine task in engine mode; zeros in fixed-timing mode, so the
+    /// snapshot can simply add both sources.
+    pub engine: Arc<EngineGauges>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Histogram {
+    /// Non-cumulative counts per bucket; the last slot is +Inf.
+    pub counts: [u64; TTFT_BUCKETS.len() + 1],
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    fn observe(&mut self, v: f64) {
+        let slot = TTFT_BUCKETS
+            .iter()
+            .position(|&b| v <= b)
+            .unwrap_or(TTFT_BUCKETS.len());
+        self.counts[slot] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// A consistent-enough copy of the counters for one scrape or `/debug/state`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    pub running: u64,
+    pub waiting: u64,
+    pub kv_cache_usage: f64,
+    pub requests_total: u64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
+    pub preemptions_total: u64,
+    #[serde(skip)]
+    pub ttft: Histogram,
+}
+
+impl Stats {
+    /// Counts an admitted request's prompt against the prefix cache.
+    pub fn admitted(&self, prompt_tokens: u64, cached_tokens: u64) {
+        self.requests_total.fetch_add(1, Relaxed);
+        self.prompt_tokens_total.fetch_add(prompt_tokens, Relaxed);
+        self.prefix_queries_total.fetch_add(prompt_tokens, Relaxed);
+        self.prefix_hits_total.fetch_add(cached_tokens, Relaxed);
+    }
+
+    pub fn generated(&self, tokens: u64) {
+        self.generation_tokens_total.fetch_add(tokens, Relaxed);
+    }
+
+    pub fn observe_ttft(&self, seconds: f64) {
+        self.ttft
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .observe(seconds);
+    }
+
+    /// Marks a request running until the guard drops (end of answer or client gone).
+    pub fn start_running(self: &Arc<Self>, kv_blocks: u64) -> Gauge {
+        self.running.fetch_add(1, Relaxed);
+        self.blocks_in_use.fetch_add(kv_blocks, Relaxed);
+        Gauge {
+            stats: self.clone(),
+            kind: GaugeKind::Running(kv_blocks),
+        }
+    }
+
+    /// Marks a request waiting (held by a hang fault) until the guard drops.
+    pub fn start_waiting(self: &Arc<Self>) -> Gauge {
+        self.waiting.fetch_add(1, Relaxed);
+        Gauge {
+            stats: self.clone(),
+            kind: GaugeKind::Waiting,
+        }
+    }
+
+    pub fn snapshot(&self, num_gpu_blocks: usize) -> Snapshot {
+        let e = &self.engine;
+        let blocks = self.blocks_in_use.load(Relaxed) + e.used_blocks.load(Relaxed);
+        let used = blocks as f64 / num_gpu_blocks.max(1) as f64;
+        Snapshot {
+            running: self.running.load(Relaxed) + e.running.load(Relaxed),
+            waiting: self.waiting.load(Relaxed) + e.waiting.load(Relaxed),
+            kv_cache_usage: used.min(1.0),
+            requests_total: self.requests_total.load(Relaxed),
+            prompt_tokens_total: self.prompt_tokens_total.load(Relaxed),
+            generation_tokens_total: self.generation_tokens_total.load(Relaxed),
+            prefix_cache_queries_total: self.prefix_queries_total.load(Relaxed),
+            prefix_cache_hits_total: self.prefix_hits_total.load(Relaxed),
+            preemptions_total: e.preemptions.load(Relaxed),
+            ttft: self
+                .ttft
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        }
+    }
+}
+
+enum GaugeKind {
+    Running(u64),
+    Waiting,
+}
+
+pub struct Gauge {
+    stats: Arc<Stats>,
+    kind: GaugeKind,
+}
+
+impl Drop for Gauge {
+    fn drop(&mut self) {
+        match self.kind {
+            GaugeKind::Running(blocks) => {
+                self.stats.running.fetch_sub(1, Relaxed);
+                self.stats.blocks_in_use.fetch_sub(blocks, Relaxed);
+            }
+            GaugeKind::Waiting => {
+                self.stats.waiting.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+}
