@@ -6,6 +6,7 @@ use super::least_load;
 use super::ring::capacity;
 use super::snapshot::Snapshot;
 
+#[inline]
 pub(super) fn choose(
     params: &Params,
     key: u64,

@@ -111,6 +111,8 @@ pub struct Decision {
 }
 
 /// A decision with no cost terms (the policies other than kv_aware).
+// Small and on every decision, called from each policy's module.
+#[inline]
 pub(super) fn decision(
     snap: &Snapshot,
     backend: usize,

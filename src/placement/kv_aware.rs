@@ -45,6 +45,7 @@ pub struct Terms {
     pub score: f64,
 }
 
+#[inline]
 pub(super) fn choose(
     params: &Params,
     profile: &RequestProfile,

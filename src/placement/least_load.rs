@@ -5,6 +5,7 @@ use super::snapshot::Snapshot;
 
 /// The eligible backend with the least in-flight work per unit of weight, scanning from the
 /// `ticket`'s position so ties rotate. `reason` says why this policy was used.
+#[inline]
 pub(super) fn choose(
     snap: &Snapshot,
     eligible: &dyn Fn(usize) -> bool,

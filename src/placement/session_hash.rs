@@ -3,6 +3,7 @@
 use super::decision::{decision, Decision, Reason};
 use super::snapshot::Snapshot;
 
+#[inline]
 pub(super) fn choose(
     key: u64,
     snap: &Snapshot,
