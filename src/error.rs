@@ -111,7 +111,7 @@ impl ApiError {
             }),
             ErrorType::ReadTimedout | ErrorType::WriteTimedout if upstream => {
                 Some(ApiError::gateway_timeout(format!(
-                    "upstream {backend} sent nothing within timeouts.upstream_read_ms"
+                    "upstream {backend} sent nothing in time (timeouts.first_byte_floor_ms for streams, else timeouts.upstream_read_ms)"
                 )))
             }
             _ => match e.esource() {

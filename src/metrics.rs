@@ -79,3 +79,17 @@ pub(crate) fn microseconds(
         Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?,
     )
 }
+
+/// A dimensionless ratio, 1/64 .. 512 by powers of two: how far an estimate was off.
+pub(crate) fn ratio_vec(
+    reg: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<HistogramVec> {
+    let buckets = exponential_buckets(1.0 / 64.0, 2.0, 16)?;
+    registered(
+        reg,
+        HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)?,
+    )
+}

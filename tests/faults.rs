@@ -384,3 +384,51 @@ async fn refused_connects_are_retried_outside_the_budget() {
         0.0
     );
 }
+
+/// With the default config, a streamed request whose backend hangs before its first byte is
+/// answered by another backend within 60 s (the first-byte deadline is 30 s, not the 300 s of
+/// `upstream_read_ms`), and the timeout counts as an upstream failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_engine_is_caught_by_the_first_byte_deadline() {
+    let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let (a, b) = (sims[0].addr, sims[1].addr);
+    let kv = Kvroute::start(&[a, b], "");
+    faults(a, json!({"hang": true}));
+    // Sessions one after another until one lands on the hung backend (with two backends, all
+    // but 1 in 4096 runs meet it within twelve). One at a time: the retry budget, not the
+    // deadline, is what limits many hung requests at once (tested above).
+    // The client waits longer than the 60 s the test allows, so a slow answer is seen as one.
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(90))
+        .build()
+        .unwrap();
+    let url = kv.url("/v1/chat/completions");
+    let mut met_the_hang = false;
+    for i in 0..12 {
+        let t0 = Instant::now();
+        let r = c
+            .post(&url)
+            .header("x-session-id", format!("hung-{i}"))
+            .json(&hello(2, true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.text().await.unwrap().contains("[DONE]"));
+        let took = t0.elapsed();
+        assert!(took < Duration::from_secs(60), "{took:?}");
+        if took >= Duration::from_secs(29) {
+            met_the_hang = true;
+            break;
+        }
+    }
+    assert!(met_the_hang, "no session landed on the hung backend");
+    let name = a.to_string();
+    assert!(
+        kv.metric_sum(
+            "kvroute_upstream_failures_total",
+            &[("backend", &name), ("kind", "io")]
+        ) >= 1.0
+    );
+    faults(a, json!({"hang": false}));
+}

@@ -124,28 +124,41 @@ async fn cached_prefix_is_found_after_the_owner_spilled() {
 /// Engine metrics are scraped into kvroute_backend_* gauges, and dropped once stale.
 #[test]
 fn engine_telemetry_is_scraped_and_expires() {
-    let mut sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    // Not the default KV size, so the gauge can only show it by scraping.
+    let mut sims = Sim::start_n(
+        2,
+        &["--ttft-ms", "1", "--itl-ms", "0", "--kv-tokens", "160000"],
+    );
     let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
     let kv = Kvroute::start(
         &addrs,
         "  telemetry:\n    interval_ms: 100\n    stale_after_ms: 400\n  health_check:\n    interval_ms: 100\n",
     );
     let victim = addrs[1].to_string();
-    let text = kv.metrics_when(
-        "kvroute_backend_kv_capacity_tokens",
-        &[("backend", &victim)],
-        1.0,
-    );
+    let mut text = kv.metrics();
+    for _ in 0..100 {
+        if addrs.iter().all(|a| {
+            metric_sum(
+                &text,
+                "kvroute_backend_kv_capacity_tokens",
+                &[("backend", &a.to_string())],
+            ) == 160_000.0
+        }) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        text = kv.metrics();
+    }
     for a in &addrs {
         let b = a.to_string();
-        // The simulator's vllm:cache_config_info: 31,250 blocks of 16 tokens.
+        // The simulator's vllm:cache_config_info: 10,000 blocks of 16 tokens.
         assert_eq!(
             metric_sum(
                 &text,
                 "kvroute_backend_kv_capacity_tokens",
                 &[("backend", &b)]
             ),
-            500_000.0
+            160_000.0
         );
         assert!(text.contains(&format!(
             "kvroute_backend_engine_running_requests{{backend=\"{b}\"}}"

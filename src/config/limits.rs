@@ -63,6 +63,13 @@ pub struct TimeoutsConfig {
     /// A keep-alive connection may sit idle this long before its next request; that request's
     /// header must then be complete within `client_header_ms` more.
     pub client_idle_ms: u64,
+    /// A streamed request whose backend sends nothing for max(this, `first_byte_factor` x the
+    /// predicted time to first token) is treated as hung: retried elsewhere (no byte has
+    /// reached the client) and counted toward outlier ejection. Also bounds each later read of
+    /// the stream. Capped by `upstream_read_ms`.
+    pub first_byte_floor_ms: u64,
+    /// See `first_byte_floor_ms`.
+    pub first_byte_factor: f64,
 }
 
 impl Default for TimeoutsConfig {
@@ -74,6 +81,8 @@ impl Default for TimeoutsConfig {
             client_body_ms: 60_000,
             client_header_ms: 10_000,
             client_idle_ms: 60_000,
+            first_byte_floor_ms: 30_000,
+            first_byte_factor: 10.0,
         }
     }
 }
@@ -123,10 +132,20 @@ impl TimeoutsConfig {
             ("kvroute.timeouts.client_body_ms", self.client_body_ms),
             ("kvroute.timeouts.client_header_ms", self.client_header_ms),
             ("kvroute.timeouts.client_idle_ms", self.client_idle_ms),
+            (
+                "kvroute.timeouts.first_byte_floor_ms",
+                self.first_byte_floor_ms,
+            ),
         ] {
             if v == 0 {
                 return Err(err(key, "must be positive"));
             }
+        }
+        if !(self.first_byte_factor.is_finite() && self.first_byte_factor >= 1.0) {
+            return Err(err(
+                "kvroute.timeouts.first_byte_factor",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }

@@ -61,8 +61,8 @@ pub struct RoutingConfig {
     /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
     /// only when it saves at least this many prompt tokens.
     pub min_prefix_saving_tokens: u64,
-    /// kv_aware: correct each backend's prefill rate online from observed TTFTs. Off by
-    /// default: in the N=8 comparison it skewed the fleet's prefill (see bench/README.md).
+    /// kv_aware: use each backend's prefill rate as its engine's own counters show it
+    /// (vLLM, llama.cpp) once they hold enough evidence; the configured rate is the prior.
     pub learn_prefill_rate: bool,
 }
 
@@ -85,7 +85,7 @@ impl Default for RoutingConfig {
             decode_stall_weight: 0.02,
             kv_usage_ceiling: 0.9,
             min_prefix_saving_tokens: 1024,
-            learn_prefill_rate: false,
+            learn_prefill_rate: true,
         }
     }
 }

@@ -7,16 +7,22 @@ use std::time::Instant;
 
 use pingora_load_balancing::Backend;
 
+use super::learn::{PrefillCounters, PrefillLearner};
 use super::outlier::Outlier;
 use super::telemetry::Slot;
-use crate::config::EngineKind;
+use crate::config::{EngineKind, DEFAULT_KV_CAPACITY_TOKENS};
 
 /// What a backend accumulates while it runs. Shared by `Arc` between fleet generations and the
 /// guards of requests in flight, so a reload neither loses nor double-counts load.
 pub(super) struct Live {
     pub(super) telemetry: Slot,
-    /// Online correction of `prefill_rate` (f64 bits), learned from observed TTFTs.
-    pub(super) rate_scale: AtomicU64,
+    /// The engine's prefill rate as its own counters show it (f64 bits; 0 until learned).
+    /// Read on every placement, written by the scrape loop.
+    pub(super) learned_rate: AtomicU64,
+    pub(super) learner: Mutex<PrefillLearner>,
+    /// KV capacity the engine reported or showed (tokens; 0 until known). Kept past the
+    /// telemetry sample's staleness: a cache does not change size while the engine runs.
+    pub(super) learned_kv_capacity: AtomicU64,
     pub(super) inflight: AtomicU64,
     pub(super) queued_prefill: AtomicU64,
     pub(super) decoding: AtomicU64,
@@ -40,7 +46,9 @@ impl Live {
     pub(super) fn new() -> Live {
         Live {
             telemetry: Slot::default(),
-            rate_scale: AtomicU64::new(1.0f64.to_bits()),
+            learned_rate: AtomicU64::new(0),
+            learner: Mutex::new(PrefillLearner::default()),
+            learned_kv_capacity: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
             queued_prefill: AtomicU64::new(0),
             decoding: AtomicU64::new(0),
@@ -56,12 +64,15 @@ pub struct BackendState {
     /// `ip:port`, the `backend` label in metrics and logs.
     pub name: String,
     pub weight: u32,
+    /// Configured prefill rate: the prior until the engine's counters teach one.
     pub prefill_rate: f64,
+    /// Use the learned rate once there is one (`routing.learn_prefill_rate`).
+    pub(super) learn: bool,
     pub engine: EngineKind,
     pub metrics_path: String,
     pub dcgm: Option<SocketAddr>,
     /// Configured KV capacity; `None` lets telemetry set it.
-    pub(super) kv_capacity_configured: Option<u64>,
+    pub kv_capacity_configured: Option<u64>,
     /// Its slot in the prefix index (`None` past the index's 64 slots).
     pub(super) slot: Option<usize>,
     pub(super) live: Arc<Live>,
@@ -90,24 +101,49 @@ impl BackendState {
         since_epoch_ms(now) < self.live.ejected_until_ms.load(Ordering::Relaxed)
     }
 
-    /// The prefill rate placement uses: configured, times what observed TTFTs taught.
+    /// The prefill rate placement uses: learned from the engine when it can be, else the
+    /// configured one.
     pub fn effective_prefill_rate(&self) -> f64 {
-        self.prefill_rate * f64::from_bits(self.live.rate_scale.load(Ordering::Relaxed))
+        match (self.learn, self.learned_prefill_rate()) {
+            (true, Some(r)) => r,
+            _ => self.prefill_rate,
+        }
     }
 
-    /// A request estimated to wait `est_s` for its first byte waited `observed_s`: move the rate
-    /// a tenth of the way (in log space) toward what would have predicted it.
-    pub fn observe_ttft(&self, est_s: f64, observed_s: f64) {
-        if !(est_s > 0.0 && observed_s > 0.0) {
+    /// What the engine's counters say, whether or not placement uses it.
+    pub fn learned_prefill_rate(&self) -> Option<f64> {
+        let r = f64::from_bits(self.live.learned_rate.load(Ordering::Relaxed));
+        (r > 0.0).then_some(r)
+    }
+
+    /// The engine's cumulative prefill counters from one scrape.
+    pub(super) fn observe_prefill(&self, counters: PrefillCounters) {
+        let Ok(mut learner) = self.live.learner.lock() else {
             return;
+        };
+        if let Some(r) = learner.observe(counters) {
+            self.live.learned_rate.store(r.to_bits(), Ordering::Relaxed);
         }
-        let step = (est_s / observed_s).clamp(0.25, 4.0).powf(0.1);
-        let _ = self
-            .live
-            .rate_scale
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some((f64::from_bits(bits) * step).clamp(0.1, 10.0).to_bits())
-            });
+    }
+
+    /// KV capacity the engine reported or showed, if any.
+    pub fn learned_kv_capacity(&self) -> Option<u64> {
+        let t = self.live.learned_kv_capacity.load(Ordering::Relaxed);
+        (t > 0).then_some(t)
+    }
+
+    pub(super) fn set_learned_kv_capacity(&self, tokens: u64) {
+        self.live
+            .learned_kv_capacity
+            .store(tokens, Ordering::Relaxed);
+    }
+
+    /// The KV capacity the prefix index is sized to: configured, else learned, else the
+    /// default.
+    pub fn kv_capacity(&self) -> u64 {
+        self.kv_capacity_configured
+            .or(self.learned_kv_capacity())
+            .unwrap_or(DEFAULT_KV_CAPACITY_TOKENS)
     }
 }
 

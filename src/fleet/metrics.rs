@@ -36,11 +36,6 @@ const ENGINE_GAUGES: &[(&str, &str, Pick)] = &[
         },
     ),
     (
-        "kvroute_backend_kv_capacity_tokens",
-        "KV cache size the engine reports (vLLM cache_config_info).",
-        |e| e.kv_capacity_tokens.map(|t| t as f64),
-    ),
-    (
         "kvroute_backend_gpu_utilization_ratio",
         "GPU utilisation from the backend's DCGM exporter.",
         |e| e.gpu_utilization,
@@ -59,6 +54,7 @@ pub struct FleetMetrics {
     queued_prefill: IntGaugeVec,
     decoding: IntGaugeVec,
     prefill_rate: GaugeVec,
+    kv_capacity: IntGaugeVec,
     telemetry_age: GaugeVec,
     /// Engine telemetry, one gauge family per scraped quantity.
     engine: Vec<(GaugeVec, Pick)>,
@@ -101,8 +97,15 @@ impl FleetMetrics {
             )?,
             prefill_rate: gauge_vec(
                 r,
-                "kvroute_backend_prefill_rate_tokens_per_second",
-                "Prefill rate kv_aware assumes: configured, corrected online from observed TTFTs.",
+                "kvroute_backend_prefill_tokens_per_second",
+                "Prefill rate kv_aware uses: learned from the engine's counters, else configured.",
+                &["backend"],
+            )?,
+            kv_capacity: int_gauge_vec(
+                r,
+                "kvroute_backend_kv_capacity_tokens",
+                "KV cache size the prefix index assumes: configured, else the engine's (reported or \
+                 shown by tokens in use / usage), else the default.",
                 &["backend"],
             )?,
             telemetry_age: gauge_vec(
@@ -135,6 +138,7 @@ impl FleetMetrics {
             &self.healthy,
             &self.queued_prefill,
             &self.decoding,
+            &self.kv_capacity,
         ] {
             let _ = g.remove_label_values(&[name]);
         }
@@ -168,6 +172,9 @@ impl FleetMetrics {
             self.prefill_rate
                 .with_label_values(&name)
                 .set(b.effective_prefill_rate());
+            self.kv_capacity
+                .with_label_values(&name)
+                .set(b.kv_capacity() as i64);
             let fresh = b.telemetry().fresh(fleet.stale_after());
             for (g, pick) in &self.engine {
                 match fresh.as_ref().and_then(pick) {

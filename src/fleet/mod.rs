@@ -6,6 +6,7 @@ mod backend;
 mod error;
 mod generation;
 mod health;
+pub(crate) mod learn;
 mod metrics;
 pub(crate) mod outlier;
 mod roster;

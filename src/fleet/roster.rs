@@ -60,8 +60,13 @@ fn parse_backend(
     Ok((addr, dcgm, lb_backend))
 }
 
-fn capacity_blocks(b: &BackendConfig, block_tokens: u64) -> usize {
-    let tokens = b.kv_capacity_tokens.unwrap_or(DEFAULT_KV_CAPACITY_TOKENS);
+/// Index blocks for a backend: its configured KV size, else what its engine showed, else the
+/// default.
+fn capacity_blocks(b: &BackendConfig, learned: Option<u64>, block_tokens: u64) -> usize {
+    let tokens = b
+        .kv_capacity_tokens
+        .or(learned)
+        .unwrap_or(DEFAULT_KV_CAPACITY_TOKENS);
     (tokens / block_tokens).max(1) as usize
 }
 
@@ -145,7 +150,10 @@ impl Fleet {
                     Some(prev) => {
                         if let Some(s) = prev.slot {
                             if b.kv_capacity_tokens != prev.kv_capacity_configured {
-                                index.set_capacity(s, capacity_blocks(b, block_tokens));
+                                index.set_capacity(
+                                    s,
+                                    capacity_blocks(b, prev.learned_kv_capacity(), block_tokens),
+                                );
                             }
                         }
                         (prev.slot, prev.live.clone())
@@ -161,7 +169,7 @@ impl Fleet {
                         };
                         if let Some(s) = slot {
                             owner[s] = Some(addr);
-                            index.open_slot(s, capacity_blocks(b, block_tokens));
+                            index.open_slot(s, capacity_blocks(b, None, block_tokens));
                         }
                         (slot, Arc::new(Live::new()))
                     }
@@ -171,6 +179,7 @@ impl Fleet {
                     name: b.addr.clone(),
                     weight: b.weight,
                     prefill_rate: b.prefill_tokens_per_s,
+                    learn: cfg.routing.learn_prefill_rate,
                     engine: b.engine,
                     metrics_path: b.metrics_path.clone(),
                     dcgm,
@@ -299,12 +308,18 @@ impl Fleet {
         }
     }
 
-    /// A telemetry scrape of backend `i`; a reported KV size bounds its index unless one is
-    /// configured.
+    /// A telemetry scrape of backend `i`: its prefill counters teach its rate, and a reported
+    /// KV size bounds its index unless one is configured.
     pub fn observe(&self, i: usize, stats: EngineStats) {
         let Some(b) = self.backends.get(i) else {
             return;
         };
+        if let Some(counters) = stats.prefill {
+            b.observe_prefill(counters);
+        }
+        if let Some(tokens) = stats.kv_capacity_tokens {
+            b.set_learned_kv_capacity(tokens);
+        }
         if let (None, Some(tokens), Some(slot)) =
             (b.kv_capacity_configured, stats.kv_capacity_tokens, b.slot)
         {
@@ -369,6 +384,7 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fleet::learn::PrefillCounters;
 
     fn fleet() -> Fleet {
         let cfg = Config::from_yaml(
@@ -379,20 +395,25 @@ mod tests {
     }
 
     #[test]
-    fn prefill_rate_learns_from_observed_ttft() {
+    fn prefill_rate_and_kv_capacity_are_learned_from_engine_counters() {
         let f = fleet();
         let b = &f.backends()[0];
-        // The engine is twice as slow as configured: TTFTs come in at twice the estimate.
-        for _ in 0..200 {
-            let est = 0.2 * 20_000.0 / b.effective_prefill_rate();
-            b.observe_ttft(est, 0.4);
-        }
-        let rate = b.effective_prefill_rate();
-        assert!((rate - 10_000.0).abs() < 500.0, "{rate}");
-        // Nonsense observations change nothing.
-        b.observe_ttft(0.0, 1.0);
-        b.observe_ttft(1.0, f64::NAN);
-        assert_eq!(b.effective_prefill_rate(), rate);
+        assert_eq!(b.effective_prefill_rate(), 20_000.0, "the configured prior");
+        let scrape = |tokens: f64, seconds: f64| EngineStats {
+            prefill: Some(PrefillCounters {
+                tokens,
+                seconds,
+                requests: None,
+            }),
+            kv_capacity_tokens: Some(150_000),
+            ..EngineStats::default()
+        };
+        f.observe(0, scrape(0.0, 0.0));
+        f.observe(0, scrape(90_000.0, 10.0));
+        assert_eq!(b.learned_prefill_rate(), Some(9_000.0));
+        assert_eq!(b.effective_prefill_rate(), 9_000.0);
+        assert_eq!(b.kv_capacity(), 150_000);
+        assert_eq!(f.loads()[0].prefill_rate, 9_000.0);
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! Parsing is a pure function of the text (unit-tested); the scrape loop is in `scrape.rs`.
 
 use arc_swap::ArcSwapOption;
+
+use super::learn::PrefillCounters;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,8 +22,12 @@ pub struct EngineStats {
     pub kv_usage: Option<f64>,
     pub prefix_queries: Option<f64>,
     pub prefix_hits: Option<f64>,
-    /// KV cache size learned from `vllm:cache_config_info`.
+    /// KV cache size: vLLM's `cache_config_info`, else tokens in use / usage ratio.
     pub kv_capacity_tokens: Option<u64>,
+    /// KV tokens in use (llama.cpp `kv_cache_tokens`, SGLang `num_used_tokens`).
+    pub kv_tokens_used: Option<f64>,
+    /// Cumulative prefill work, the input of the learned prefill rate.
+    pub prefill: Option<PrefillCounters>,
     pub gpu_utilization: Option<f64>,
     pub gpu_memory_used_bytes: Option<f64>,
 }
@@ -85,6 +91,8 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
 pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
     let mut s = EngineStats::default();
     let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+    // Prefill counters: prompt tokens (all, or computed only), seconds, requests.
+    let (mut prompt, mut seconds, mut requests) = (None, None, None);
     for (name, labels, v) in samples(text) {
         match (kind, name) {
             (EngineKind::Vllm, "vllm:num_requests_waiting")
@@ -98,6 +106,13 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             | (EngineKind::Llamacpp, "llamacpp:kv_cache_usage_ratio") => {
                 s.kv_usage = Some(s.kv_usage.unwrap_or(0.0).max(v))
             }
+            (EngineKind::Vllm, "vllm:prompt_tokens_total")
+            | (EngineKind::Llamacpp, "llamacpp:prompt_tokens_total") => add(&mut prompt, v),
+            (EngineKind::Vllm, "vllm:request_prefill_time_seconds_sum")
+            | (EngineKind::Llamacpp, "llamacpp:prompt_seconds_total") => add(&mut seconds, v),
+            (EngineKind::Vllm, "vllm:request_prefill_time_seconds_count") => add(&mut requests, v),
+            (EngineKind::Llamacpp, "llamacpp:kv_cache_tokens")
+            | (EngineKind::Sglang, "sglang:num_used_tokens") => add(&mut s.kv_tokens_used, v),
             (EngineKind::Vllm, "vllm:prefix_cache_queries_total") => add(&mut s.prefix_queries, v),
             (EngineKind::Vllm, "vllm:prefix_cache_hits_total") => add(&mut s.prefix_hits, v),
             (EngineKind::Vllm, "vllm:cache_config_info") => {
@@ -108,6 +123,25 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
                 }
             }
             _ => {}
+        }
+    }
+    // vLLM counts every prompt token, cached or not; what was computed is the rest. llama.cpp
+    // counts only the tokens it processed.
+    let computed = match kind {
+        EngineKind::Vllm => prompt.map(|p| (p - s.prefix_hits.unwrap_or(0.0)).max(0.0)),
+        _ => prompt,
+    };
+    if let (Some(tokens), Some(seconds)) = (computed, seconds) {
+        s.prefill = Some(PrefillCounters {
+            tokens,
+            seconds,
+            requests,
+        });
+    }
+    // Without a reported size, a cache that is in use tells its size by how full it is.
+    if let (None, Some(used), Some(ratio)) = (s.kv_capacity_tokens, s.kv_tokens_used, s.kv_usage) {
+        if ratio >= 0.05 {
+            s.kv_capacity_tokens = Some((used / ratio).round() as u64);
         }
     }
     s
@@ -156,6 +190,51 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
         assert_eq!(s.kv_usage, Some(0.42));
         assert_eq!(s.prefix_hits, Some(640.0));
         assert_eq!(s.kv_capacity_tokens, Some(500_000));
+    }
+
+    #[test]
+    fn prefill_counters_and_kv_size_per_engine() {
+        // vLLM counts every prompt token; the computed ones are those not hit in the cache.
+        let text = format!(
+            "{VLLM}vllm:prompt_tokens_total{{model_name=\"m\"}} 5000.0\n\
+             vllm:request_prefill_time_seconds_sum{{model_name=\"m\"}} 1.5\n\
+             vllm:request_prefill_time_seconds_count{{model_name=\"m\"}} 7.0\n"
+        );
+        let s = parse_engine(EngineKind::Vllm, &text);
+        assert_eq!(
+            s.prefill,
+            Some(PrefillCounters {
+                tokens: 4360.0,
+                seconds: 1.5,
+                requests: Some(7.0)
+            })
+        );
+        // llama.cpp counts processed tokens only, and shows its KV size by how full it is.
+        let s = parse_engine(
+            EngineKind::Llamacpp,
+            "llamacpp:prompt_tokens_total 6886\nllamacpp:prompt_seconds_total 2.5\n\
+             llamacpp:kv_cache_tokens 1024\nllamacpp:kv_cache_usage_ratio 0.25\n",
+        );
+        assert_eq!(
+            s.prefill,
+            Some(PrefillCounters {
+                tokens: 6886.0,
+                seconds: 2.5,
+                requests: None
+            })
+        );
+        assert_eq!(s.kv_capacity_tokens, Some(4096));
+        let s = parse_engine(
+            EngineKind::Sglang,
+            "sglang:num_used_tokens{model_name=\"m\"} 30000\nsglang:token_usage{model_name=\"m\"} 0.2\n",
+        );
+        assert_eq!((s.kv_capacity_tokens, s.prefill), (Some(150_000), None));
+        // An idle cache says nothing of its size.
+        let s = parse_engine(
+            EngineKind::Llamacpp,
+            "llamacpp:kv_cache_tokens 0\nllamacpp:kv_cache_usage_ratio 0\n",
+        );
+        assert_eq!(s.kv_capacity_tokens, None);
     }
 
     #[test]

@@ -65,8 +65,6 @@ pub(super) struct Charge {
     /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
     pub dispatched: Option<Instant>,
     pub est_ttft_s: f64,
-    /// This request's TTFT is a clean sample of its backend's prefill rate.
-    pub learn_rate: bool,
 }
 
 /// What the response showed.

@@ -29,19 +29,15 @@ pub(super) fn end_request(
         .observe(elapsed.as_secs_f64());
     let streamed = ctx.route.profile.as_ref().is_some_and(|p| p.stream);
     let ttft = ctx.tap.first_byte.map(|t| t.duration_since(ctx.start));
-    // Teach the backend's prefill rate from clean samples (see `learn_rate`).
     let fleet = &ctx.generation.fleet;
-    if let (Some(i), Some(sent), Some(first), 200) = (
-        ctx.attempts.backend,
-        ctx.charge.dispatched,
-        ctx.tap.first_byte,
-        status,
-    ) {
-        if ctx.charge.learn_rate && streamed {
-            fleet.backends()[i].observe_ttft(
-                ctx.charge.est_ttft_s,
-                first.duration_since(sent).as_secs_f64(),
-            );
+    // How far kv_aware's TTFT prediction was off, as the first byte tells it.
+    if let (Some(sent), Some(first), true, 200) =
+        (ctx.charge.dispatched, ctx.tap.first_byte, streamed, status)
+    {
+        if ctx.charge.est_ttft_s > 0.0 {
+            m.first_byte_ratio
+                .with_label_values(&[&backend])
+                .observe(first.duration_since(sent).as_secs_f64() / ctx.charge.est_ttft_s);
         }
     }
     if let (true, Some(t), 200) = (streamed, ttft, status) {

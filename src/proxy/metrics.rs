@@ -3,7 +3,7 @@
 
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 
-use crate::metrics::{counter, counter_vec, microseconds, seconds_vec};
+use crate::metrics::{counter, counter_vec, microseconds, ratio_vec, seconds_vec};
 
 pub struct ProxyMetrics {
     pub(super) requests: IntCounterVec,
@@ -18,6 +18,7 @@ pub struct ProxyMetrics {
     pub(super) retries: IntCounterVec,
     pub(super) ejections: IntCounterVec,
     pub(super) cut_streams: IntCounterVec,
+    pub(super) first_byte_ratio: HistogramVec,
 }
 
 impl ProxyMetrics {
@@ -91,6 +92,13 @@ impl ProxyMetrics {
                 r,
                 "kvroute_cut_streams_total",
                 "Responses cut after they started (the backend failed mid-stream), by backend.",
+                &["backend"],
+            )?,
+            first_byte_ratio: ratio_vec(
+                r,
+                "kvroute_backend_first_byte_prediction_ratio",
+                "Observed time to first byte over kv_aware's predicted TTFT, for streamed requests \
+                 (predictions are in the engine's time, observations in kvroute's).",
                 &["backend"],
             )?,
         })

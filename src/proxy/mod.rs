@@ -12,6 +12,7 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::config::TimeoutsConfig;
 use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
 use crate::fleet::outlier::Outcome;
@@ -35,6 +36,20 @@ use placement::Placer;
 
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
+
+/// How long a read from the backend may take. A streamed request's backend owes a first byte
+/// by max(floor, factor x predicted TTFT): a hung engine is caught in seconds, not after
+/// `upstream_read_ms`. A non-streamed answer's first byte comes only after the whole
+/// generation, which kvroute does not predict, so it keeps `upstream_read_ms`.
+fn read_timeout(ctx: &Ctx, t: &TimeoutsConfig) -> Duration {
+    let read = Duration::from_millis(t.upstream_read_ms);
+    if !ctx.route.profile.as_ref().is_some_and(|p| p.stream) {
+        return read;
+    }
+    let predicted =
+        Duration::from_secs_f64((ctx.charge.est_ttft_s * t.first_byte_factor).clamp(0.0, 1e6));
+    read.min(Duration::from_millis(t.first_byte_floor_ms).max(predicted))
+}
 
 /// kvroute's `ProxyHttp`: each phase hands its work to the type that owns it.
 pub struct Router {
@@ -222,7 +237,7 @@ impl ProxyHttp for Router {
                     )
                 } else if ctx.attempts.timed_out {
                     ApiError::gateway_timeout(format!(
-                        "{tried} backend(s) sent nothing within timeouts.upstream_read_ms and no other healthy backend is left"
+                        "{tried} backend(s) sent nothing in time (timeouts.first_byte_floor_ms for streams, else timeouts.upstream_read_ms) and no other healthy backend is left"
                     ))
                 } else {
                     ApiError::upstream(format!(
@@ -250,7 +265,7 @@ impl ProxyHttp for Router {
         let mut peer = HttpPeer::new(fleet.backends()[idx].addr, false, String::new());
         let t = &cfg.timeouts;
         peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
-        peer.options.read_timeout = Some(Duration::from_millis(t.upstream_read_ms));
+        peer.options.read_timeout = Some(read_timeout(ctx, t));
         peer.options.write_timeout = Some(Duration::from_millis(t.upstream_read_ms));
         peer.options.idle_timeout = Some(Duration::from_secs(60));
         Ok(Box::new(peer))

@@ -10,10 +10,6 @@ use crate::error::ApiError;
 use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
 use crate::request::RequestProfile;
 
-/// Only prefills at least this long teach the prefill rate: shorter ones are mostly step
-/// overhead and network.
-const MIN_LEARNING_PREFILL_TOKENS: u64 = 2048;
-
 /// Places one request on the fleet its context pinned.
 pub(super) struct Placer<'a> {
     pub edge: &'a EdgeState,
@@ -64,11 +60,6 @@ impl Placer<'_> {
         ctx.charge.prefill = profile
             .est_prompt_tokens
             .saturating_sub(d.predicted_cached_tokens);
-        // Only a sizeable prefill on a backend with nothing queued says much about its rate:
-        // otherwise the wait is mostly other requests' work, which the estimate only guesses.
-        ctx.charge.learn_rate = cfg.routing.learn_prefill_rate
-            && loads[d.backend].queued_prefill == 0
-            && ctx.charge.prefill >= MIN_LEARNING_PREFILL_TOKENS;
         Some((d.backend, Some(d)))
     }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use prometheus::{Encoder, TextEncoder};
 
+use crate::config::Config;
 use crate::edge::EdgeState;
 use crate::fleet::Fleet;
 use crate::fleet::{Current, FleetMetrics};
@@ -44,6 +45,50 @@ impl AdminApp {
     }
 }
 
+/// What kvroute believes of each backend, for an operator: health, load, and the cost model's
+/// inputs with where each came from.
+fn backends_json(fleet: &Fleet, cfg: &Config) -> Vec<u8> {
+    let now = std::time::Instant::now();
+    let stale = fleet.stale_after();
+    let list: Vec<serde_json::Value> = fleet
+        .backends()
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let engine = b.telemetry().fresh(stale);
+            serde_json::json!({
+                "backend": b.name,
+                "healthy": fleet.healthy(i),
+                "ejected": b.ejected(now),
+                "weight": b.weight,
+                "inflight_requests": b.inflight(),
+                "queued_prefill_tokens": b.queued_prefill(),
+                "decoding_requests": b.decoding(),
+                "prefill_tokens_per_second": {
+                    "in_use": b.effective_prefill_rate(),
+                    "configured": b.prefill_rate,
+                    "learned": b.learned_prefill_rate(),
+                    "learning": cfg.routing.learn_prefill_rate,
+                },
+                "kv_capacity_tokens": {
+                    "in_use": b.kv_capacity(),
+                    "configured": b.kv_capacity_configured,
+                    "learned": b.learned_kv_capacity(),
+                },
+                "engine": engine.map(|e| serde_json::json!({
+                    "running_requests": e.running,
+                    "waiting_requests": e.waiting,
+                    "kv_cache_usage_ratio": e.kv_usage,
+                })),
+                "telemetry_age_seconds": b.telemetry().age().map(|a| a.as_secs_f64()),
+            })
+        })
+        .collect();
+    let mut body = serde_json::to_vec_pretty(&list).unwrap_or_default();
+    body.push(b'\n');
+    body
+}
+
 #[async_trait]
 impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
@@ -55,6 +100,11 @@ impl ServeHttp for AdminApp {
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
                 self.render(fleet),
+            ),
+            "/backends" => reply(
+                StatusCode::OK,
+                "application/json",
+                backends_json(fleet, &generation.config),
             ),
             "/healthz" => reply(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.edge.draining.is_on() => reply(

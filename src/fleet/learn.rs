@@ -1,0 +1,224 @@
+//! Learning a backend's prefill rate from its engine's own counters.
+//!
+//! Engines report, cumulatively, the prompt tokens they computed and the seconds requests spent
+//! in prefill (vLLM `vllm:request_prefill_time_seconds` `_sum`/`_count` with
+//! `vllm:prompt_tokens_total` less `vllm:prefix_cache_hits_total`; llama.cpp
+//! `llamacpp:prompt_tokens_total` and `llamacpp:prompt_seconds_total`). Both are in the engine's
+//! own (model) time, so what is learned does not depend on kvroute's clock, its network or its
+//! queueing.
+//!
+//! Each scrape adds one interval `(tokens, seconds, requests)` to a rolling window. Per request
+//! prefill time is about `a + tokens / rate`: the fixed part `a` (a step's overhead, the share
+//! of a step a tiny prompt waits for) dominates small prompts, so a plain `tokens / seconds`
+//! ratio would read a fleet of short chats as a slow GPU. Where the engine reports request
+//! counts, a least-squares fit of `seconds = a * requests + tokens / rate` over the window
+//! separates the two; otherwise, or when the window's intervals cannot tell them apart, the
+//! ratio is used. Estimates are clamped to a sane range and need a minimum of evidence.
+
+use std::collections::VecDeque;
+
+/// Intervals kept: at the default 1 s scrape interval, about a minute of traffic.
+pub(crate) const WINDOW: usize = 60;
+/// Computed prompt tokens the window must hold before it says anything.
+pub(crate) const MIN_TOKENS: f64 = 4096.0;
+const MIN_RATE: f64 = 1.0;
+const MAX_RATE: f64 = 1e8;
+
+/// One scrape's cumulative prefill counters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillCounters {
+    /// Prompt tokens the engine computed (cache hits excluded).
+    pub tokens: f64,
+    /// Seconds requests spent in prefill, summed over requests, in the engine's time.
+    pub seconds: f64,
+    /// Requests those seconds cover, when the engine says.
+    pub requests: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Interval {
+    tokens: f64,
+    seconds: f64,
+    requests: Option<f64>,
+}
+
+/// The rolling prefill-rate estimate of one backend.
+#[derive(Debug, Default)]
+pub struct PrefillLearner {
+    last: Option<PrefillCounters>,
+    window: VecDeque<Interval>,
+}
+
+impl PrefillLearner {
+    /// Take one scrape's counters; returns the current estimate (tokens per engine second).
+    pub fn observe(&mut self, now: PrefillCounters) -> Option<f64> {
+        match self.last.replace(now) {
+            // Counters went down: the engine restarted, and what it knew of itself is gone.
+            Some(prev) if now.tokens < prev.tokens || now.seconds < prev.seconds => {
+                self.window.clear();
+            }
+            Some(prev) => {
+                let (tokens, seconds) = (now.tokens - prev.tokens, now.seconds - prev.seconds);
+                if tokens > 0.0 && seconds > 0.0 {
+                    let requests = match (now.requests, prev.requests) {
+                        (Some(n), Some(p)) if n >= p => Some(n - p),
+                        _ => None,
+                    };
+                    if self.window.len() == WINDOW {
+                        self.window.pop_front();
+                    }
+                    self.window.push_back(Interval {
+                        tokens,
+                        seconds,
+                        requests,
+                    });
+                }
+            }
+            None => {}
+        }
+        self.estimate()
+    }
+
+    /// The window's estimate, or `None` while it holds too little evidence.
+    pub fn estimate(&self) -> Option<f64> {
+        let (tokens, seconds) = self
+            .window
+            .iter()
+            .fold((0.0, 0.0), |(t, s), i| (t + i.tokens, s + i.seconds));
+        if tokens < MIN_TOKENS || seconds <= 0.0 {
+            return None;
+        }
+        let rate = self.fit().unwrap_or(tokens / seconds);
+        Some(rate.clamp(MIN_RATE, MAX_RATE))
+    }
+
+    /// Least squares of `seconds = a * requests + b * tokens` (a >= 0, b > 0): the rate is
+    /// `1 / b`. `None` when requests are unknown or the intervals are too alike to separate the
+    /// two terms.
+    fn fit(&self) -> Option<f64> {
+        let (mut rr, mut rt, mut tt, mut rs, mut ts) = (0.0, 0.0, 0.0, 0.0, 0.0);
+        for i in &self.window {
+            let r = i.requests?;
+            rr += r * r;
+            rt += r * i.tokens;
+            tt += i.tokens * i.tokens;
+            rs += r * i.seconds;
+            ts += i.tokens * i.seconds;
+        }
+        let det = rr * tt - rt * rt;
+        // Near-collinear requests and tokens (every interval the same mix): no separation.
+        if det.is_nan() || det <= 1e-6 * rr * tt {
+            return None;
+        }
+        let a = (tt * rs - rt * ts) / det;
+        let b = if a >= 0.0 {
+            (rr * ts - rt * rs) / det
+        } else {
+            // The fixed part cannot be negative: fit through the origin instead.
+            ts / tt
+        };
+        (b > 0.0).then(|| 1.0 / b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An engine at `rate` tokens/s with `overhead` seconds per request, cumulative.
+    struct Engine {
+        rate: f64,
+        overhead: f64,
+        c: PrefillCounters,
+    }
+
+    impl Engine {
+        fn new(rate: f64, overhead: f64) -> Engine {
+            Engine {
+                rate,
+                overhead,
+                c: PrefillCounters {
+                    tokens: 0.0,
+                    seconds: 0.0,
+                    requests: Some(0.0),
+                },
+            }
+        }
+
+        fn serve(&mut self, prompts: &[f64]) -> PrefillCounters {
+            for p in prompts {
+                self.c.tokens += p;
+                self.c.seconds += self.overhead + p / self.rate;
+                self.c.requests = self.c.requests.map(|r| r + 1.0);
+            }
+            self.c
+        }
+    }
+
+    #[test]
+    fn separates_per_request_overhead_from_the_rate() {
+        // Mostly tiny chats with a few documents: tokens / seconds alone reads ~3x too slow.
+        let mut e = Engine::new(9_000.0, 0.02);
+        let mut l = PrefillLearner::default();
+        let mut est = None;
+        for k in 0..40 {
+            let mut batch = vec![50.0; 20 + k % 7];
+            if k % 3 == 0 {
+                batch.push(24_000.0 + 1_000.0 * (k % 5) as f64);
+            }
+            est = l.observe(e.serve(&batch));
+        }
+        let est = est.unwrap();
+        assert!((est / 9_000.0 - 1.0).abs() < 0.02, "{est}");
+        let naive = e.c.tokens / e.c.seconds;
+        assert!(
+            naive < 0.8 * 9_000.0,
+            "the test must be one the ratio gets wrong: {naive}"
+        );
+    }
+
+    #[test]
+    fn ratio_when_requests_are_unknown_and_nothing_without_evidence() {
+        let mut l = PrefillLearner::default();
+        let c = |t: f64, s: f64| PrefillCounters {
+            tokens: t,
+            seconds: s,
+            requests: None,
+        };
+        assert_eq!(l.observe(c(0.0, 0.0)), None);
+        assert_eq!(l.observe(c(1000.0, 1.0)), None, "below MIN_TOKENS");
+        let r = l.observe(c(10_000.0, 4.0)).unwrap();
+        assert!((r - 2_500.0).abs() < 1e-9, "{r}");
+    }
+
+    #[test]
+    fn an_engine_restart_starts_over() {
+        let mut e = Engine::new(25_000.0, 0.0);
+        let mut l = PrefillLearner::default();
+        l.observe(e.serve(&[]));
+        assert!(l.observe(e.serve(&[8_000.0, 8_000.0])).is_some());
+        // Restarted: counters back near zero, the old window is dropped.
+        let mut fresh = Engine::new(1_000.0, 0.0);
+        assert_eq!(l.observe(fresh.serve(&[100.0])), None);
+        l.observe(fresh.serve(&[5_000.0]));
+        let r = l.observe(fresh.serve(&[5_000.0])).unwrap();
+        assert!((r / 1_000.0 - 1.0).abs() < 0.01, "{r}");
+    }
+
+    #[test]
+    fn the_window_forgets_old_intervals() {
+        let mut l = PrefillLearner::default();
+        let mut slow = Engine::new(1_000.0, 0.0);
+        for _ in 0..WINDOW {
+            l.observe(slow.serve(&[2_000.0]));
+        }
+        // The same engine, now fast (counters continue): after a window, only fast remains.
+        slow.rate = 50_000.0;
+        let mut r = None;
+        for _ in 0..WINDOW {
+            r = l.observe(slow.serve(&[2_000.0]));
+        }
+        let r = r.unwrap();
+        assert!((r / 50_000.0 - 1.0).abs() < 0.01, "{r}");
+    }
+}
