@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use crate::compare::{self, CompareArgs};
+use crate::compare::{self, CompareArgs, PolicyRun};
 use crate::replay::args::WorkloadKind;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -21,15 +21,19 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
     let args = CompareArgs {
         name: "demo".into(),
         results_dir: a.results_dir,
-        policies: vec!["round_robin".into(), default_policy.into()],
+        policies: vec![
+            PolicyRun::parse("round_robin")?,
+            PolicyRun::parse(default_policy)?,
+        ],
         workloads: vec![WorkloadKind::Sharegpt],
-        servers: 4,
+        servers: Some(4),
         time_scale: 2.0,
         trace_speedup: 1.0,
         duration_s: a.duration_s,
         max_requests: None,
         slo_ttft_ms: 2000.0,
-        profile: "h100-llama8b".into(),
+        profile: None,
+        profiles: None,
         kv_tokens: None,
         conversations: 150,
         session_header: false,

@@ -3,7 +3,10 @@
 //! under `bench/results/<name>/`, with the exact command line.
 //!
 //! Every run starts cold (new simulator processes), so no policy inherits another's cache.
+//! A fleet may mix GPU profiles (`--profiles`), and a policy entry may carry options that
+//! change kvroute's config (`kv_aware/rates=true`, see `policy`).
 
+mod policy;
 mod procs;
 
 use std::fmt::Write as _;
@@ -15,6 +18,8 @@ use crate::replay::args::WorkloadKind;
 use crate::replay::report::{self, Report};
 use crate::replay::stats::Summary;
 use crate::replay::{charts, runner, ReplayArgs};
+use crate::sim::{fleet_profiles, ProfileName};
+pub use policy::PolicyRun;
 use procs::{Proxy, SimFleet};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -24,13 +29,17 @@ pub struct CompareArgs {
     pub name: String,
     #[arg(long, default_value = "bench/results")]
     pub results_dir: PathBuf,
-    /// kvroute routing policies to compare.
+    /// kvroute routing policies to compare. An entry may carry options, each after a `/`:
+    /// `rates=true` (configure every backend's true prefill rate), `rates=PROFILE*F+PROFILE*F`
+    /// (true rate times F for those profiles), `learn=on|off` (`routing.learn_prefill_rate`),
+    /// e.g. `kv_aware/rates=true/learn=off`. The whole entry labels the run.
     #[arg(
         long,
         value_delimiter = ',',
+        value_parser = PolicyRun::parse,
         default_value = "round_robin,least_load,session_hash,bounded_hash"
     )]
-    pub policies: Vec<String>,
+    pub policies: Vec<PolicyRun>,
     #[arg(
         long,
         value_delimiter = ',',
@@ -38,9 +47,10 @@ pub struct CompareArgs {
         default_value = "sharegpt,mooncake,hot_prefix,heavy_mix,ladder"
     )]
     pub workloads: Vec<WorkloadKind>,
-    /// Simulated GPU servers.
-    #[arg(long, default_value_t = 8)]
-    pub servers: u32,
+    /// Simulated GPU servers [default: 8, or the servers --profiles lists, which it must
+    /// then equal].
+    #[arg(long)]
+    pub servers: Option<u32>,
     /// Simulator speed-up; reported times are model time. Wall-clock jitter is multiplied by
     /// this factor in model time, so keep it small when TTFTs of tens of ms matter.
     #[arg(long, default_value_t = 2.0)]
@@ -55,9 +65,12 @@ pub struct CompareArgs {
     pub max_requests: Option<u64>,
     #[arg(long, default_value_t = 2000.0)]
     pub slo_ttft_ms: f64,
-    /// Simulator GPU profile.
-    #[arg(long, default_value = "h100-llama8b")]
-    pub profile: String,
+    /// Simulator GPU profile of every server [default: h100-llama8b].
+    #[arg(long, value_enum)]
+    pub profile: Option<ProfileName>,
+    /// A mixed fleet, `NAME:COUNT,NAME:COUNT` (as `kvbench sim --profiles`).
+    #[arg(long, conflicts_with = "profile")]
+    pub profiles: Option<String>,
     /// Simulator KV pool per server, tokens (default: the profile's).
     #[arg(long)]
     pub kv_tokens: Option<u64>,
@@ -100,7 +113,36 @@ struct ReplayCli {
     args: ReplayArgs,
 }
 
+/// The profile of each server, in fleet order.
+fn fleet(args: &CompareArgs) -> Result<Vec<ProfileName>, String> {
+    let default = args.profiles.is_none().then_some(8);
+    let servers = args.servers.map(|n| n as usize).or(default);
+    fleet_profiles(servers, args.profile, args.profiles.as_deref())
+}
+
+/// Each run writes under its own directory, so two entries must not share one.
+fn check_policies(policies: &[PolicyRun]) -> Result<(), String> {
+    if policies.is_empty() {
+        return Err("--policies: at least one policy".into());
+    }
+    for (i, a) in policies.iter().enumerate() {
+        for b in &policies[..i] {
+            if a.dir_name() == b.dir_name() {
+                return Err(format!(
+                    "--policies: {:?} and {:?} would share results directory {:?}",
+                    b.label,
+                    a.label,
+                    a.dir_name()
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 pub async fn run(args: CompareArgs) -> Result<(), String> {
+    let fleet = fleet(&args)?;
+    check_policies(&args.policies)?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own binary: {e}"))?;
     let out = args.results_dir.join(&args.name);
     std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
@@ -109,15 +151,16 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
         let mut rows: Vec<(String, Summary)> = Vec::new();
         let mut steps: Vec<(String, Summary)> = Vec::new();
         for policy in &args.policies {
-            eprintln!("== {} / {policy}", workload.name());
-            let report = run_one(&exe, &args, workload, policy, &out).await?;
+            let label = &policy.label;
+            eprintln!("== {} / {label}", workload.name());
+            let report = run_one(&exe, &args, &fleet, workload, policy, &out).await?;
             steps.extend(
                 report
                     .steps
                     .iter()
-                    .map(|(s, m)| (format!("{policy}, {s}"), m.clone())),
+                    .map(|(s, m)| (format!("{label}, {s}"), m.clone())),
             );
-            rows.push((policy.clone(), report.summary));
+            rows.push((label.clone(), report.summary));
         }
         let dir = out.join(workload.name());
         std::fs::write(dir.join("ttft_cdf.svg"), charts::ttft_cdf_svg(&rows))
@@ -128,13 +171,13 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
             steps,
         });
     }
-    let md = render(&args, &sections);
+    let md = render(&args, &fleet, &sections);
     std::fs::write(out.join("README.md"), &md).map_err(|e| format!("{}: {e}", out.display()))?;
     let json: Vec<_> = sections
         .iter()
         .map(|s| serde_json::json!({"workload": s.workload.name(), "runs": s.runs, "steps": s.steps}))
         .collect();
-    let json = serde_json::json!({"command_line": command_line(), "settings": settings(&args), "results": json});
+    let json = serde_json::json!({"command_line": command_line(), "settings": settings(&args, &fleet), "results": json});
     std::fs::write(
         out.join("results.json"),
         serde_json::to_string_pretty(&json).unwrap_or_default(),
@@ -145,26 +188,50 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     Ok(())
 }
 
-async fn run_one(
-    exe: &Path,
-    args: &CompareArgs,
-    workload: WorkloadKind,
-    policy: &str,
-    out: &Path,
-) -> Result<Report, String> {
-    let dir = out.join(workload.name()).join(policy);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut sim_args = vec![
-        "--time-scale".to_string(),
-        args.time_scale.to_string(),
-        "--profile".to_string(),
-        args.profile.clone(),
-    ];
+/// The simulator's arguments besides `--servers` and `--base-port`.
+fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
+    let mut sim_args = vec!["--time-scale".to_string(), args.time_scale.to_string()];
+    match &args.profiles {
+        Some(spec) => sim_args.extend(["--profiles".to_string(), spec.clone()]),
+        None => {
+            let name = fleet.first().copied().unwrap_or(ProfileName::H100Llama8b);
+            sim_args.extend(["--profile".to_string(), name.as_str().to_string()]);
+        }
+    }
     if let Some(kv) = args.kv_tokens {
         sim_args.extend(["--kv-tokens".to_string(), kv.to_string()]);
     }
-    let fleet = SimFleet::start(exe, args.servers, &sim_args, &dir.join("sim.log")).await?;
-    let proxy = Proxy::start(exe, &fleet.addrs, policy, &dir).await?;
+    sim_args
+}
+
+async fn run_one(
+    exe: &Path,
+    args: &CompareArgs,
+    profiles: &[ProfileName],
+    workload: WorkloadKind,
+    policy: &PolicyRun,
+    out: &Path,
+) -> Result<Report, String> {
+    let dir = out.join(workload.name()).join(policy.dir_name());
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let servers = u32::try_from(profiles.len()).map_err(|_| "too many servers")?;
+    let sim_args = sim_args(args, profiles);
+    let fleet = SimFleet::start(exe, servers, &sim_args, &dir.join("sim.log")).await?;
+    if fleet.addrs.len() != profiles.len() {
+        return Err(format!(
+            "kvbench sim announced {} servers, expected {}",
+            fleet.addrs.len(),
+            profiles.len()
+        ));
+    }
+    // The simulator announces servers in index order, and server i has the i-th profile.
+    let backends: Vec<_> = fleet
+        .addrs
+        .iter()
+        .copied()
+        .zip(profiles.iter().copied())
+        .collect();
+    let proxy = Proxy::start(exe, &backends, policy, &dir).await?;
     let mut cli: Vec<String> = vec!["replay".into()];
     let mut push = |k: &str, v: String| {
         cli.push(k.to_string());
@@ -177,7 +244,7 @@ async fn run_one(
     push("--duration-s", args.duration_s.to_string());
     push("--slo-ttft-ms", args.slo_ttft_ms.to_string());
     push("--conversations", args.conversations.to_string());
-    push("--label", policy.to_string());
+    push("--label", policy.label.clone());
     push("--trace-speedup", args.trace_speedup.to_string());
     if let Some(n) = args.max_requests {
         push("--max-requests", n.to_string());
@@ -221,11 +288,16 @@ fn command_line() -> String {
     std::env::args().collect::<Vec<_>>().join(" ")
 }
 
-fn settings(args: &CompareArgs) -> String {
+fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
+    let servers = match &args.profiles {
+        Some(spec) => format!("{} simulated servers (`{spec}`)", fleet.len()),
+        None => {
+            let name = fleet.first().copied().unwrap_or(ProfileName::H100Llama8b);
+            format!("{} simulated `{}` servers", fleet.len(), name.as_str())
+        }
+    };
     format!(
-        "{} simulated `{}` servers, time scale {} (times below are model time), {} s of sending per run, TTFT SLO {} ms, {}",
-        args.servers,
-        args.profile,
+        "{servers}, time scale {} (times below are model time), {} s of sending per run, TTFT SLO {} ms, {}",
         args.time_scale,
         args.duration_s,
         args.slo_ttft_ms,
@@ -233,11 +305,11 @@ fn settings(args: &CompareArgs) -> String {
     )
 }
 
-fn render(args: &CompareArgs, sections: &[Section]) -> String {
+fn render(args: &CompareArgs, fleet: &[ProfileName], sections: &[Section]) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# kvbench compare: {}\n", args.name);
     let _ = writeln!(md, "Command: `{}`\n", command_line());
-    let _ = writeln!(md, "{}.\n", settings(args));
+    let _ = writeln!(md, "{}.\n", settings(args, fleet));
     for Section {
         workload: w,
         runs,
@@ -252,9 +324,100 @@ fn render(args: &CompareArgs, sections: &[Section]) -> String {
         }
         let _ = writeln!(
             md,
-            "\n![TTFT CDF]({0}/ttft_cdf.svg) (per-run charts: `{0}/<policy>/`)\n",
+            "\n![TTFT CDF]({0}/ttft_cdf.svg) (per-run charts: `{0}/<policy>/`, with `/` in \
+             the policy entry written `__`)\n",
             w.name()
         );
     }
     md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: CompareArgs,
+    }
+
+    fn parse(argv: &[&str]) -> Result<CompareArgs, String> {
+        let all = ["compare"].iter().chain(argv).copied();
+        Wrap::try_parse_from(all)
+            .map(|w| w.args)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn plain_policies_and_single_profile_fleet_as_before() {
+        let args = parse(&["--policies", "round_robin,kv_aware"]).unwrap();
+        let labels: Vec<&str> = args.policies.iter().map(|p| p.label.as_str()).collect();
+        assert_eq!(labels, ["round_robin", "kv_aware"]);
+        assert!(args
+            .policies
+            .iter()
+            .all(|p| p.rate_for(ProfileName::H100Llama8b).is_none()));
+        let f = fleet(&args).unwrap();
+        assert_eq!(f, [ProfileName::H100Llama8b; 8]);
+        let sim = sim_args(&args, &f);
+        assert_eq!(sim, ["--time-scale", "2", "--profile", "h100-llama8b"]);
+        assert!(settings(&args, &f).starts_with("8 simulated `h100-llama8b` servers"));
+        let args = parse(&["--servers", "3", "--profile", "l40s-llama8b"]).unwrap();
+        assert_eq!(fleet(&args).unwrap(), [ProfileName::L40sLlama8b; 3]);
+    }
+
+    #[test]
+    fn profiles_pass_through_to_the_fleet() {
+        let spec = "h100-llama8b:4,l40s-llama8b:4";
+        let args = parse(&["--profiles", spec, "--kv-tokens", "64000"]).unwrap();
+        let f = fleet(&args).unwrap();
+        assert_eq!(
+            (f.len(), f[3], f[4]),
+            (8, ProfileName::H100Llama8b, ProfileName::L40sLlama8b)
+        );
+        let sim = sim_args(&args, &f);
+        assert_eq!(
+            sim,
+            [
+                "--time-scale",
+                "2",
+                "--profiles",
+                spec,
+                "--kv-tokens",
+                "64000"
+            ]
+        );
+        assert!(settings(&args, &f).starts_with(&format!("8 simulated servers (`{spec}`)")));
+        assert!(fleet(&parse(&["--profiles", spec, "--servers", "8"]).unwrap()).is_ok());
+        let err = fleet(&parse(&["--profiles", spec, "--servers", "4"]).unwrap()).unwrap_err();
+        assert!(err.contains("--servers 4"), "{err}");
+        let err = parse(&["--profiles", spec, "--profile", "h100-llama8b"])
+            .err()
+            .unwrap();
+        assert!(err.contains("--profile"), "{err}");
+        assert!(fleet(&parse(&["--profiles", "h100-llama8b:0"]).unwrap()).is_err());
+    }
+
+    #[test]
+    fn policy_variants_are_parsed_and_checked_up_front() {
+        let args = parse(&[
+            "--policies",
+            "kv_aware,kv_aware/rates=true,kv_aware/learn=off,kv_aware/rates=h100-llama8b*0.01+l40s-llama8b*100",
+        ])
+        .unwrap();
+        assert_eq!(args.policies.len(), 4);
+        assert_eq!(args.policies[1].label, "kv_aware/rates=true");
+        assert_eq!(args.policies[2].learn, Some(false));
+        assert_eq!(
+            args.policies[3].rate_for(ProfileName::L40sLlama8b),
+            Some(900_000.0)
+        );
+        assert!(check_policies(&args.policies).is_ok());
+        let err = parse(&["--policies", "kv_aware/fast=1"]).err().unwrap();
+        assert!(err.contains("unknown option"), "{err}");
+        let twice = parse(&["--policies", "kv_aware,kv_aware"]).unwrap();
+        let err = check_policies(&twice.policies).unwrap_err();
+        assert!(err.contains("share results directory"), "{err}");
+    }
 }

@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use super::policy::{kvroute_yaml, PolicyRun};
+use crate::sim::ProfileName;
+
 pub struct SimFleet {
     _child: Child,
     pub addrs: Vec<SocketAddr>,
@@ -71,23 +74,16 @@ fn free_addr() -> Result<SocketAddr, String> {
 }
 
 impl Proxy {
-    /// kvroute with `policy` in front of `backends`; config and log go to `dir`.
+    /// kvroute configured by `run` in front of `backends` (address and profile, in fleet
+    /// order); config and log go to `dir`.
     pub async fn start(
         exe: &Path,
-        backends: &[SocketAddr],
-        policy: &str,
+        backends: &[(SocketAddr, ProfileName)],
+        run: &PolicyRun,
         dir: &Path,
     ) -> Result<Proxy, String> {
         let (listen, admin) = (free_addr()?, free_addr()?);
-        let mut yaml = format!(
-            "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/kvroute.sock\n\
-             grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\n\
-             kvroute:\n  listen: \"{listen}\"\n  admin_listen: \"{admin}\"\n  routing:\n    policy: {policy}\n  backends:\n",
-            d = dir.display()
-        );
-        for b in backends {
-            yaml.push_str(&format!("    - addr: \"{b}\"\n"));
-        }
+        let yaml = kvroute_yaml(dir, listen, admin, run, backends);
         let conf: PathBuf = dir.join("kvroute.yaml");
         std::fs::write(&conf, yaml).map_err(|e| format!("{}: {e}", conf.display()))?;
         let log_path = dir.join("kvroute.log");

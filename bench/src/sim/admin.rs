@@ -38,8 +38,9 @@ pub async fn models(State(s): State<Arc<ServerState>>) -> Json<serde_json::Value
 
 pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
     let cfg = &s.config;
-    let snapshot = s.stats.snapshot(cfg.num_gpu_blocks);
-    let text = metrics::render(cfg.engine, &cfg.model, &snapshot, cfg.num_gpu_blocks);
+    let blocks = cfg.num_gpu_blocks();
+    let snapshot = s.stats.snapshot(blocks);
+    let text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
     (
         [(
             header::CONTENT_TYPE,
@@ -74,12 +75,17 @@ pub async fn set_faults(State(s): State<Arc<ServerState>>, body: Bytes) -> Respo
 }
 
 pub async fn state(State(s): State<Arc<ServerState>>) -> Response {
-    let snapshot = s.stats.snapshot(s.config.num_gpu_blocks);
+    let snapshot = s.stats.snapshot(s.config.num_gpu_blocks());
     let mut v = serde_json::to_value(snapshot).unwrap_or_else(|_| json!({}));
     if let Some(obj) = v.as_object_mut() {
         obj.insert("index".into(), json!(s.index));
         obj.insert("addr".into(), json!(s.addr.to_string()));
         obj.insert("model".into(), json!(s.config.model));
+        // The truth behind this server's telemetry, for tests of what a router learns from it.
+        let profile = &s.config.profile;
+        obj.insert("profile".into(), json!(profile.name.as_str()));
+        let rate = (!s.config.fixed_timing).then_some(profile.prefill_rate);
+        obj.insert("prefill_tokens_per_s".into(), json!(rate));
         obj.insert("slow_start".into(), json!(s.in_slow_start()));
         obj.insert("faults".into(), json!(s.faults()));
         match &s.engine {

@@ -5,16 +5,17 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use super::config::{scaled, Engine, SimConfig};
 use super::error::SimError;
 use super::faults::{check_rate, Faults};
-use super::profile::{Profile, ProfileName};
+use super::profile::{fleet_profiles, Profile, ProfileName};
 
 const DEFAULT_TTFT_MS: f64 = 20.0;
 const DEFAULT_ITL_MS: f64 = 5.0;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct SimArgs {
-    /// Number of servers to run.
+    /// Number of servers to run (required unless --profiles is given, and then equal to the
+    /// servers it lists).
     #[arg(long)]
-    pub servers: u16,
+    pub servers: Option<u16>,
     /// Port of server 0; server i listens on base-port + i. 0 binds ephemeral ports.
     #[arg(long)]
     pub base_port: u16,
@@ -32,9 +33,14 @@ pub struct SimArgs {
     /// given).
     #[arg(long)]
     pub itl_ms: Option<f64>,
-    /// Engine mode: the GPU/model profile whose step-time model and KV pool are simulated.
-    #[arg(long, value_enum, default_value_t = ProfileName::H100Llama8b)]
-    pub profile: ProfileName,
+    /// The GPU/model profile of every server: its KV pool and, in engine mode, its step-time
+    /// model [default: h100-llama8b].
+    #[arg(long, value_enum)]
+    pub profile: Option<ProfileName>,
+    /// A mixed fleet, `NAME:COUNT,NAME:COUNT` (e.g. `h100-llama8b:4,l40s-llama8b:4`): server
+    /// i gets the i-th profile of the expanded list.
+    #[arg(long, conflicts_with = "profile")]
+    pub profiles: Option<String>,
     /// KV pool size in tokens, overriding the profile's (rounded down to 16-token blocks).
     #[arg(long)]
     pub kv_tokens: Option<u64>,
@@ -55,18 +61,22 @@ pub struct SimArgs {
     pub time_scale: f64,
 }
 
-/// What `run` needs: one shared config and one address per server.
+/// What `run` needs: one config and one address per server. The configs differ only in
+/// their profile.
 pub struct Plan {
-    pub config: SimConfig,
+    pub configs: Vec<SimConfig>,
     pub listen: Vec<SocketAddr>,
 }
 
 impl SimArgs {
     pub fn validate(&self) -> Result<Plan, SimError> {
         let host = loopback_host(&self.host)?;
-        if self.servers == 0 {
-            return Err(SimError::new("--servers must be at least 1"));
-        }
+        let fleet = fleet_profiles(
+            self.servers.map(usize::from),
+            self.profile,
+            self.profiles.as_deref(),
+        )
+        .map_err(SimError::new)?;
         if self.model.is_empty() {
             return Err(SimError::new("--model must not be empty"));
         }
@@ -93,12 +103,8 @@ impl SimArgs {
         if self.kv_tokens.is_some_and(|t| t < 16) {
             return Err(SimError::new("--kv-tokens must be at least 16 (one block)"));
         }
-        let mut profile = Profile::get(self.profile);
-        if let Some(tokens) = self.kv_tokens {
-            profile = profile.with_kv_tokens(tokens);
-        }
-        let listen = self.listen_addrs(host)?;
-        let config = SimConfig {
+        let listen = self.listen_addrs(host, fleet.len())?;
+        let base = SimConfig {
             model: self.model.clone(),
             engine: self.engine,
             ttft: scaled(ttft_ms, self.time_scale),
@@ -110,23 +116,30 @@ impl SimArgs {
                 hang_rate: self.hang_rate,
                 ..Faults::default()
             },
-            num_gpu_blocks: profile.kv_blocks,
-            profile: (!fixed).then_some(profile),
+            // Each server's own, set below.
+            profile: Profile::get(ProfileName::H100Llama8b),
+            fixed_timing: fixed,
         };
-        Ok(Plan { config, listen })
+        let configs = fleet
+            .iter()
+            .map(|&name| base.with_profile(name, self.kv_tokens))
+            .collect();
+        Ok(Plan { configs, listen })
     }
 
-    fn listen_addrs(&self, host: IpAddr) -> Result<Vec<SocketAddr>, SimError> {
-        let n = self.servers;
+    fn listen_addrs(&self, host: IpAddr, n: usize) -> Result<Vec<SocketAddr>, SimError> {
         if self.base_port == 0 {
             return Ok((0..n).map(|_| SocketAddr::new(host, 0)).collect());
         }
-        let last = u32::from(self.base_port) + u32::from(n) - 1;
-        if last > u32::from(u16::MAX) {
-            return Err(SimError::new(format!(
-                "--base-port {} with --servers {n} runs past port 65535",
+        let past_end = || {
+            SimError::new(format!(
+                "--base-port {} with {n} servers runs past port 65535",
                 self.base_port
-            )));
+            ))
+        };
+        let n = u16::try_from(n).map_err(|_| past_end())?;
+        if u32::from(self.base_port) + u32::from(n) > u32::from(u16::MAX) + 1 {
+            return Err(past_end());
         }
         Ok((0..n)
             .map(|i| SocketAddr::new(host, self.base_port + i))
@@ -163,8 +176,11 @@ mod tests {
     }
 
     fn parse(extra: &[&str]) -> Result<Plan, SimError> {
-        let argv = ["sim", "--servers", "3", "--base-port", "9000"];
-        let all: Vec<&str> = argv.iter().chain(extra).copied().collect();
+        parse_argv(&[&["--servers", "3", "--base-port", "9000"], extra].concat())
+    }
+
+    fn parse_argv(args: &[&str]) -> Result<Plan, SimError> {
+        let all: Vec<&str> = ["sim"].iter().chain(args).copied().collect();
         Wrap::try_parse_from(all)
             .map_err(|e| SimError::new(e.to_string()))?
             .args
@@ -174,14 +190,63 @@ mod tests {
     #[test]
     fn defaults_and_consecutive_ports() {
         let plan = parse(&[]).unwrap();
-        assert_eq!(plan.config.model, "sim-llama-8b");
-        assert_eq!(plan.config.engine, Engine::Vllm);
+        assert_eq!(plan.configs.len(), 3);
+        let config = &plan.configs[0];
+        assert_eq!(config.model, "sim-llama-8b");
+        assert_eq!(config.engine, Engine::Vllm);
+        assert!(!config.fixed_timing);
         let ports: Vec<u16> = plan.listen.iter().map(|a| a.port()).collect();
         assert_eq!(ports, [9000, 9001, 9002]);
         assert!(plan.listen.iter().all(|a| a.ip().is_loopback()));
-        let profile = plan.config.profile.unwrap();
-        assert_eq!(profile.name, ProfileName::H100Llama8b);
-        assert_eq!(plan.config.num_gpu_blocks, 31_250);
+        assert_eq!(config.profile.name, ProfileName::H100Llama8b);
+        assert_eq!(config.num_gpu_blocks(), 31_250);
+    }
+
+    #[test]
+    fn mixed_fleet_gives_server_i_the_ith_profile() {
+        let spec = [
+            "--base-port",
+            "9000",
+            "--profiles",
+            "h100-llama8b:4,l40s-llama8b:4",
+        ];
+        let plan = parse_argv(&spec).unwrap();
+        let names: Vec<ProfileName> = plan.configs.iter().map(|c| c.profile.name).collect();
+        let mut want = vec![ProfileName::H100Llama8b; 4];
+        want.extend([ProfileName::L40sLlama8b; 4]);
+        assert_eq!(names, want);
+        assert_eq!(plan.listen.len(), 8);
+        assert_eq!(plan.listen[7].port(), 9007);
+        assert_eq!(plan.configs[7].profile.prefill_rate, 9_000.0);
+        assert_eq!(plan.configs[7].num_gpu_blocks(), 150_000 / 16);
+        // --servers may repeat the total; anything else is refused with a reason.
+        assert!(parse_argv(&[&spec[..], &["--servers", "8"]].concat()).is_ok());
+        let err = parse_argv(&[&spec[..], &["--servers", "3"]].concat())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("--servers 3") && err.contains("lists 8"),
+            "{err}"
+        );
+        let both = [&spec[..], &["--profile", "a100-llama8b"]].concat();
+        let err = parse_argv(&both).err().unwrap().to_string();
+        assert!(err.contains("--profile"), "{err}");
+        let err = parse_argv(&["--base-port", "0"]).err().unwrap().to_string();
+        assert!(err.contains("--servers is required"), "{err}");
+        let err = parse_argv(&["--base-port", "0", "--profiles", "h100-llama8b:x"]);
+        assert!(err.is_err());
+        // --kv-tokens resizes every server's pool; fixed timing keeps the profiles' pools.
+        let small = parse_argv(&[&spec[..], &["--kv-tokens", "1600"]].concat()).unwrap();
+        assert!(small.configs.iter().all(|c| c.num_gpu_blocks() == 100));
+        let fixed = parse_argv(&[&spec[..], &["--ttft-ms", "5"]].concat()).unwrap();
+        assert!(fixed.configs.iter().all(|c| c.fixed_timing));
+        assert_eq!(fixed.configs[4].profile.name, ProfileName::L40sLlama8b);
+        let err = parse_argv(&["--profiles", "h100-llama8b:600", "--base-port", "65000"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("past port 65535"), "{err}");
     }
 
     #[test]
@@ -192,14 +257,14 @@ mod tests {
             &["--ttft-ms", "1", "--itl-ms", "1"],
         ] {
             let plan = parse(flags).unwrap();
-            assert!(plan.config.profile.is_none(), "{flags:?}");
+            assert!(plan.configs.iter().all(|c| c.fixed_timing), "{flags:?}");
         }
         let plan = parse(&["--itl-ms", "2"]).unwrap();
-        assert_eq!(plan.config.ttft, scaled(20.0, 1.0));
+        assert_eq!(plan.configs[0].ttft, scaled(20.0, 1.0));
         let plan = parse(&["--profile", "a100-llama8b", "--kv-tokens", "1600"]).unwrap();
-        let profile = plan.config.profile.unwrap();
-        assert_eq!(profile.name, ProfileName::A100Llama8b);
-        assert_eq!((profile.kv_blocks, plan.config.num_gpu_blocks), (100, 100));
+        let config = &plan.configs[2];
+        assert_eq!(config.profile.name, ProfileName::A100Llama8b);
+        assert_eq!(config.num_gpu_blocks(), 100);
         assert!(parse(&["--kv-tokens", "3"]).is_err());
         assert!(parse(&["--profile", "b200"]).is_err());
     }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::faults::Faults;
-use super::profile::Profile;
+use super::profile::{Profile, ProfileName};
 
 /// Which engine's metric names `/metrics` speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -27,11 +27,12 @@ pub struct SimConfig {
     /// Model seconds per wall-clock second; reported times are converted back to model time.
     pub time_scale: f64,
     pub faults: Faults,
-    /// KV pool size in 16-token blocks (the engine's pool, or the fixed mode's prefix cache).
-    pub num_gpu_blocks: usize,
-    /// `Some`: engine mode, timing from this profile's step model. `None`: fixed timing
-    /// (`ttft`, `itl`), which kvroute's integration tests rely on.
-    pub profile: Option<Profile>,
+    /// This server's GPU profile: its KV pool size (the engine's pool, or the fixed mode's
+    /// prefix cache) and, in engine mode, its step-time model.
+    pub profile: Profile,
+    /// Fixed timing (`ttft`, `itl`) instead of the engine, which kvroute's integration tests
+    /// rely on.
+    pub fixed_timing: bool,
 }
 
 impl SimConfig {
@@ -46,21 +47,37 @@ impl SimConfig {
             slow_start: Duration::ZERO,
             time_scale: 1.0,
             faults: Faults::default(),
-            num_gpu_blocks: 31_250,
-            profile: None,
+            profile: Profile::get(ProfileName::H100Llama8b),
+            fixed_timing: true,
         }
     }
 
     /// Engine mode with a small pool, for end-to-end tests of the engine.
     #[cfg(test)]
     pub fn for_engine_tests(kv_tokens: u64, time_scale: f64) -> Self {
-        use super::profile::ProfileName;
-        let profile = Profile::get(ProfileName::H100Llama8b).with_kv_tokens(kv_tokens);
         Self {
             time_scale,
-            num_gpu_blocks: profile.kv_blocks,
-            profile: Some(profile),
+            profile: Profile::get(ProfileName::H100Llama8b).with_kv_tokens(kv_tokens),
+            fixed_timing: false,
             ..Self::for_tests()
+        }
+    }
+
+    /// KV pool size in 16-token blocks.
+    pub fn num_gpu_blocks(&self) -> usize {
+        self.profile.kv_blocks
+    }
+
+    /// The same settings for a server with another profile (mixed fleets); a `--kv-tokens`
+    /// override applies to every profile.
+    pub fn with_profile(&self, name: ProfileName, kv_tokens: Option<u64>) -> Self {
+        let mut profile = Profile::get(name);
+        if let Some(tokens) = kv_tokens {
+            profile = profile.with_kv_tokens(tokens);
+        }
+        Self {
+            profile,
+            ..self.clone()
         }
     }
 }

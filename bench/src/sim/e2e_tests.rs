@@ -435,3 +435,186 @@ async fn next_turn_hits_the_previous_reply_in_both_modes() {
         assert!(prompt - cached < 3 + 16, "{prompt} {cached}");
     }
 }
+
+impl Sim {
+    async fn metrics(&self) -> String {
+        let res = self
+            .http
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap();
+        res.text().await.unwrap()
+    }
+}
+
+/// The value of the one sample named `name` (labels ignored).
+fn sample(text: &str, name: &str) -> f64 {
+    let mut found = text.lines().filter(|l| {
+        l.strip_prefix(name)
+            .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+    });
+    let line = found.next().unwrap_or_else(|| panic!("no {name}\n{text}"));
+    assert!(found.next().is_none(), "{name} twice");
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9 * b.abs().max(1.0)
+}
+
+/// A 4,500-token prompt twice: a miss, then a hit on all but its last 4 tokens.
+async fn miss_then_hit(sim: &Sim) {
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(400);
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 4});
+    for cached in [0, 4_496] {
+        let v: Value = sim
+            .post("/v1/completions", &body)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], 4_500);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], cached);
+    }
+}
+
+/// Prefill time is taken from the engine's steps in model time: at time scale 10 the wall
+/// clock sees a tenth of it, and a scrape still reports the model's seconds.
+#[tokio::test]
+async fn engine_prefill_telemetry_in_each_engines_names_and_model_time() {
+    use super::config::Engine;
+    use super::profile::{Profile, ProfileName};
+    let p = Profile::get(ProfileName::H100Llama8b);
+    // One step each: all 4,500 tokens, then the 4 the cache did not have.
+    let (miss, hit) = (p.t0 + 4_500.0 / p.prefill_rate, p.t0 + 4.0 / p.prefill_rate);
+    for engine in [Engine::Vllm, Engine::Llamacpp, Engine::Sglang] {
+        let config = SimConfig {
+            engine,
+            ..SimConfig::for_engine_tests(64_000, 10.0)
+        };
+        let sim = Sim::with_config(config).await;
+        miss_then_hit(&sim).await;
+        let m = sim.metrics().await;
+        match engine {
+            Engine::Vllm => {
+                let name = "vllm:request_prefill_time_seconds";
+                assert!(close(sample(&m, &format!("{name}_sum")), miss + hit), "{m}");
+                assert_eq!(sample(&m, &format!("{name}_count")), 2.0);
+                let le = format!("{name}_bucket{{model_name=\"sim-llama-8b\",le=\"0.3\"}} 2");
+                assert!(m.lines().any(|l| l == le), "{m}");
+                // Every prompt token of admitted requests; the cache counters in tokens.
+                assert_eq!(sample(&m, "vllm:prompt_tokens_total"), 9_000.0);
+                assert_eq!(sample(&m, "vllm:prefix_cache_queries_total"), 9_000.0);
+                assert_eq!(sample(&m, "vllm:prefix_cache_hits_total"), 4_496.0);
+            }
+            Engine::Llamacpp => {
+                // Only the computed prompt tokens: 4,500 then 4.
+                assert_eq!(sample(&m, "llamacpp:prompt_tokens_total"), 4_504.0);
+                let seconds = sample(&m, "llamacpp:prompt_seconds_total");
+                assert!(close(seconds, miss + hit), "{m}");
+                let rate = sample(&m, "llamacpp:prompt_tokens_seconds");
+                assert!(close(rate, 4_504.0 / (miss + hit)), "{m}");
+                assert_eq!(sample(&m, "llamacpp:kv_cache_tokens"), 0.0);
+                assert!(!m.contains("vllm:"));
+            }
+            Engine::Sglang => {
+                assert_eq!(sample(&m, "sglang:prompt_tokens_total"), 9_000.0);
+                assert_eq!(sample(&m, "sglang:cached_tokens_total"), 4_496.0);
+                assert_eq!(sample(&m, "sglang:num_used_tokens"), 0.0);
+            }
+        }
+    }
+}
+
+/// KV tokens in use follow a running request's blocks and return to 0 when it is gone.
+#[tokio::test]
+async fn kv_tokens_in_use_while_a_request_runs() {
+    use super::config::Engine;
+    for (engine, name) in [
+        (Engine::Sglang, "sglang:num_used_tokens"),
+        (Engine::Llamacpp, "llamacpp:kv_cache_tokens"),
+    ] {
+        let config = SimConfig {
+            engine,
+            ..SimConfig::for_engine_tests(64_000, 1.0)
+        };
+        let sim = Sim::with_config(config).await;
+        // 1,000 prompt tokens and 500 output tokens of ~5 ms each: a few seconds of decode.
+        let body = json!({"model": "m", "prompt": "abcd".repeat(1_000), "max_tokens": 500,
+            "stream": true});
+        let res = sim.post("/v1/completions", &body).await;
+        let mut stream = res.bytes_stream();
+        stream.next().await.unwrap().unwrap();
+        let used = sample(&sim.metrics().await, name);
+        assert!((1_008.0..=1_520.0).contains(&used), "{name} {used}");
+        assert_eq!(used % 16.0, 0.0);
+        let state = sim.get_json("/debug/state").await;
+        assert_eq!(state["kv_tokens_used"].as_f64().unwrap() % 16.0, 0.0);
+        drop(stream);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while sample(&sim.metrics().await, name) != 0.0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{name} stays in use"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// A server of another profile runs that profile's physics and says so in `/debug/state`.
+#[tokio::test]
+async fn server_reports_its_profile_and_runs_its_rate() {
+    use super::profile::{Profile, ProfileName};
+    let l40s = Profile::get(ProfileName::L40sLlama8b);
+    let config = SimConfig::for_engine_tests(64_000, 10.0).with_profile(l40s.name, Some(64_000));
+    let sim = Sim::with_config(config).await;
+    let state = sim.get_json("/debug/state").await;
+    assert_eq!(state["profile"], "l40s-llama8b");
+    assert_eq!(state["prefill_tokens_per_s"], 9_000.0);
+    assert_eq!(state["engine"]["profile"], "l40s-llama8b");
+    assert_eq!(state["engine"]["prefill_tokens_per_s"], 9_000.0);
+    miss_then_hit(&sim).await;
+    let m = sim.metrics().await;
+    let sum = sample(&m, "vllm:request_prefill_time_seconds_sum");
+    let expected = 2.0 * l40s.t0 + 4_504.0 / l40s.prefill_rate;
+    assert!(close(sum, expected), "{sum} vs {expected}");
+    // Fixed timing has no engine rate to report; the profile still sizes its cache.
+    let fixed = Sim::start().await;
+    let state = fixed.get_json("/debug/state").await;
+    assert_eq!(state["profile"], "h100-llama8b");
+    assert!(state["prefill_tokens_per_s"].is_null());
+}
+
+/// Fixed timing: prefill is the configured TTFT, and llama.cpp counts computed tokens only.
+#[tokio::test]
+async fn fixed_timing_reports_prefill_as_its_ttft() {
+    use super::config::Engine;
+    let config = SimConfig {
+        engine: Engine::Llamacpp,
+        ..SimConfig::for_tests()
+    };
+    let sim = Sim::with_config(config).await;
+    let body = chat_body(false);
+    let mut computed = 0;
+    for _ in 0..2 {
+        let v: Value = sim
+            .post("/v1/chat/completions", &body)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        computed += prompt - cached;
+    }
+    let m = sim.metrics().await;
+    assert_eq!(sample(&m, "llamacpp:prompt_tokens_total"), computed as f64);
+    assert!(
+        close(sample(&m, "llamacpp:prompt_seconds_total"), 0.04),
+        "{m}"
+    );
+}

@@ -40,7 +40,11 @@ pub struct Submission {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EngineState {
-    pub profile: String,
+    /// As `--profile` spells it.
+    pub profile: &'static str,
+    /// The profile's true prefill rate, model time: the truth a router's estimate is
+    /// checked against.
+    pub prefill_tokens_per_s: f64,
     pub num_gpu_blocks: usize,
     pub used_blocks: u64,
     pub cached_blocks: u64,
@@ -106,7 +110,8 @@ impl EngineHandle {
     pub fn state(&self) -> EngineState {
         let g = &self.gauges;
         EngineState {
-            profile: format!("{:?}", self.profile.name),
+            profile: self.profile.name.as_str(),
+            prefill_tokens_per_s: self.profile.prefill_rate,
             num_gpu_blocks: self.profile.kv_blocks,
             used_blocks: g.used_blocks.load(Relaxed),
             cached_blocks: g.cached_blocks.load(Relaxed),
@@ -165,6 +170,9 @@ impl Engine {
                         false
                     });
                 }
+            }
+            for p in &out.prefilled {
+                self.stats.prefilled(p.computed_tokens, p.seconds);
             }
             let mut tokens = 0;
             for e in &out.emitted {

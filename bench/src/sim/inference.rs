@@ -101,6 +101,7 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
         },
         state: s,
         arrived,
+        processed_tokens: a.usage.prompt_tokens.saturating_sub(a.usage.cached_tokens),
         blocks: a.blocks,
         endpoint: a.req.endpoint,
         prompt: a.req.prompt,
@@ -131,6 +132,8 @@ struct Generation {
     state: Arc<ServerState>,
     schedule: Schedule,
     arrived: Instant,
+    /// Prompt tokens not served from the prefix cache.
+    processed_tokens: u64,
     /// Prompt blocks, entered into the prefix cache once prefill is done.
     blocks: Vec<u64>,
     endpoint: Endpoint,
@@ -162,6 +165,9 @@ impl Generation {
     fn prefilled(&mut self) {
         let s = &self.state;
         s.stats.observe_ttft(s.model_seconds_since(self.arrived));
+        // Fixed timing has no queue: prefill takes exactly the configured TTFT.
+        let prefill = s.config.ttft.as_secs_f64() * s.config.time_scale;
+        s.stats.prefilled(self.processed_tokens, prefill);
         s.kv().insert(&self.blocks);
     }
 

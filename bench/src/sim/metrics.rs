@@ -1,10 +1,16 @@
 //! Engine telemetry as Prometheus text, in the names of the engine a server pretends to be
 //! (vLLM, SGLang or llama.cpp), which is what kvroute scrapes. The counters are in `stats`.
+//!
+//! Names keep their engine's meaning, since a router reading them cannot tell a simulator
+//! from the real engine: vLLM's and SGLang's `prompt_tokens_total` count every prompt token
+//! of admitted requests, llama.cpp's only those it computed (`n_prompt_tokens_processed`,
+//! prefix-cache hits excluded); vLLM's prefix-cache counters count tokens. All times are
+//! model seconds.
 
 use std::fmt::Write;
 
 use super::config::Engine;
-use super::stats::{Histogram, Snapshot, TTFT_BUCKETS};
+use super::stats::{Histogram, Snapshot};
 
 /// Prometheus text exposition (version 0.0.4) in `engine`'s metric names.
 pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) -> String {
@@ -27,6 +33,7 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
             t.counter("vllm:prompt_tokens", &label, s.prompt_tokens_total);
             t.counter("vllm:generation_tokens", &label, s.generation_tokens_total);
             t.histogram("vllm:time_to_first_token_seconds", &label, &s.ttft);
+            t.histogram("vllm:request_prefill_time_seconds", &label, &s.prefill_time);
         }
         Engine::Sglang => {
             t.gauge("sglang:num_running_reqs", &label, s.running as f64);
@@ -45,13 +52,24 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
                 s.generation_tokens_total,
             );
             t.histogram("sglang:time_to_first_token_seconds", &label, &s.ttft);
+            t.gauge("sglang:num_used_tokens", &label, s.kv_tokens_used as f64);
+            t.counter("sglang:cached_tokens", &label, s.prefix_cache_hits_total);
         }
         Engine::Llamacpp => {
             // llama.cpp's server labels nothing: it serves one model.
             t.gauge("llamacpp:requests_processing", "", s.running as f64);
             t.gauge("llamacpp:requests_deferred", "", s.waiting as f64);
             t.gauge("llamacpp:kv_cache_usage_ratio", "", s.kv_cache_usage);
-            t.counter("llamacpp:prompt_tokens", "", s.prompt_tokens_total);
+            let processed = s.prompt_tokens_processed_total;
+            t.counter("llamacpp:prompt_tokens", "", processed);
+            t.counter_f64("llamacpp:prompt_seconds", "", s.prompt_seconds_total);
+            let throughput = if s.prompt_seconds_total > 0.0 {
+                processed as f64 / s.prompt_seconds_total
+            } else {
+                0.0
+            };
+            t.gauge("llamacpp:prompt_tokens_seconds", "", throughput);
+            t.gauge("llamacpp:kv_cache_tokens", "", s.kv_tokens_used as f64);
             t.counter("llamacpp:tokens_predicted", "", s.generation_tokens_total);
         }
     }
@@ -85,23 +103,32 @@ impl Text {
 
     /// Counter families are named without `_total`; the sample carries it (as vLLM emits).
     fn counter(&mut self, family: &str, labels: &str, value: u64) {
+        self.counter_f64(family, labels, value as f64);
+    }
+
+    fn counter_f64(&mut self, family: &str, labels: &str, value: f64) {
         let _ = writeln!(self.out, "# TYPE {family} counter");
-        self.sample(&format!("{family}_total"), labels, value as f64);
+        self.sample(&format!("{family}_total"), labels, value);
     }
 
     fn histogram(&mut self, name: &str, labels: &str, h: &Histogram) {
         let _ = writeln!(self.out, "# TYPE {name} histogram");
         let bucket = format!("{name}_bucket");
+        let sep = if labels.is_empty() { "" } else { "," };
         let mut cumulative = 0;
-        for (i, &le) in TTFT_BUCKETS.iter().enumerate() {
+        for (i, &le) in h.bounds.iter().enumerate() {
             cumulative += h.counts[i];
             self.sample(
                 &bucket,
-                &format!("{labels},le=\"{le:?}\""),
+                &format!("{labels}{sep}le=\"{le:?}\""),
                 cumulative as f64,
             );
         }
-        self.sample(&bucket, &format!("{labels},le=\"+Inf\""), h.count as f64);
+        self.sample(
+            &bucket,
+            &format!("{labels}{sep}le=\"+Inf\""),
+            h.count as f64,
+        );
         self.sample(&format!("{name}_sum"), labels, h.sum);
         self.sample(&format!("{name}_count"), labels, h.count as f64);
     }
@@ -114,9 +141,11 @@ mod tests {
     use super::*;
     use crate::sim::stats::Stats;
 
+    /// One request: 100 prompt tokens, 64 of them cached, so 36 computed in 0.4 model s.
     fn busy_stats() -> Arc<Stats> {
         let stats = Arc::new(Stats::default());
         stats.admitted(100, 64);
+        stats.prefilled(36, 0.4);
         stats.generated(16);
         stats.observe_ttft(0.03);
         stats
@@ -141,6 +170,13 @@ mod tests {
             "vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"0.04\"} 1",
             "vllm:time_to_first_token_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 1",
             "vllm:time_to_first_token_seconds_count{model_name=\"m\"} 1",
+            "# TYPE vllm:request_prefill_time_seconds histogram",
+            "vllm:request_prefill_time_seconds_bucket{model_name=\"m\",le=\"0.3\"} 0",
+            "vllm:request_prefill_time_seconds_bucket{model_name=\"m\",le=\"0.5\"} 1",
+            "vllm:request_prefill_time_seconds_bucket{model_name=\"m\",le=\"7680.0\"} 1",
+            "vllm:request_prefill_time_seconds_bucket{model_name=\"m\",le=\"+Inf\"} 1",
+            "vllm:request_prefill_time_seconds_sum{model_name=\"m\"} 0.4",
+            "vllm:request_prefill_time_seconds_count{model_name=\"m\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line}\n{text}");
         }
@@ -159,24 +195,50 @@ mod tests {
 
     #[test]
     fn other_engines_use_their_names() {
-        let s = busy_stats().snapshot(100);
+        let stats = busy_stats();
+        // 5 blocks held by a running request: 80 KV tokens in use.
+        let _running = stats.start_running(5);
+        let s = stats.snapshot(100);
+        assert_eq!(s.kv_tokens_used, 80);
         let sg = render(Engine::Sglang, "m", &s, 100);
-        for name in [
-            "sglang:num_running_reqs{",
-            "sglang:num_queue_reqs{",
-            "sglang:token_usage{",
+        for line in [
+            "sglang:num_running_reqs{model_name=\"m\"} 1",
+            "sglang:num_queue_reqs{model_name=\"m\"} 0",
+            "sglang:token_usage{model_name=\"m\"} 0.05",
             "sglang:cache_hit_rate{model_name=\"m\"} 0.64",
+            "sglang:prompt_tokens_total{model_name=\"m\"} 100",
+            "# TYPE sglang:num_used_tokens gauge",
+            "sglang:num_used_tokens{model_name=\"m\"} 80",
+            "# TYPE sglang:cached_tokens counter",
+            "sglang:cached_tokens_total{model_name=\"m\"} 64",
         ] {
-            assert!(sg.contains(name), "{name}\n{sg}");
+            assert!(sg.lines().any(|l| l == line), "missing {line}\n{sg}");
         }
         let ll = render(Engine::Llamacpp, "m", &s, 100);
-        for name in [
-            "llamacpp:requests_processing 0",
+        for line in [
+            "llamacpp:requests_processing 1",
             "llamacpp:requests_deferred 0",
-            "llamacpp:kv_cache_usage_ratio 0",
+            "llamacpp:kv_cache_usage_ratio 0.05",
+            // Computed prompt tokens only: the 64 cached ones are not processed.
+            "# TYPE llamacpp:prompt_tokens counter",
+            "llamacpp:prompt_tokens_total 36",
+            "# TYPE llamacpp:prompt_seconds counter",
+            "llamacpp:prompt_seconds_total 0.4",
+            "# TYPE llamacpp:prompt_tokens_seconds gauge",
+            "llamacpp:prompt_tokens_seconds 90",
+            "# TYPE llamacpp:kv_cache_tokens gauge",
+            "llamacpp:kv_cache_tokens 80",
+            "llamacpp:tokens_predicted_total 16",
         ] {
-            assert!(ll.contains(name), "{name}\n{ll}");
+            assert!(ll.lines().any(|l| l == line), "missing {line}\n{ll}");
         }
         assert!(!ll.contains("vllm:"));
+        // Before any prefill, the throughput gauge is 0, not NaN.
+        let idle = render(Engine::Llamacpp, "m", &Stats::default().snapshot(100), 100);
+        assert!(
+            idle.lines()
+                .any(|l| l == "llamacpp:prompt_tokens_seconds 0"),
+            "{idle}"
+        );
     }
 }

@@ -5,13 +5,15 @@
 //!   filler output of exactly `max_tokens` tokens.
 //! - Engine mode (the default): per server, a vLLM-like engine with continuous batching,
 //!   chunked prefill, a KV block pool with prefix reuse, LRU eviction and preemption, and a
-//!   step-time model from a GPU profile (`--profile`, `--kv-tokens`).
+//!   step-time model from a GPU profile (`--profile`, `--kv-tokens`); `--profiles
+//!   h100-llama8b:4,l40s-llama8b:4` mixes profiles in one fleet (server i gets the i-th).
 //! - Fixed-timing mode (when `--ttft-ms` or `--itl-ms` is given): every request gets its first
 //!   token after the TTFT and the rest one per inter-token interval, independent of load; a
 //!   per-server LRU prefix cache still reports `cached_tokens`. kvroute's integration tests
 //!   use this mode.
 //! - Both report `usage.prompt_tokens_details.cached_tokens` the way vLLM does.
-//! - Engine telemetry on `/metrics` in vLLM, SGLang or llama.cpp names.
+//! - Engine telemetry on `/metrics` in vLLM, SGLang or llama.cpp names and meanings,
+//!   including each request's prefill time, measured in model time by the engine's step loop.
 //! - Fault knobs (failure rate, hangs, unhealthy, slow start) and request introspection under
 //!   `/debug/*`, so kvroute's integration tests can see what each backend received.
 //!
@@ -74,28 +76,33 @@ use std::sync::Arc;
 
 pub use cli::SimArgs;
 pub use error::SimError;
+pub use profile::{fleet_profiles, Profile, ProfileName};
 
 /// Binds every server, announces them on stdout, then serves until SIGTERM or SIGINT.
 pub async fn run(args: SimArgs) -> Result<(), SimError> {
     let plan = args.validate()?;
-    let config = Arc::new(plan.config);
     let mut bound = Vec::with_capacity(plan.listen.len());
-    for (index, addr) in plan.listen.iter().enumerate() {
+    let mut profiles: Vec<&str> = Vec::with_capacity(plan.configs.len());
+    for (index, (addr, config)) in plan.listen.iter().zip(plan.configs).enumerate() {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| SimError::new(format!("cannot bind {addr}: {e}")))?;
-        let local = server::spawn(listener, index, config.clone())
+        if index == 0 {
+            log::info!(
+                "kvbench-sim: {} server(s), model {}, engine {:?}, time scale {}",
+                plan.listen.len(),
+                config.model,
+                config.engine,
+                config.time_scale
+            );
+        }
+        profiles.push(config.profile.name.as_str());
+        let local = server::spawn(listener, index, Arc::new(config))
             .map_err(|e| SimError::new(format!("cannot serve on {addr}: {e}")))?;
         bound.push(local);
     }
     announce(&bound).map_err(|e| SimError::new(format!("cannot write to stdout: {e}")))?;
-    log::info!(
-        "kvbench-sim: {} server(s), model {}, engine {:?}, time scale {}",
-        bound.len(),
-        config.model,
-        config.engine,
-        config.time_scale
-    );
+    log::info!("kvbench-sim: profiles {}", profiles.join(","));
     wait_for_shutdown().await;
     log::info!("kvbench-sim: shutting down");
     Ok(())

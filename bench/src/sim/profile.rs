@@ -49,6 +49,92 @@ const TABLE: [(ProfileName, u64, f64, f64, f64, f64); 3] = [
     (ProfileName::L40sLlama8b, 150_000, 9_000.0, 8.0, 0.08, 150.0),
 ];
 
+impl ProfileName {
+    /// The name as the CLI spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProfileName::H100Llama8b => "h100-llama8b",
+            ProfileName::A100Llama8b => "a100-llama8b",
+            ProfileName::L40sLlama8b => "l40s-llama8b",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Self, String> {
+        <Self as clap::ValueEnum>::from_str(s, false).map_err(|_| {
+            let known: Vec<&str> = TABLE.iter().map(|r| r.0.as_str()).collect();
+            format!("unknown profile {s:?} (known: {})", known.join(", "))
+        })
+    }
+}
+
+/// More servers than this is a typo, and would not fit the port range anyway.
+pub const MAX_SERVERS: usize = u16::MAX as usize;
+
+/// Expands a fleet spec, `NAME:COUNT,NAME:COUNT` (a bare `NAME` is one server), into one
+/// profile per server, in order: server i gets the i-th.
+pub fn parse_profiles(spec: &str) -> Result<Vec<ProfileName>, String> {
+    let mut out = Vec::new();
+    for part in spec.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            return Err(format!("--profiles {spec:?}: empty entry"));
+        }
+        let (name, count) = match part.split_once(':') {
+            Some((name, count)) => {
+                let n = count.trim().parse::<usize>().map_err(|_| {
+                    format!("--profiles: {part:?}: count {count:?} is not a whole number")
+                })?;
+                (name.trim(), n)
+            }
+            None => (part, 1),
+        };
+        let name = ProfileName::parse(name).map_err(|e| format!("--profiles: {e}"))?;
+        if count == 0 {
+            return Err(format!("--profiles: {part:?}: count must be at least 1"));
+        }
+        // Checked before growing, so a huge count fails fast instead of allocating.
+        if out.len() + count > MAX_SERVERS {
+            return Err(format!(
+                "--profiles {spec:?} lists more than {MAX_SERVERS} servers"
+            ));
+        }
+        out.resize(out.len() + count, name);
+    }
+    Ok(out)
+}
+
+/// The profile of each server of a fleet, from `--servers`, `--profile` and `--profiles`:
+/// either `servers` copies of `profile` (default h100-llama8b), or `profiles` expanded, in
+/// which case `servers`, if given, must agree with it.
+pub fn fleet_profiles(
+    servers: Option<usize>,
+    profile: Option<ProfileName>,
+    profiles: Option<&str>,
+) -> Result<Vec<ProfileName>, String> {
+    let Some(spec) = profiles else {
+        let n = servers.ok_or("--servers is required unless --profiles is given")?;
+        if n == 0 {
+            return Err("--servers must be at least 1".into());
+        }
+        if n > MAX_SERVERS {
+            return Err(format!("--servers must be at most {MAX_SERVERS}"));
+        }
+        return Ok(vec![profile.unwrap_or(ProfileName::H100Llama8b); n]);
+    };
+    if profile.is_some() {
+        return Err("--profile and --profiles are mutually exclusive".into());
+    }
+    let list = parse_profiles(spec)?;
+    match servers {
+        Some(n) if n != list.len() => Err(format!(
+            "--servers {n} disagrees with --profiles {spec:?}, which lists {} servers \
+             (omit --servers or make it equal)",
+            list.len()
+        )),
+        _ => Ok(list),
+    }
+}
+
 impl Profile {
     pub fn get(name: ProfileName) -> Self {
         let row = TABLE
@@ -104,5 +190,67 @@ mod tests {
         assert!((0.015..0.019).contains(&t), "{t}");
         assert_eq!(p.with_kv_tokens(1000).kv_blocks, 62);
         assert_eq!(Profile::get(ProfileName::A100Llama8b).kv_blocks, 15_625);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for row in TABLE {
+            assert_eq!(ProfileName::parse(row.0.as_str()), Ok(row.0));
+            assert_eq!(Profile::get(row.0).prefill_rate, row.2);
+        }
+        let err = ProfileName::parse("b200").unwrap_err();
+        assert!(
+            err.contains("h100-llama8b, a100-llama8b, l40s-llama8b"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn profiles_expand_in_order() {
+        use ProfileName::*;
+        let list = parse_profiles("h100-llama8b:2,l40s-llama8b:1, a100-llama8b").unwrap();
+        assert_eq!(list, [H100Llama8b, H100Llama8b, L40sLlama8b, A100Llama8b]);
+        for bad in [
+            "",
+            "h100-llama8b:",
+            "h100-llama8b:0",
+            "h100-llama8b:-1",
+            "h100-llama8b:x",
+            "b200:2",
+            "h100-llama8b:2,,l40s-llama8b:1",
+            "h100-llama8b:70000",
+            "h100-llama8b:65535,l40s-llama8b:1",
+        ] {
+            assert!(parse_profiles(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn fleet_from_servers_profile_or_profiles() {
+        use ProfileName::*;
+        let spec = Some("h100-llama8b:4,l40s-llama8b:4");
+        let mixed = fleet_profiles(None, None, spec).unwrap();
+        assert_eq!(mixed.len(), 8);
+        assert_eq!((mixed[3], mixed[4]), (H100Llama8b, L40sLlama8b));
+        assert_eq!(fleet_profiles(Some(8), None, spec).unwrap(), mixed);
+        let err = fleet_profiles(Some(6), None, spec).unwrap_err();
+        assert!(
+            err.contains("--servers 6") && err.contains("lists 8"),
+            "{err}"
+        );
+        let err = fleet_profiles(None, Some(A100Llama8b), spec).unwrap_err();
+        assert!(err.contains("mutually exclusive"), "{err}");
+        assert_eq!(
+            fleet_profiles(Some(2), None, None).unwrap(),
+            [H100Llama8b; 2]
+        );
+        assert_eq!(
+            fleet_profiles(Some(1), Some(L40sLlama8b), None).unwrap(),
+            [L40sLlama8b]
+        );
+        assert!(fleet_profiles(None, None, None)
+            .unwrap_err()
+            .contains("--servers"));
+        assert!(fleet_profiles(Some(0), None, None).is_err());
     }
 }

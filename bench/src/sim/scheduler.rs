@@ -9,6 +9,13 @@
 //! `prompt + g` tokens (prefix hits permitting), then continues where it stopped, so it still
 //! emits exactly `max_tokens` tokens.
 //!
+//! Prefill time: the scheduler keeps a model clock (the sum of its steps' times) and reports,
+//! with a request's first token, the span from the start of the step that first scheduled any
+//! of its prompt tokens to the end of the step that emitted that token (vLLM's
+//! `request_prefill_time_seconds`; a preemption before the first token stays inside the span),
+//! and how many prompt tokens it computed in that span (llama.cpp's
+//! `n_prompt_tokens_processed`: prefix-cache hits excluded, recomputation included).
+//!
 //! Each step, as vLLM does: running requests first, in admission order, each taking what it
 //! needs from the token budget; a request that cannot get a block preempts the most recently
 //! admitted running request (possibly itself). Then, unless someone was preempted, waiting
@@ -39,6 +46,10 @@ struct Seq {
     held: Vec<Option<u64>>,
     /// Prefix hit at first admission (reported in `usage`).
     cached_tokens: Option<u64>,
+    /// Model clock at the start of the step that first scheduled the prompt.
+    prefill_start: Option<f64>,
+    /// Prompt tokens computed before the first token.
+    prefill_computed: u64,
 }
 
 impl Seq {
@@ -67,6 +78,17 @@ pub struct Emitted {
     pub finished: bool,
 }
 
+/// A request finished its prefill this step (and emitted its first token).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Prefilled {
+    pub id: u64,
+    /// Model seconds from the start of the step that first scheduled its prompt to the end of
+    /// this one.
+    pub seconds: f64,
+    /// Prompt tokens computed, not served from the prefix cache.
+    pub computed_tokens: u64,
+}
+
 #[derive(Debug, Default)]
 pub struct StepOutcome {
     /// Model time of the step, seconds.
@@ -75,6 +97,7 @@ pub struct StepOutcome {
     pub decode_seqs: u64,
     pub admitted: Vec<Admission>,
     pub emitted: Vec<Emitted>,
+    pub prefilled: Vec<Prefilled>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -92,6 +115,8 @@ pub struct Scheduler {
     running: Vec<Seq>,
     next_id: u64,
     counters: Counters,
+    /// Model seconds of all steps so far.
+    clock: f64,
 }
 
 impl Scheduler {
@@ -103,6 +128,7 @@ impl Scheduler {
             running: Vec::new(),
             next_id: 0,
             counters: Counters::default(),
+            clock: 0.0,
         }
     }
 
@@ -116,6 +142,8 @@ impl Scheduler {
             computed: 0,
             held: Vec::new(),
             cached_tokens: None,
+            prefill_start: None,
+            prefill_computed: 0,
         });
         id
     }
@@ -183,12 +211,21 @@ impl Scheduler {
         if !preempted {
             self.admit(&mut budget, &mut batch, &mut out);
         }
+        // (id, start, computed) of requests whose prefill ends with this step.
+        let mut prefilled: Vec<(u64, f64, u64)> = Vec::new();
         for (i, n) in batch.into_iter().enumerate() {
             let seq = &mut self.running[i];
             let before = seq.computed;
             seq.computed += n;
+            if seq.generated == 0 {
+                seq.prefill_computed += n;
+            }
             promote_full_blocks(&mut self.pool, seq, before);
             if seq.computed == seq.target() {
+                if seq.generated == 0 {
+                    let start = seq.prefill_start.unwrap_or(self.clock);
+                    prefilled.push((seq.id, start, seq.prefill_computed));
+                }
                 seq.generated += 1;
                 out.emitted.push(Emitted {
                     id: seq.id,
@@ -202,6 +239,15 @@ impl Scheduler {
             .profile
             .step_seconds(out.prefill_tokens, out.decode_seqs, kv_read);
         self.counters.steps += 1;
+        self.clock += out.seconds;
+        out.prefilled = prefilled
+            .into_iter()
+            .map(|(id, start, computed_tokens)| Prefilled {
+                id,
+                seconds: self.clock - start,
+                computed_tokens,
+            })
+            .collect();
         out
     }
 
@@ -258,6 +304,7 @@ impl Scheduler {
             seq.held = seq.req.hashes[..hit].iter().copied().map(Some).collect();
             seq.held.resize(hit + new_blocks, None);
             seq.computed = hit_tokens;
+            seq.prefill_start.get_or_insert(self.clock);
             if seq.cached_tokens.is_none() {
                 seq.cached_tokens = Some(hit_tokens);
                 self.counters.prefix_queries += seq.req.prompt_tokens;

@@ -10,6 +10,7 @@ use crate::sim::kvcache::block_hashes;
 use crate::sim::openai::{self, Endpoint};
 use crate::sim::profile::ProfileName;
 use crate::sim::prompt::{count_tokens, TURN_END};
+use crate::sim::scheduler::Prefilled;
 
 fn h100() -> Profile {
     Profile::get(ProfileName::H100Llama8b)
@@ -60,13 +61,18 @@ fn two_turns(reply_tokens: u64) -> (Value, Value) {
     (turn1, turn2)
 }
 
-/// What one request saw: model time to its first token, its cached tokens, its token count.
+/// What one request saw: model time to its first token, its cached tokens, its token count,
+/// the clock when its first admission's step started, and its reported prefill.
 #[derive(Debug, Default, Clone, Copy)]
 struct Seen {
     ttft: Option<f64>,
     cached: Option<u64>,
     generated: u64,
     finished: bool,
+    admitted_at: Option<f64>,
+    prefill: Option<Prefilled>,
+    /// Clock when its last token was emitted.
+    done: Option<f64>,
 }
 
 /// Steps until idle (or `max_steps`), recording every request's view.
@@ -78,9 +84,21 @@ fn run(s: &mut Scheduler, max_steps: usize) -> (f64, HashMap<u64, Seen>) {
             break;
         }
         let out = s.step();
+        let started = clock;
         clock += out.seconds;
         for a in out.admitted {
-            seen.entry(a.id).or_default().cached = Some(a.cached_tokens);
+            let v = seen.entry(a.id).or_default();
+            v.cached = Some(a.cached_tokens);
+            v.admitted_at = Some(started);
+        }
+        for p in out.prefilled {
+            let v = seen.entry(p.id).or_default();
+            assert!(v.prefill.is_none(), "one prefill per request");
+            assert_eq!(v.generated, 0, "prefill ends with the first token");
+            // From the step that first scheduled the prompt to the end of this one.
+            let span = clock - v.admitted_at.unwrap();
+            assert!((p.seconds - span).abs() < 1e-9, "{} vs {span}", p.seconds);
+            v.prefill = Some(p);
         }
         for e in out.emitted {
             let v = seen.entry(e.id).or_default();
@@ -88,6 +106,9 @@ fn run(s: &mut Scheduler, max_steps: usize) -> (f64, HashMap<u64, Seen>) {
             assert!(!v.finished);
             v.generated = e.generated;
             v.finished = e.finished;
+            if e.finished {
+                v.done = Some(clock);
+            }
             v.ttft.get_or_insert(clock);
         }
     }
@@ -281,4 +302,66 @@ fn reply_blocks_are_evictable_once_unreferenced() {
     let left = s.pool().lookup(&probe);
     assert_eq!(left, 100 - 94);
     assert!(left < prompt_blocks);
+}
+
+#[test]
+fn prefill_time_is_model_time_from_first_scheduled_step_to_first_token() {
+    let p = h100();
+    let mut s = Scheduler::new(p);
+    let a = s.add(request(1, 10_000, 1));
+    let (_, seen) = run(&mut s, 100);
+    let prefill = seen[&a].prefill.unwrap();
+    // Alone, prefill is the whole TTFT: two chunks, two step overheads.
+    let expected = 10_000.0 / p.prefill_rate + 2.0 * p.t0;
+    assert!((prefill.seconds - expected).abs() < 1e-9, "{prefill:?}");
+    assert_eq!(prefill.computed_tokens, 10_000);
+    assert!((seen[&a].ttft.unwrap() - prefill.seconds).abs() < 1e-9);
+
+    // A hit computes only the uncached rest, in one step.
+    let b = s.add(request(1, 10_000, 1));
+    let (_, seen) = run(&mut s, 100);
+    let prefill = seen[&b].prefill.unwrap();
+    assert_eq!(prefill.computed_tokens, 10_000 - 9_984);
+    assert!((prefill.seconds - (p.t0 + 16.0 / p.prefill_rate)).abs() < 1e-9);
+
+    // Queued behind another prompt: the wait before the first scheduled step is not prefill.
+    let mut s = Scheduler::new(p);
+    let first = s.add(request(2, 10_000, 2));
+    let second = s.add(request(3, 10_000, 2));
+    let (_, seen) = run(&mut s, 100);
+    let (one, two) = (seen[&first], seen[&second]);
+    assert_eq!(one.admitted_at, Some(0.0));
+    let waited = two.admitted_at.unwrap();
+    // Step 1 was all the first request's (8192 tokens).
+    assert!(
+        (waited - (p.t0 + 8_192.0 / p.prefill_rate)).abs() < 1e-9,
+        "{waited}"
+    );
+    let prefill = two.prefill.unwrap();
+    assert!((prefill.seconds - (two.ttft.unwrap() - waited)).abs() < 1e-9);
+    assert_eq!(prefill.computed_tokens, 10_000);
+}
+
+#[test]
+fn preemption_before_the_first_token_stays_in_the_prefill_span() {
+    // 48 blocks and 16-token steps: B's 512-token prompt takes ~35 steps while A decodes and
+    // grows until it preempts B, which later recomputes what it lost.
+    let mut p = h100().with_kv_tokens(48 * BLOCK_TOKENS);
+    p.max_num_batched_tokens = 16;
+    let mut s = Scheduler::new(p);
+    let a = s.add(request(1, 256, 400));
+    let b = s.add(request(2, 512, 1));
+    let (_, seen) = run(&mut s, 100_000);
+    assert!(s.is_idle());
+    assert!(s.counters().preemptions > 0);
+    assert_eq!(seen[&a].prefill.unwrap().computed_tokens, 256);
+    let pb = seen[&b].prefill.unwrap();
+    // B was preempted mid-prefill (A had long finished its own) and recomputed: every
+    // computed prompt token counts, and the span runs from B's first scheduled step.
+    assert!(pb.computed_tokens > 512, "{pb:?}");
+    // It then waited for blocks until A finished, and that wait is inside its span.
+    let (a_done, b_start) = (seen[&a].done.unwrap(), seen[&b].admitted_at.unwrap());
+    assert!(b_start < seen[&a].ttft.unwrap() + 1e-9);
+    assert!(seen[&b].ttft.unwrap() > a_done);
+    assert!(pb.seconds > a_done - b_start, "{pb:?}");
 }

@@ -38,13 +38,12 @@ impl ServerState {
     pub fn new(index: usize, addr: SocketAddr, config: Arc<SimConfig>) -> Self {
         let (faults, _) = watch::channel(config.faults);
         let stats = Arc::new(Stats::default());
-        let engine = config
-            .profile
-            .map(|p| EngineHandle::spawn(p, config.time_scale, stats.clone()));
+        let engine = (!config.fixed_timing)
+            .then(|| EngineHandle::spawn(config.profile, config.time_scale, stats.clone()));
         Self {
             index,
             addr,
-            kv: Mutex::new(KvCache::new(config.num_gpu_blocks)),
+            kv: Mutex::new(KvCache::new(config.num_gpu_blocks())),
             stats,
             engine,
             log: Mutex::new(RequestLog::new(LOG_CAPACITY)),

@@ -4,13 +4,21 @@
 //! either module depending on the other.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use serde::Serialize;
+
+use super::profile::BLOCK_TOKENS;
 
 /// vLLM's TTFT buckets, in seconds, up to 10 s.
 pub const TTFT_BUCKETS: [f64; 16] = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
+
+/// vLLM's request latency buckets (prefill, queue, decode and end-to-end times), seconds.
+pub const PREFILL_BUCKETS: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
 ];
 
 /// Engine counters published after every step, read by `/metrics` and `/debug/state`.
@@ -39,29 +47,62 @@ pub struct Stats {
     generation_tokens_total: AtomicU64,
     prefix_queries_total: AtomicU64,
     prefix_hits_total: AtomicU64,
-    ttft: Mutex<Histogram>,
+    /// One lock for both histograms and the processed-token count, so that a scrape sees
+    /// prompt tokens and prompt seconds of the same requests.
+    timings: Mutex<Timings>,
     /// Published by the engine task in engine mode; zeros in fixed-timing mode, so the
     /// snapshot can simply add both sources.
     pub engine: Arc<EngineGauges>,
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone)]
 pub struct Histogram {
+    /// Upper bounds of the finite buckets.
+    pub bounds: &'static [f64],
     /// Non-cumulative counts per bucket; the last slot is +Inf.
-    pub counts: [u64; TTFT_BUCKETS.len() + 1],
+    pub counts: Vec<u64>,
     pub sum: f64,
     pub count: u64,
 }
 
 impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
     fn observe(&mut self, v: f64) {
-        let slot = TTFT_BUCKETS
+        let slot = self
+            .bounds
             .iter()
             .position(|&b| v <= b)
-            .unwrap_or(TTFT_BUCKETS.len());
+            .unwrap_or(self.bounds.len());
         self.counts[slot] += 1;
         self.sum += v;
         self.count += 1;
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Timings {
+    ttft: Histogram,
+    /// Per request, model seconds of prefill (see `scheduler`).
+    prefill: Histogram,
+    /// Prompt tokens computed by finished prefills (prefix-cache hits excluded).
+    prompt_tokens_processed: u64,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Self {
+            ttft: Histogram::new(&TTFT_BUCKETS),
+            prefill: Histogram::new(&PREFILL_BUCKETS),
+            prompt_tokens_processed: 0,
+        }
     }
 }
 
@@ -71,14 +112,22 @@ pub struct Snapshot {
     pub running: u64,
     pub waiting: u64,
     pub kv_cache_usage: f64,
+    /// KV tokens held by requests, at block granularity.
+    pub kv_tokens_used: u64,
     pub requests_total: u64,
     pub prompt_tokens_total: u64,
     pub generation_tokens_total: u64,
     pub prefix_cache_queries_total: u64,
     pub prefix_cache_hits_total: u64,
     pub preemptions_total: u64,
+    /// Prompt tokens computed (not served from the prefix cache) by finished prefills.
+    pub prompt_tokens_processed_total: u64,
+    /// Model seconds of those prefills.
+    pub prompt_seconds_total: f64,
     #[serde(skip)]
     pub ttft: Histogram,
+    #[serde(skip)]
+    pub prefill_time: Histogram,
 }
 
 impl Stats {
@@ -95,10 +144,19 @@ impl Stats {
     }
 
     pub fn observe_ttft(&self, seconds: f64) {
-        self.ttft
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .observe(seconds);
+        self.timings().ttft.observe(seconds);
+    }
+
+    /// A request finished its prefill: `processed_tokens` prompt tokens computed in
+    /// `seconds` of model time.
+    pub fn prefilled(&self, processed_tokens: u64, seconds: f64) {
+        let mut t = self.timings();
+        t.prefill.observe(seconds);
+        t.prompt_tokens_processed += processed_tokens;
+    }
+
+    fn timings(&self) -> MutexGuard<'_, Timings> {
+        self.timings.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Marks a request running until the guard drops (end of answer or client gone).
@@ -124,21 +182,22 @@ impl Stats {
         let e = &self.engine;
         let blocks = self.blocks_in_use.load(Relaxed) + e.used_blocks.load(Relaxed);
         let used = blocks as f64 / num_gpu_blocks.max(1) as f64;
+        let timings = self.timings().clone();
         Snapshot {
             running: self.running.load(Relaxed) + e.running.load(Relaxed),
             waiting: self.waiting.load(Relaxed) + e.waiting.load(Relaxed),
             kv_cache_usage: used.min(1.0),
+            kv_tokens_used: blocks * BLOCK_TOKENS,
             requests_total: self.requests_total.load(Relaxed),
             prompt_tokens_total: self.prompt_tokens_total.load(Relaxed),
             generation_tokens_total: self.generation_tokens_total.load(Relaxed),
             prefix_cache_queries_total: self.prefix_queries_total.load(Relaxed),
             prefix_cache_hits_total: self.prefix_hits_total.load(Relaxed),
             preemptions_total: e.preemptions.load(Relaxed),
-            ttft: self
-                .ttft
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone(),
+            prompt_tokens_processed_total: timings.prompt_tokens_processed,
+            prompt_seconds_total: timings.prefill.sum,
+            ttft: timings.ttft,
+            prefill_time: timings.prefill,
         }
     }
 }

@@ -1,0 +1,295 @@
+//! `--policies` entries and the kvroute config each run gets.
+//!
+//! An entry is a kvroute policy name, optionally followed by options, each after a `/`:
+//! `kv_aware/rates=true/learn=off`. The whole entry labels the run in the report, so variants
+//! of one policy sit side by side.
+//! - `rates=true`: every backend is configured with `prefill_tokens_per_s`, its profile's true
+//!   prefill rate (model time), as an operator who measured the fleet would write it.
+//! - `rates=PROFILE*F+PROFILE*F`: backends of the listed profiles get their true rate times
+//!   `F` (a deliberately wrong configuration), the others their true rate.
+//! - `learn=on|off`: `routing.learn_prefill_rate`, whether kvroute corrects configured rates
+//!   from the engines' telemetry.
+//!
+//! Without options the config is exactly what a plain policy run always had.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use crate::sim::{Profile, ProfileName};
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Rates {
+    /// No `prefill_tokens_per_s`: kvroute's default.
+    Omit,
+    /// Every backend's true rate.
+    True,
+    /// True rate times the factor for backends of the listed profiles.
+    Scaled(Vec<(ProfileName, f64)>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyRun {
+    /// The entry as given; names the run in the report.
+    pub label: String,
+    pub policy: String,
+    pub rates: Rates,
+    /// `routing.learn_prefill_rate`, when given.
+    pub learn: Option<bool>,
+}
+
+impl PolicyRun {
+    /// Parses one `--policies` entry; the error says what is wrong with it.
+    pub fn parse(entry: &str) -> Result<Self, String> {
+        let label = entry.trim();
+        let mut parts = label.split('/');
+        let policy = parts.next().unwrap_or_default();
+        let name_ok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+        if policy.is_empty() || !policy.chars().all(name_ok) {
+            return Err(format!(
+                "policy entry {label:?}: {policy:?} is not a policy name (letters, digits, _ and -)"
+            ));
+        }
+        let mut run = PolicyRun {
+            label: label.to_string(),
+            policy: policy.to_string(),
+            rates: Rates::Omit,
+            learn: None,
+        };
+        let (mut seen_rates, mut seen_learn) = (false, false);
+        for option in parts {
+            let bad = |why: String| format!("policy entry {label:?}: {why}");
+            let Some((key, value)) = option.split_once('=') else {
+                return Err(bad(format!(
+                    "option {option:?} is not KEY=VALUE (known: rates, learn)"
+                )));
+            };
+            match key {
+                "rates" if !seen_rates => {
+                    seen_rates = true;
+                    run.rates = parse_rates(value).map_err(bad)?;
+                }
+                "learn" if !seen_learn => {
+                    seen_learn = true;
+                    run.learn = Some(match value {
+                        "on" | "true" => true,
+                        "off" | "false" => false,
+                        _ => return Err(bad(format!("learn={value:?}: expected on or off"))),
+                    });
+                }
+                "rates" | "learn" => return Err(bad(format!("option {key} given twice"))),
+                _ => return Err(bad(format!("unknown option {key:?} (known: rates, learn)"))),
+            }
+        }
+        Ok(run)
+    }
+
+    /// `prefill_tokens_per_s` for a backend of `profile`, if the run configures one.
+    pub fn rate_for(&self, profile: ProfileName) -> Option<f64> {
+        let truth = Profile::get(profile).prefill_rate;
+        match &self.rates {
+            Rates::Omit => None,
+            Rates::True => Some(truth),
+            Rates::Scaled(factors) => {
+                let f = factors.iter().find(|(p, _)| *p == profile).map(|&(_, f)| f);
+                Some(truth * f.unwrap_or(1.0))
+            }
+        }
+    }
+
+    /// The run's results directory: the label with `/` as `__`, `*` as `x` and `+` as `_`,
+    /// so that an entry is one directory whose name still reads like it.
+    pub fn dir_name(&self) -> String {
+        let mut out = String::with_capacity(self.label.len() + 4);
+        for c in self.label.chars() {
+            match c {
+                '/' => out.push_str("__"),
+                '*' => out.push('x'),
+                c if c.is_ascii_alphanumeric() || "-_.=".contains(c) => out.push(c),
+                _ => out.push('_'),
+            }
+        }
+        out
+    }
+}
+
+/// `true`, or `PROFILE*F+PROFILE*F` with each profile at most once and `F` finite and > 0.
+fn parse_rates(value: &str) -> Result<Rates, String> {
+    if value == "true" {
+        return Ok(Rates::True);
+    }
+    let mut factors: Vec<(ProfileName, f64)> = Vec::new();
+    for item in value.split('+') {
+        let Some((name, factor)) = item.split_once('*') else {
+            return Err(format!(
+                "rates={value:?}: expected true or PROFILE*FACTOR+PROFILE*FACTOR, got {item:?}"
+            ));
+        };
+        let profile = ProfileName::parse(name).map_err(|e| format!("rates={value:?}: {e}"))?;
+        let f: f64 = factor
+            .parse()
+            .ok()
+            .filter(|f: &f64| f.is_finite() && *f > 0.0)
+            .ok_or_else(|| format!("rates={value:?}: factor {factor:?} is not a number > 0"))?;
+        if factors.iter().any(|(p, _)| *p == profile) {
+            return Err(format!("rates={value:?}: {name} listed twice"));
+        }
+        factors.push((profile, f));
+    }
+    Ok(Rates::Scaled(factors))
+}
+
+/// kvroute's config for one run: `run`'s policy and options in front of `backends` (address
+/// and profile, in fleet order), with pid file, upgrade socket and so on under `dir`.
+pub fn kvroute_yaml(
+    dir: &Path,
+    listen: SocketAddr,
+    admin: SocketAddr,
+    run: &PolicyRun,
+    backends: &[(SocketAddr, ProfileName)],
+) -> String {
+    let mut yaml = format!(
+        "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/kvroute.sock\n\
+         grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\n\
+         kvroute:\n  listen: \"{listen}\"\n  admin_listen: \"{admin}\"\n  routing:\n    policy: {p}\n",
+        d = dir.display(),
+        p = run.policy,
+    );
+    if let Some(learn) = run.learn {
+        let _ = writeln!(yaml, "    learn_prefill_rate: {learn}");
+    }
+    yaml.push_str("  backends:\n");
+    for &(addr, profile) in backends {
+        let _ = writeln!(yaml, "    - addr: \"{addr}\"");
+        if let Some(rate) = run.rate_for(profile) {
+            let _ = writeln!(yaml, "      prefill_tokens_per_s: {rate}");
+        }
+    }
+    yaml
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_yaml::Value;
+
+    fn backends() -> Vec<(SocketAddr, ProfileName)> {
+        let addr = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+        vec![
+            (addr(9000), ProfileName::H100Llama8b),
+            (addr(9001), ProfileName::H100Llama8b),
+            (addr(9002), ProfileName::L40sLlama8b),
+        ]
+    }
+
+    /// The generated config, parsed back: the `kvroute` section.
+    fn config(entry: &str) -> Value {
+        let run = PolicyRun::parse(entry).unwrap();
+        let listen = SocketAddr::from(([127, 0, 0, 1], 8080));
+        let admin = SocketAddr::from(([127, 0, 0, 1], 8081));
+        let yaml = kvroute_yaml(Path::new("/tmp/r"), listen, admin, &run, &backends());
+        let v: Value = serde_yaml::from_str(&yaml).unwrap();
+        assert_eq!(v["pid_file"].as_str(), Some("/tmp/r/kvroute.pid"));
+        v["kvroute"].clone()
+    }
+
+    fn rates(k: &Value) -> Vec<Option<f64>> {
+        let list = k["backends"].as_sequence().unwrap();
+        assert_eq!(list[2]["addr"].as_str(), Some("127.0.0.1:9002"));
+        list.iter()
+            .map(|b| b.get("prefill_tokens_per_s").map(|r| r.as_f64().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn plain_entry_is_todays_config() {
+        let k = config("kv_aware");
+        assert_eq!(k["listen"].as_str(), Some("127.0.0.1:8080"));
+        assert_eq!(k["admin_listen"].as_str(), Some("127.0.0.1:8081"));
+        assert_eq!(k["routing"]["policy"].as_str(), Some("kv_aware"));
+        assert_eq!(k["routing"].as_mapping().unwrap().len(), 1);
+        assert_eq!(rates(&k), [None, None, None]);
+        let b = &k["backends"][0];
+        assert_eq!(b.as_mapping().unwrap().len(), 1);
+        let run = PolicyRun::parse("round_robin").unwrap();
+        assert_eq!(
+            (run.label.as_str(), run.dir_name()),
+            ("round_robin", "round_robin".into())
+        );
+    }
+
+    #[test]
+    fn rates_true_writes_each_backends_true_rate() {
+        let k = config("kv_aware/rates=true");
+        assert_eq!(rates(&k), [Some(25_000.0), Some(25_000.0), Some(9_000.0)]);
+        assert!(k["routing"].get("learn_prefill_rate").is_none());
+    }
+
+    #[test]
+    fn scaled_rates_apply_to_the_listed_profiles_only() {
+        let k = config("kv_aware/rates=l40s-llama8b*100");
+        assert_eq!(rates(&k), [Some(25_000.0), Some(25_000.0), Some(900_000.0)]);
+        let k = config("kv_aware/rates=h100-llama8b*0.01+l40s-llama8b*100");
+        let r = rates(&k);
+        assert!((r[0].unwrap() - 250.0).abs() < 1e-9, "{r:?}");
+        assert_eq!(r[2], Some(900_000.0));
+        // A listed profile the fleet does not have changes nothing.
+        let k = config("kv_aware/rates=a100-llama8b*2");
+        assert_eq!(rates(&k), [Some(25_000.0), Some(25_000.0), Some(9_000.0)]);
+    }
+
+    #[test]
+    fn learn_switch_goes_under_routing() {
+        let k = config("kv_aware/learn=off");
+        assert_eq!(k["routing"]["learn_prefill_rate"].as_bool(), Some(false));
+        assert_eq!(rates(&k), [None, None, None]);
+        let k = config("kv_aware/learn=on/rates=true");
+        assert_eq!(k["routing"]["learn_prefill_rate"].as_bool(), Some(true));
+        assert_eq!(k["routing"]["policy"].as_str(), Some("kv_aware"));
+        assert_eq!(rates(&k)[0], Some(25_000.0));
+    }
+
+    #[test]
+    fn label_is_the_whole_entry_and_dir_one_component() {
+        let entry = "kv_aware/rates=h100-llama8b*0.01+l40s-llama8b*100";
+        let run = PolicyRun::parse(entry).unwrap();
+        assert_eq!(run.label, entry);
+        assert_eq!(run.policy, "kv_aware");
+        let dir = run.dir_name();
+        assert_eq!(dir, "kv_aware__rates=h100-llama8bx0.01_l40s-llama8bx100");
+        assert!(!dir.contains('/'));
+    }
+
+    #[test]
+    fn rejects_unknown_options_and_malformed_values() {
+        for (entry, says) in [
+            ("", "not a policy name"),
+            ("/rates=true", "not a policy name"),
+            ("kv aware", "not a policy name"),
+            ("kv_aware/", "not KEY=VALUE"),
+            ("kv_aware/rates", "not KEY=VALUE"),
+            ("kv_aware/speed=3", "unknown option \"speed\""),
+            ("kv_aware/rates=yes", "expected true or PROFILE*FACTOR"),
+            ("kv_aware/rates=", "expected true or PROFILE*FACTOR"),
+            ("kv_aware/rates=b200*2", "unknown profile"),
+            ("kv_aware/rates=h100-llama8b*0", "not a number > 0"),
+            ("kv_aware/rates=h100-llama8b*-1", "not a number > 0"),
+            ("kv_aware/rates=h100-llama8b*inf", "not a number > 0"),
+            ("kv_aware/rates=h100-llama8b*x", "not a number > 0"),
+            (
+                "kv_aware/rates=h100-llama8b*2+",
+                "expected true or PROFILE*FACTOR",
+            ),
+            (
+                "kv_aware/rates=h100-llama8b*2+h100-llama8b*3",
+                "listed twice",
+            ),
+            ("kv_aware/learn=maybe", "expected on or off"),
+            ("kv_aware/learn=on/learn=off", "given twice"),
+            ("kv_aware/rates=true/rates=true", "given twice"),
+        ] {
+            let err = PolicyRun::parse(entry).unwrap_err();
+            assert!(err.contains(says), "{entry:?}: {err}");
+        }
+    }
+}
