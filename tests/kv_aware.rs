@@ -297,3 +297,58 @@ async fn overload_queues_then_sheds_with_retry_after() {
         shed as f64
     );
 }
+
+/// kvroute learns each backend's prefill rate from its engine's counters (in the engine's model
+/// time, whatever the time scale): configured at 25,000 tok/s, the L40S-like backend is found
+/// near its true 9,000 and the H100-like one near 25,000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_rates_are_learned_from_engine_counters() {
+    let l40s = Sim::start(&["--profile", "l40s-llama8b", "--time-scale", "20"]);
+    let h100 = Sim::start(&["--profile", "h100-llama8b", "--time-scale", "20"]);
+    let kv = Kvroute::start(
+        &[l40s.addr, h100.addr],
+        "  routing:\n    policy: round_robin\n  telemetry:\n    interval_ms: 100\n",
+    );
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    for i in 0..24 {
+        // About 4,000 tokens each, distinct from the first block on: all computed, none cached.
+        let text = format!("document {i}: ") + &"lorem ipsum dolor sit amet ".repeat(600);
+        let body = chat_body(MODEL, json!([{"role": "user", "content": text}]), false, 1);
+        let r = c.post(&url).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let learned = |name: &str| -> Option<(f64, f64)> {
+        let (status, body) = http_get(kv.admin, "/backends");
+        assert_eq!(status, 200);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let b = v.as_array()?.iter().find(|b| b["backend"] == name)?;
+        let rate = &b["prefill_tokens_per_second"];
+        Some((rate["learned"].as_f64()?, rate["in_use"].as_f64()?))
+    };
+    let (l40s_name, h100_name) = (l40s.addr.to_string(), h100.addr.to_string());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while (learned(&l40s_name).is_none() || learned(&h100_name).is_none())
+        && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for (name, truth) in [(&l40s_name, 9_000.0), (&h100_name, 25_000.0)] {
+        let (rate, in_use) = learned(name).unwrap_or_else(|| {
+            panic!(
+                "no learned rate for {name}: {}",
+                String::from_utf8_lossy(&http_get(kv.admin, "/backends").1)
+            )
+        });
+        assert!(
+            (rate / truth - 1.0).abs() <= 0.25,
+            "{name}: learned {rate}, true {truth}"
+        );
+        assert_eq!(rate, in_use, "the learned rate is the one in use");
+        let gauge = kv.metric_sum(
+            "kvroute_backend_prefill_tokens_per_second",
+            &[("backend", name)],
+        );
+        assert!((gauge / truth - 1.0).abs() <= 0.25, "{name}: gauge {gauge}");
+    }
+}
