@@ -6,7 +6,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute::placement::{self, BackendLoad, Params, PolicyKind, PrefixIndex, Ring, Snapshot};
 use kvroute::request::DEFAULT_BLOCK_BYTES;
-use kvroute::request::{self, Endpoint};
+use kvroute::request::{self, Endpoint, PromptText, TokenEstimator};
 use std::hint::black_box;
 use std::net::SocketAddr;
 
@@ -58,6 +58,38 @@ fn routing(c: &mut Criterion) {
             bench.iter(|| {
                 let p = request::profile(Endpoint::Chat, black_box(b), None, DEFAULT_BLOCK_BYTES)
                     .unwrap();
+                let snap = Snapshot {
+                    backends: &loads,
+                    ring: &ring,
+                    matched: &[],
+                };
+                black_box(placement::choose(&params, &p, &snap, &[], 0))
+            })
+        });
+    }
+    g.finish();
+
+    // The same with the prompt's tokens counted (o200k_base), as kvroute does for prompts up
+    // to routing.count_tokens_max_bytes.
+    let tokens = TokenEstimator::default();
+    tokens.warm_now();
+    let mut g = c.benchmark_group("profile_count_and_place");
+    for size in [1_000usize, 8_000] {
+        let b = body(size);
+        g.throughput(Throughput::Bytes(b.len() as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(size), &b, |bench, b| {
+            bench.iter(|| {
+                let (mut p, text) = request::profile_with_text(
+                    Endpoint::Chat,
+                    black_box(b),
+                    None,
+                    DEFAULT_BLOCK_BYTES,
+                    8192,
+                )
+                .unwrap();
+                if let PromptText::Text(t) = &text {
+                    p.est_prompt_tokens = tokens.estimate(&p.model, Some(t), t.len(), 8192).tokens;
+                }
                 let snap = Snapshot {
                     backends: &loads,
                     ring: &ring,

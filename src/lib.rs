@@ -23,7 +23,7 @@
 //!     edge/   client listener, connection cap, access control, router queue, retry budget
 //!       fleet/      backends, health, accounting, outlier ejection, telemetry, Generation
 //!         placement/  pure: ring, snapshot/params/decision, one file per policy, prefix index
-//!           request/  body reading, OpenAI parsing, canonical prompt, blocks, usage tap
+//!           request/  body reading, OpenAI parsing, canonical prompt, blocks, tokens, usage tap
 //!             config/ the YAML schema, defaults written once, validation per section
 //! error, metrics: leaves (the OpenAI error shape; Prometheus registration helpers)
 //! ```

@@ -32,6 +32,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         duration_s: a.duration_s,
         max_requests: None,
         slo_ttft_ms: 2000.0,
+        warmup_s: 0.0,
         profile: None,
         profiles: None,
         kv_tokens: None,

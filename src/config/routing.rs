@@ -64,6 +64,10 @@ pub struct RoutingConfig {
     /// kv_aware: use each backend's prefill rate as its engine's own counters show it
     /// (vLLM, llama.cpp) once they hold enough evidence; the configured rate is the prior.
     pub learn_prefill_rate: bool,
+    /// Count a prompt's tokens with o200k_base when its canonical text is at most this many
+    /// bytes (inline, on the proxy's worker thread); larger prompts, and all with 0, are
+    /// estimated from their size. Both are corrected per model by the engines' `usage`.
+    pub count_tokens_max_bytes: usize,
 }
 
 impl RoutingConfig {
@@ -86,12 +90,19 @@ impl Default for RoutingConfig {
             kv_usage_ceiling: 0.9,
             min_prefix_saving_tokens: 1024,
             learn_prefill_rate: true,
+            count_tokens_max_bytes: 8192,
         }
     }
 }
 
 impl RoutingConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.count_tokens_max_bytes > 1 << 20 {
+            return Err(err(
+                "kvroute.routing.count_tokens_max_bytes",
+                "must be at most 1048576 (counting runs on the proxy's worker threads)",
+            ));
+        }
         if !(self.epsilon.is_finite() && self.epsilon >= 0.0 && self.epsilon <= 100.0) {
             return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
         }

@@ -122,7 +122,17 @@ impl BackendState {
             return;
         };
         if let Some(r) = learner.observe(counters) {
-            self.live.learned_rate.store(r.to_bits(), Ordering::Relaxed);
+            let old = self.live.learned_rate.swap(r.to_bits(), Ordering::Relaxed);
+            let old = f64::from_bits(old);
+            // Say when what placement believes changes materially, not on every scrape.
+            if !(old > 0.0 && (r / old - 1.0).abs() < 0.2) {
+                log::info!(
+                    "backend {}: prefill rate learned from its engine: {r:.0} tokens/s (configured {:.0}{})",
+                    self.name,
+                    self.prefill_rate,
+                    if old > 0.0 { format!(", was {old:.0}") } else { String::new() }
+                );
+            }
         }
     }
 

@@ -13,7 +13,8 @@
 //! ratio would read a fleet of short chats as a slow GPU. Where the engine reports request
 //! counts, a least-squares fit of `seconds = a * requests + tokens / rate` over the window
 //! separates the two; otherwise, or when the window's intervals cannot tell them apart, the
-//! ratio is used. Estimates are clamped to a sane range and need a minimum of evidence.
+//! ratio is used. The fit may only raise the ratio, by at most `MAX_FIT_CORRECTION`.
+//! Estimates are clamped to a sane range and need a minimum of evidence.
 
 use std::collections::VecDeque;
 
@@ -21,6 +22,14 @@ use std::collections::VecDeque;
 pub(crate) const WINDOW: usize = 60;
 /// Computed prompt tokens the window must hold before it says anything.
 pub(crate) const MIN_TOKENS: f64 = 4096.0;
+/// Prefills the window must hold, where the engine counts them.
+pub(crate) const MIN_REQUESTS: f64 = 8.0;
+/// The fit may raise the plain ratio by at most this much. Under batching, per-request prefill
+/// times are noisy (a short prompt sharing a step with a long one waits for all of it), and an
+/// unbounded fit then swings by orders of magnitude (seen on the simulated mixed fleet: 4k to
+/// 2.4M tokens/s for a 9k engine). The ratio can only read low, which steers work away from a
+/// busy engine; an estimate too high would draw more work to it.
+const MAX_FIT_CORRECTION: f64 = 2.0;
 const MIN_RATE: f64 = 1.0;
 const MAX_RATE: f64 = 1e8;
 
@@ -81,14 +90,24 @@ impl PrefillLearner {
 
     /// The window's estimate, or `None` while it holds too little evidence.
     pub fn estimate(&self) -> Option<f64> {
-        let (tokens, seconds) = self
-            .window
-            .iter()
-            .fold((0.0, 0.0), |(t, s), i| (t + i.tokens, s + i.seconds));
-        if tokens < MIN_TOKENS || seconds <= 0.0 {
+        let (tokens, seconds, requests) =
+            self.window
+                .iter()
+                .fold((0.0, 0.0, Some(0.0)), |(t, s, r), i| {
+                    (
+                        t + i.tokens,
+                        s + i.seconds,
+                        r.zip(i.requests).map(|(a, b)| a + b),
+                    )
+                });
+        if tokens < MIN_TOKENS || seconds <= 0.0 || requests.is_some_and(|r| r < MIN_REQUESTS) {
             return None;
         }
-        let rate = self.fit().unwrap_or(tokens / seconds);
+        let ratio = tokens / seconds;
+        let rate = match self.fit() {
+            Some(fit) if fit > ratio => fit.min(ratio * MAX_FIT_CORRECTION),
+            _ => ratio,
+        };
         Some(rate.clamp(MIN_RATE, MAX_RATE))
     }
 
@@ -196,13 +215,44 @@ mod tests {
         let mut e = Engine::new(25_000.0, 0.0);
         let mut l = PrefillLearner::default();
         l.observe(e.serve(&[]));
-        assert!(l.observe(e.serve(&[8_000.0, 8_000.0])).is_some());
+        assert_eq!(
+            l.observe(e.serve(&[8_000.0; 7])),
+            None,
+            "7 prefills are too few"
+        );
+        assert!(l.observe(e.serve(&[8_000.0])).is_some());
         // Restarted: counters back near zero, the old window is dropped.
         let mut fresh = Engine::new(1_000.0, 0.0);
         assert_eq!(l.observe(fresh.serve(&[100.0])), None);
-        l.observe(fresh.serve(&[5_000.0]));
-        let r = l.observe(fresh.serve(&[5_000.0])).unwrap();
+        l.observe(fresh.serve(&[1_000.0; 4]));
+        let r = l.observe(fresh.serve(&[1_000.0; 4])).unwrap();
         assert!((r / 1_000.0 - 1.0).abs() < 0.01, "{r}");
+    }
+
+    #[test]
+    fn a_wild_fit_is_bounded_by_the_ratio() {
+        // Noisy intervals whose fit would put the rate far above what was observed.
+        let mut l = PrefillLearner::default();
+        let mut c = PrefillCounters {
+            tokens: 0.0,
+            seconds: 0.0,
+            requests: Some(0.0),
+        };
+        l.observe(c);
+        let mut r = None;
+        for (tokens, seconds, requests) in [
+            (10_000.0, 2.0, 2.0),
+            (2_000.0, 1.99, 10.0),
+            (30_000.0, 2.01, 3.0),
+        ] {
+            c.tokens += tokens;
+            c.seconds += seconds;
+            c.requests = c.requests.map(|n| n + requests);
+            r = l.observe(c);
+        }
+        let ratio = 42_000.0 / 6.0;
+        let r = r.unwrap();
+        assert!(r >= ratio && r <= MAX_FIT_CORRECTION * ratio, "{r}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::error::ApiError;
 use crate::fleet::{Generation, InflightGuard};
 use crate::placement::Reason;
 use crate::request::usage::UsageTap;
-use crate::request::RequestProfile;
+use crate::request::{RequestProfile, TokenEstimate};
 
 pub struct Ctx {
     pub(super) start: Instant,
@@ -38,6 +38,8 @@ pub(super) struct Route {
     pub priority: i32,
     /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
     pub strip_usage: bool,
+    /// How the prompt's tokens were estimated, settled by the engine's `usage`.
+    pub tokens: Option<TokenEstimate>,
 }
 
 /// Where the request went and how each attempt ended.

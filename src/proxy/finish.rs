@@ -6,12 +6,13 @@ use pingora::Error;
 use super::ctx::Ctx;
 use super::metrics::ProxyMetrics;
 use crate::edge::EdgeState;
-use crate::request::{self, DEFAULT_BLOCK_BYTES};
+use crate::request::{self, TokenEstimator, DEFAULT_BLOCK_BYTES};
 
 /// The request is over, however it ended: release its charge, teach the fleet what the
 /// response showed, settle the caller's quota, count it and write the access log line.
 pub(super) fn end_request(
     edge: &EdgeState,
+    tokens: &TokenEstimator,
     m: &ProxyMetrics,
     session: &Session,
     e: Option<&Error>,
@@ -73,6 +74,24 @@ pub(super) fn end_request(
             edge.limiter
                 .settle(caller, key, ctx.quota.charged_tokens, used);
         }
+    }
+    // The engine's count of the prompt settles the estimate and teaches the model's ratios.
+    if let (Some(u), Some(est), Some(p)) = (
+        ctx.tap.usage.as_ref().and_then(|t| t.usage),
+        ctx.route.tokens.as_ref(),
+        ctx.route.profile.as_ref(),
+    ) {
+        if est.tokens > 0 && u.prompt_tokens > 0 {
+            let method = if est.counted.is_some() {
+                "counted"
+            } else {
+                "sized"
+            };
+            m.token_estimate_ratio
+                .with_label_values(&[method])
+                .observe(u.prompt_tokens as f64 / est.tokens as f64);
+        }
+        tokens.learn(&p.model, est, u.prompt_tokens);
     }
     if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
         m.prompt_tokens

@@ -19,6 +19,7 @@ pub struct ProxyMetrics {
     pub(super) ejections: IntCounterVec,
     pub(super) cut_streams: IntCounterVec,
     pub(super) first_byte_ratio: HistogramVec,
+    pub(super) token_estimate_ratio: HistogramVec,
 }
 
 impl ProxyMetrics {
@@ -100,6 +101,13 @@ impl ProxyMetrics {
                 "Observed time to first byte over kv_aware's predicted TTFT, for streamed requests \
                  (predictions are in the engine's time, observations in kvroute's).",
                 &["backend"],
+            )?,
+            token_estimate_ratio: ratio_vec(
+                r,
+                "kvroute_prompt_tokens_estimate_ratio",
+                "Engine-reported prompt tokens over kvroute's estimate, by method (counted: \
+                 o200k count, sized: from the prompt's bytes), before this request's correction.",
+                &["method"],
             )?,
         })
     }

@@ -20,7 +20,9 @@ use crate::fleet::Current;
 use crate::placement::PolicyKind;
 use crate::request::body::read_body;
 use crate::request::usage::{self, UsageTap};
-use crate::request::{self, Endpoint, DEFAULT_BLOCK_BYTES, SESSION_HEADER};
+use crate::request::{
+    self, Endpoint, PromptText, TokenEstimator, DEFAULT_BLOCK_BYTES, SESSION_HEADER,
+};
 
 mod ctx;
 mod failures;
@@ -55,14 +57,21 @@ fn read_timeout(ctx: &Ctx, t: &TimeoutsConfig) -> Duration {
 pub struct Router {
     current: Arc<Current>,
     edge: Arc<EdgeState>,
+    tokens: Arc<TokenEstimator>,
     metrics: ProxyMetrics,
 }
 
 impl Router {
-    pub fn new(current: Arc<Current>, edge: Arc<EdgeState>, metrics: ProxyMetrics) -> Router {
+    pub fn new(
+        current: Arc<Current>,
+        edge: Arc<EdgeState>,
+        tokens: Arc<TokenEstimator>,
+        metrics: ProxyMetrics,
+    ) -> Router {
         Router {
             current,
             edge,
+            tokens,
             metrics,
         }
     }
@@ -178,8 +187,29 @@ impl ProxyHttp for Router {
             .headers
             .get(SESSION_HEADER)
             .map(|v| v.as_bytes());
-        match request::profile(endpoint, &body, header, DEFAULT_BLOCK_BYTES) {
-            Ok(p) => {
+        let count_limit = cfg.routing.count_tokens_max_bytes;
+        match request::profile_with_text(endpoint, &body, header, DEFAULT_BLOCK_BYTES, count_limit)
+        {
+            Ok((mut p, text)) => {
+                let estimate = match &text {
+                    PromptText::TokenIds => None,
+                    PromptText::Text(t) => {
+                        Some(
+                            self.tokens
+                                .estimate(&p.model, Some(t), p.prompt_bytes, count_limit),
+                        )
+                    }
+                    PromptText::TooLong => {
+                        Some(
+                            self.tokens
+                                .estimate(&p.model, None, p.prompt_bytes, count_limit),
+                        )
+                    }
+                };
+                if let Some(e) = estimate {
+                    p.est_prompt_tokens = e.tokens;
+                    ctx.route.tokens = Some(e);
+                }
                 if let Err(e) = self.placer().admit(ctx, &p) {
                     return reject(session, ctx, e, false).await;
                 }
@@ -416,6 +446,6 @@ impl ProxyHttp for Router {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        finish::end_request(&self.edge, &self.metrics, session, e, ctx);
+        finish::end_request(&self.edge, &self.tokens, &self.metrics, session, e, ctx);
     }
 }

@@ -11,9 +11,11 @@ use crate::error::ApiError;
 
 mod blocks;
 pub(crate) mod body;
+mod tokens;
 pub(crate) mod usage;
 
 pub use blocks::{BlockHasher, DEFAULT_BLOCK_BYTES};
+pub use tokens::{TokenEstimate, TokenEstimator};
 
 /// Which OpenAI endpoint a routed request is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,10 +167,13 @@ struct Canon {
     session: Option<Xxh3>,
     bytes: usize,
     token_ids: u64,
+    /// The canonical text itself, kept for token counting while it fits `text_limit`.
+    text: Option<Vec<u8>>,
+    text_limit: usize,
 }
 
 impl Canon {
-    fn new(block_bytes: usize, body_len: usize) -> Self {
+    fn new(block_bytes: usize, body_len: usize, text_limit: usize) -> Self {
         let mut blocks = BlockHasher::new(block_bytes);
         blocks.reserve_for(body_len);
         Canon {
@@ -176,12 +181,21 @@ impl Canon {
             session: Some(Xxh3::new()),
             bytes: 0,
             token_ids: 0,
+            text: (text_limit > 0).then(|| Vec::with_capacity(body_len.min(text_limit))),
+            text_limit,
         }
     }
 
     fn write(&mut self, data: &[u8]) {
         self.blocks.write(data);
         self.bytes += data.len();
+        if let Some(t) = self.text.as_mut() {
+            if t.len() + data.len() > self.text_limit {
+                self.text = None;
+            } else {
+                t.extend_from_slice(data);
+            }
+        }
         if let Some(s) = self.session.as_mut() {
             s.update(data);
         }
@@ -211,7 +225,36 @@ pub fn profile(
     session_header: Option<&[u8]>,
     block_bytes: usize,
 ) -> Result<RequestProfile, ApiError> {
-    build(endpoint, body, session_header, block_bytes, None)
+    build(endpoint, body, session_header, block_bytes, None, 0).map(|(p, _)| p)
+}
+
+/// What of a prompt's text is available for counting its tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptText {
+    /// The canonical prompt (roles and contents as the engine's template sees them).
+    Text(Vec<u8>),
+    /// Longer than the limit asked for: estimate it by its size.
+    TooLong,
+    /// A prompt of token ids: `est_prompt_tokens` is already exact.
+    TokenIds,
+}
+
+/// [`profile`], plus the canonical prompt text when it is at most `text_limit` bytes.
+pub fn profile_with_text(
+    endpoint: Endpoint,
+    body: &[u8],
+    session_header: Option<&[u8]>,
+    block_bytes: usize,
+    text_limit: usize,
+) -> Result<(RequestProfile, PromptText), ApiError> {
+    build(
+        endpoint,
+        body,
+        session_header,
+        block_bytes,
+        None,
+        text_limit,
+    )
 }
 
 /// The block hashes of this request's prompt followed by the engine's `reply`: what the engine
@@ -224,7 +267,7 @@ pub fn blocks_with_reply(
     reply: &str,
     block_bytes: usize,
 ) -> Result<Vec<u64>, ApiError> {
-    build(endpoint, body, None, block_bytes, Some(reply)).map(|p| p.prefix_blocks)
+    build(endpoint, body, None, block_bytes, Some(reply), 0).map(|(p, _)| p.prefix_blocks)
 }
 
 fn build(
@@ -233,7 +276,8 @@ fn build(
     session_header: Option<&[u8]>,
     block_bytes: usize,
     reply: Option<&str>,
-) -> Result<RequestProfile, ApiError> {
+    text_limit: usize,
+) -> Result<(RequestProfile, PromptText), ApiError> {
     if body.is_empty() {
         return Err(bad(
             "empty_body",
@@ -256,7 +300,7 @@ fn build(
         None => return Err(bad("missing_model", "`model` is required")),
     };
 
-    let mut canon = Canon::new(block_bytes, body.len());
+    let mut canon = Canon::new(block_bytes, body.len(), text_limit);
     canon.field(model.as_bytes());
     if let Some(tools) = parsed.tools {
         canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
@@ -313,12 +357,18 @@ fn build(
     };
 
     let prompt_bytes = canon.bytes;
-    let est_prompt_tokens = if canon.token_ids > 0 {
-        canon.token_ids
+    let (est_prompt_tokens, text) = if canon.token_ids > 0 {
+        (canon.token_ids, PromptText::TokenIds)
     } else {
-        (prompt_bytes as u64).div_ceil(4)
+        (
+            (prompt_bytes as u64).div_ceil(4),
+            canon
+                .text
+                .take()
+                .map_or(PromptText::TooLong, PromptText::Text),
+        )
     };
-    Ok(RequestProfile {
+    let profile = RequestProfile {
         endpoint,
         model: model.to_owned(),
         stream: parsed.stream.unwrap_or(false),
@@ -336,7 +386,8 @@ fn build(
             .max_completion_tokens
             .or(parsed.max_tokens)
             .unwrap_or(DEFAULT_OUTPUT_TOKENS),
-    })
+    };
+    Ok((profile, text))
 }
 
 fn keyed(model: &str, tag: &[u8], value: &[u8]) -> u64 {

@@ -14,6 +14,7 @@ use crate::config::Config;
 use crate::edge::{EdgeState, Listener};
 use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
 use crate::proxy::{ProxyMetrics, Router};
+use crate::request::TokenEstimator;
 
 mod admin;
 mod drain;
@@ -104,13 +105,16 @@ pub fn run(mut opt: Opt) -> ! {
     let listen = cfg.listen.clone();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
+    // The BPE tables load in the background; until then prompts are estimated by size.
+    let tokens = Arc::new(TokenEstimator::default());
+    tokens.warm();
     let current = Arc::new(Current::new(Generation::new(cfg, fleet)));
     reload_metrics.last_success.set(unix_now());
     let fleet_metrics = Arc::new(fleet_metrics);
 
     let router = pingora::proxy::http_proxy(
         &server.configuration,
-        Router::new(current.clone(), edge.clone(), proxy_metrics),
+        Router::new(current.clone(), edge.clone(), tokens, proxy_metrics),
     );
     let mut proxy = Service::new(
         "kvroute proxy".to_string(),

@@ -65,6 +65,9 @@ pub struct CompareArgs {
     pub max_requests: Option<u64>,
     #[arg(long, default_value_t = 2000.0)]
     pub slo_ttft_ms: f64,
+    /// Model seconds at the start of each run left out of its summary (see `replay --warmup-s`).
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_s: f64,
     /// Simulator GPU profile of every server [default: h100-llama8b].
     #[arg(long, value_enum)]
     pub profile: Option<ProfileName>,
@@ -243,6 +246,7 @@ async fn run_one(
     push("--time-scale", args.time_scale.to_string());
     push("--duration-s", args.duration_s.to_string());
     push("--slo-ttft-ms", args.slo_ttft_ms.to_string());
+    push("--warmup-s", args.warmup_s.to_string());
     push("--conversations", args.conversations.to_string());
     push("--label", policy.label.clone());
     push("--trace-speedup", args.trace_speedup.to_string());

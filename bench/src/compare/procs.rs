@@ -93,7 +93,7 @@ impl Proxy {
             .arg("proxy")
             .arg("-c")
             .arg(&conf)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "warn,kvroute::fleet=info")
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)

@@ -81,6 +81,10 @@ pub struct ReplayArgs {
     pub grace_s: f64,
     #[arg(long, default_value_t = 2000.0)]
     pub slo_ttft_ms: f64,
+    /// Model seconds at the start of the run left out of the summary (a learning router's
+    /// warm-up); those requests are still sent, and kept in the records.
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup_s: f64,
     #[arg(long, default_value = "sim-llama-8b")]
     pub model: String,
     /// Send the workload's session id as `x-session-id`.
@@ -134,6 +138,9 @@ impl ReplayArgs {
         positive("--time-scale", self.time_scale)?;
         positive("--trace-speedup", self.trace_speedup)?;
         positive("--slo-ttft-ms", self.slo_ttft_ms)?;
+        if !(self.warmup_s.is_finite() && self.warmup_s >= 0.0) {
+            return Err("--warmup-s must be a number of seconds >= 0".to_string());
+        }
         if let Some(d) = self.duration_s {
             positive("--duration-s", d)?;
         }

@@ -134,7 +134,17 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         .unwrap_or_default();
     records.sort_by_key(|r| r.id);
     to_model_time(&mut records, args.time_scale);
-    let summary = summarize(&records, args.slo_ttft_ms);
+    // Records are in model time now, as is the warm-up.
+    let summary = if args.warmup_s > 0.0 {
+        let measured: Vec<RequestRecord> = records
+            .iter()
+            .filter(|r| r.send_ms >= args.warmup_s * 1000.0)
+            .cloned()
+            .collect();
+        summarize(&measured, args.slo_ttft_ms)
+    } else {
+        summarize(&records, args.slo_ttft_ms)
+    };
     let steps = if args.workload == WorkloadKind::Ladder {
         ladder_steps(&records, &args.rates, args.slo_ttft_ms)
     } else {
