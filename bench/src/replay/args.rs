@@ -34,15 +34,16 @@ impl WorkloadKind {
         }
     }
 
-    /// Default data file, relative to the repository root.
+    /// Default data file, relative to this crate's directory (`bench/`). Found plain or with
+    /// `.gz` appended; the repository ships the gzipped form.
     fn default_file(self) -> Option<&'static str> {
         match self {
             Self::Sharegpt => {
-                Some("../shared/data/traces/sharegpt/sharegpt_v3_first2000_aiperf_multiturn.jsonl")
+                Some("data/traces/sharegpt/sharegpt_v3_first2000_aiperf_multiturn.jsonl")
             }
-            Self::Mooncake => Some("../shared/data/traces/mooncake/synthetic_trace.jsonl"),
-            Self::HotPrefix => Some("../shared/data/traces/synthetic/hot_prefix.jsonl"),
-            Self::HeavyMix => Some("../shared/data/traces/synthetic/heavy_mix.jsonl"),
+            Self::Mooncake => Some("data/traces/mooncake/synthetic_trace.jsonl"),
+            Self::HotPrefix => Some("data/traces/synthetic/hot_prefix.jsonl"),
+            Self::HeavyMix => Some("data/traces/synthetic/heavy_mix.jsonl"),
             Self::Ladder | Self::Prompts => None,
         }
     }
@@ -193,9 +194,9 @@ impl ReplayArgs {
         }
     }
 
-    /// The data file: `--file` as given, else the default found from the current directory
-    /// or any parent (so it works from the repository root and from `bench/`), else next to
-    /// this crate's source tree.
+    /// The data file: `--file` as given, else the default, plain or gzipped, under `bench/`
+    /// of the current directory or any parent (so a binary run from another checkout reads
+    /// that checkout's data), else under this crate's own source tree.
     pub fn workload_file(&self) -> Result<Option<PathBuf>, String> {
         if let Some(f) = &self.file {
             if !f.is_file() {
@@ -207,17 +208,67 @@ impl ReplayArgs {
             return Ok(None);
         };
         let cwd = std::env::current_dir().unwrap_or_default();
-        let manifest_repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        cwd.ancestors()
-            .map(|a| a.join(rel))
-            .chain(std::iter::once(manifest_repo.join(rel)))
-            .find(|p| p.is_file())
-            .map(Some)
-            .ok_or_else(|| {
-                format!(
-                    "cannot find {rel} from {} or its parents; pass --file",
-                    cwd.display()
-                )
-            })
+        let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        find_default(&cwd, crate_dir, rel).map(Some).ok_or_else(|| {
+            format!(
+                "cannot find bench/{rel}[.gz] from {} or its parents, nor under {}; pass --file",
+                cwd.display(),
+                crate_dir.display()
+            )
+        })
+    }
+}
+
+/// `rel` (relative to the crate directory, `bench/`) or `rel.gz`, first under `cwd`'s
+/// ancestors' `bench/`, then under `crate_dir`.
+fn find_default(cwd: &Path, crate_dir: &Path, rel: &str) -> Option<PathBuf> {
+    let gz = format!("{rel}.gz");
+    cwd.ancestors()
+        .map(|a| a.join("bench"))
+        .chain(std::iter::once(crate_dir.to_path_buf()))
+        .flat_map(|dir| [dir.join(rel), dir.join(&gz)])
+        .find(|p| p.is_file())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_default_workload_file_ships_with_the_repository() {
+        let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        for w in [
+            WorkloadKind::Sharegpt,
+            WorkloadKind::Mooncake,
+            WorkloadKind::HotPrefix,
+            WorkloadKind::HeavyMix,
+        ] {
+            let rel = w.default_file().unwrap();
+            // From a directory outside any checkout, only the crate's own copy is found.
+            let found = find_default(Path::new("/"), crate_dir, rel).unwrap();
+            assert!(found.starts_with(crate_dir), "{found:?}");
+            // From inside the repository, the same file through the cwd walk.
+            let from_repo = find_default(&crate_dir.join("src"), crate_dir, rel).unwrap();
+            assert_eq!(
+                from_repo.canonicalize().unwrap(),
+                found.canonicalize().unwrap()
+            );
+        }
+    }
+
+    #[test]
+    fn plain_file_is_preferred_to_gz_and_gz_is_found_alone() {
+        let dir = std::env::temp_dir().join(format!("kvbench-find-{}", std::process::id()));
+        let bench = dir.join("bench/data");
+        std::fs::create_dir_all(&bench).unwrap();
+        std::fs::write(bench.join("t.jsonl.gz"), b"x").unwrap();
+        let nowhere = dir.join("no-crate");
+        let found = find_default(&dir, &nowhere, "data/t.jsonl").unwrap();
+        assert_eq!(found, bench.join("t.jsonl.gz"));
+        std::fs::write(bench.join("t.jsonl"), b"x").unwrap();
+        let found = find_default(&dir.join("bench"), &nowhere, "data/t.jsonl").unwrap();
+        assert_eq!(found, bench.join("t.jsonl"));
+        assert!(find_default(&dir, &nowhere, "data/none.jsonl").is_none());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
