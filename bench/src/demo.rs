@@ -45,6 +45,8 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         sharegpt_file: Some(
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/sharegpt_demo.jsonl"),
         ),
+        // The demo runs no peer router.
+        peer_venv: PathBuf::new(),
     };
     compare::run(args).await
 }

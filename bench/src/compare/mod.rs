@@ -4,8 +4,10 @@
 //!
 //! Every run starts cold (new simulator processes), so no policy inherits another's cache.
 //! A fleet may mix GPU profiles (`--profiles`), and a policy entry may carry options that
-//! change kvroute's config (`kv_aware/rates=true`, see `policy`).
+//! change kvroute's config (`kv_aware/rates=true`, see `policy`) or name a peer router to run
+//! instead of kvroute (`sglang-router/cache_aware`, see `peer`).
 
+mod peer;
 mod policy;
 mod procs;
 
@@ -19,8 +21,9 @@ use crate::replay::report::{self, Report};
 use crate::replay::stats::Summary;
 use crate::replay::{charts, runner, ReplayArgs};
 use crate::sim::{fleet_profiles, ProfileName};
+use policy::PeerRouter;
 pub use policy::PolicyRun;
-use procs::{Proxy, SimFleet};
+use procs::{Router, SimFleet};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct CompareArgs {
@@ -32,7 +35,9 @@ pub struct CompareArgs {
     /// kvroute routing policies to compare. An entry may carry options, each after a `/`:
     /// `rates=true` (configure every backend's true prefill rate), `rates=PROFILE*F+PROFILE*F`
     /// (true rate times F for those profiles), `learn=on|off` (`routing.learn_prefill_rate`),
-    /// e.g. `kv_aware/rates=true/learn=off`. The whole entry labels the run.
+    /// e.g. `kv_aware/rates=true/learn=off`. A peer router instead of kvroute:
+    /// `sglang-router/cache_aware`, `sglang-router/round_robin`, `vllm-router/cache_aware`,
+    /// `vllm-router/round_robin` (see --peer-venv). The whole entry labels the run.
     #[arg(
         long,
         value_delimiter = ',',
@@ -99,6 +104,9 @@ pub struct CompareArgs {
     /// sharegpt: conversation file (default: the workload's).
     #[arg(long)]
     pub sharegpt_file: Option<PathBuf>,
+    /// The venv holding the peer routers (`bench/scripts/install-peers.sh` makes it).
+    #[arg(long, default_value = "bench/.venv-peers")]
+    pub peer_venv: PathBuf,
 }
 
 /// One workload's runs, one per policy.
@@ -146,6 +154,7 @@ fn check_policies(policies: &[PolicyRun]) -> Result<(), String> {
 pub async fn run(args: CompareArgs) -> Result<(), String> {
     let fleet = fleet(&args)?;
     check_policies(&args.policies)?;
+    let peers = peer_versions(&args).await?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own binary: {e}"))?;
     let out = args.results_dir.join(&args.name);
     std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
@@ -174,13 +183,13 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
             steps,
         });
     }
-    let md = render(&args, &fleet, &sections);
+    let md = render(&args, &fleet, peers.as_deref(), &sections);
     std::fs::write(out.join("README.md"), &md).map_err(|e| format!("{}: {e}", out.display()))?;
     let json: Vec<_> = sections
         .iter()
         .map(|s| serde_json::json!({"workload": s.workload.name(), "runs": s.runs, "steps": s.steps}))
         .collect();
-    let json = serde_json::json!({"command_line": command_line(), "settings": settings(&args, &fleet), "results": json});
+    let json = serde_json::json!({"command_line": command_line(), "settings": settings(&args, &fleet), "peers": peers, "results": json});
     std::fs::write(
         out.join("results.json"),
         serde_json::to_string_pretty(&json).unwrap_or_default(),
@@ -189,6 +198,19 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     print!("{md}");
     eprintln!("results: {}", out.display());
     Ok(())
+}
+
+/// The installed versions of the peers the entries name, if any; fails before any run when
+/// one is missing.
+async fn peer_versions(args: &CompareArgs) -> Result<Option<String>, String> {
+    let peers: Vec<PeerRouter> = PeerRouter::ALL
+        .into_iter()
+        .filter(|p| args.policies.iter().any(|r| r.peer == Some(*p)))
+        .collect();
+    if peers.is_empty() {
+        return Ok(None);
+    }
+    peer::versions(&args.peer_venv, &peers).await.map(Some)
 }
 
 /// The simulator's arguments besides `--servers` and `--base-port`.
@@ -234,13 +256,13 @@ async fn run_one(
         .copied()
         .zip(profiles.iter().copied())
         .collect();
-    let proxy = Proxy::start(exe, &backends, policy, &dir).await?;
+    let router = Router::start(exe, &backends, policy, &dir, &args.peer_venv).await?;
     let mut cli: Vec<String> = vec!["replay".into()];
     let mut push = |k: &str, v: String| {
         cli.push(k.to_string());
         cli.push(v);
     };
-    push("--target", proxy.url.clone());
+    push("--target", router.url().to_string());
     push("--workload", workload.name().to_string());
     push("--out", dir.display().to_string());
     push("--time-scale", args.time_scale.to_string());
@@ -271,9 +293,10 @@ async fn run_one(
         cli.push(f.display().to_string());
     }
     let replay = ReplayCli::try_parse_from(&cli).map_err(|e| format!("replay arguments: {e}"))?;
-    runner::run(replay.args).await?;
-    drop(proxy);
+    let replayed = runner::run(replay.args).await;
+    router.stop().await;
     drop(fleet);
+    replayed?;
     // Keep the summary; per-request records of every run would bloat the committed results.
     let path = dir.join("report.json");
     let mut report = Report::load(&path)?;
@@ -309,11 +332,23 @@ fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
     )
 }
 
-fn render(args: &CompareArgs, fleet: &[ProfileName], sections: &[Section]) -> String {
+fn render(
+    args: &CompareArgs,
+    fleet: &[ProfileName],
+    peers: Option<&str>,
+    sections: &[Section],
+) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# kvbench compare: {}\n", args.name);
     let _ = writeln!(md, "Command: `{}`\n", command_line());
     let _ = writeln!(md, "{}.\n", settings(args, fleet));
+    if let Some(peers) = peers {
+        let _ = writeln!(
+            md,
+            "Peer routers: {peers} (PyPI), each with its defaults except a private metrics \
+             port and a 1 s startup check; exact command in `<workload>/<policy>/router.cmd`.\n"
+        );
+    }
     for Section {
         workload: w,
         runs,
@@ -423,5 +458,36 @@ mod tests {
         let twice = parse(&["--policies", "kv_aware,kv_aware"]).unwrap();
         let err = check_policies(&twice.policies).unwrap_err();
         assert!(err.contains("share results directory"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn peer_entries_sit_beside_kvroute_ones_and_need_the_venv() {
+        let args = parse(&[
+            "--policies",
+            "kv_aware,sglang-router/cache_aware,vllm-router/round_robin",
+        ])
+        .unwrap();
+        assert_eq!(args.peer_venv, PathBuf::from("bench/.venv-peers"));
+        let peers: Vec<_> = args.policies.iter().map(|p| p.peer).collect();
+        assert_eq!(
+            peers,
+            [None, Some(PeerRouter::Sglang), Some(PeerRouter::Vllm)]
+        );
+        assert!(check_policies(&args.policies).is_ok());
+        // No peer entry: the venv is not looked at.
+        let plain = parse(&["--policies", "kv_aware", "--peer-venv", "/nonexistent"]).unwrap();
+        assert_eq!(peer_versions(&plain).await, Ok(None));
+        let args = parse(&[
+            "--policies",
+            "kv_aware,sglang-router/cache_aware",
+            "--peer-venv",
+            "/nonexistent",
+        ])
+        .unwrap();
+        let err = peer_versions(&args).await.unwrap_err();
+        assert!(
+            err.contains("sglang-router is not installed in /nonexistent"),
+            "{err}"
+        );
     }
 }

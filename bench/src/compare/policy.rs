@@ -11,6 +11,9 @@
 //!   from the engines' telemetry.
 //!
 //! Without options the config is exactly what a plain policy run always had.
+//!
+//! An entry may instead name a peer router and its policy, `sglang-router/cache_aware`: that
+//! run starts the peer (see `peer`) in front of the fleet instead of kvroute.
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -36,6 +39,35 @@ pub struct PolicyRun {
     pub rates: Rates,
     /// `routing.learn_prefill_rate`, when given.
     pub learn: Option<bool>,
+    /// Set when the entry names a peer router: the run starts it instead of kvroute, and
+    /// `policy` is the peer's policy.
+    pub peer: Option<PeerRouter>,
+}
+
+/// A router that kvroute is measured against, installed from PyPI.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerRouter {
+    Sglang,
+    Vllm,
+}
+
+impl PeerRouter {
+    pub const ALL: [PeerRouter; 2] = [PeerRouter::Sglang, PeerRouter::Vllm];
+    /// The peers' policies a comparison offers: the ones both peers have and that kvroute's
+    /// own policies correspond to (its cache-aware tree, and the no-affinity floor).
+    pub const POLICIES: [&'static str; 2] = ["cache_aware", "round_robin"];
+
+    /// The PyPI distribution name, also the entry's first part.
+    pub fn name(self) -> &'static str {
+        match self {
+            PeerRouter::Sglang => "sglang-router",
+            PeerRouter::Vllm => "vllm-router",
+        }
+    }
+
+    fn parse(name: &str) -> Option<PeerRouter> {
+        PeerRouter::ALL.into_iter().find(|p| p.name() == name)
+    }
 }
 
 impl PolicyRun {
@@ -55,7 +87,30 @@ impl PolicyRun {
             policy: policy.to_string(),
             rates: Rates::Omit,
             learn: None,
+            peer: None,
         };
+        if let Some(peer) = PeerRouter::parse(policy) {
+            // kvroute's options configure kvroute; a peer runs with its own defaults.
+            let rest: Vec<&str> = parts.collect();
+            let known = PeerRouter::POLICIES.join(", ");
+            let [peer_policy] = rest[..] else {
+                return Err(format!(
+                    "policy entry {label:?}: a peer takes exactly one policy, {}/POLICY with \
+                     POLICY one of {known}",
+                    peer.name()
+                ));
+            };
+            if !PeerRouter::POLICIES.contains(&peer_policy) {
+                return Err(format!(
+                    "policy entry {label:?}: {peer_policy:?} is not a {} policy offered here \
+                     ({known})",
+                    peer.name()
+                ));
+            }
+            run.policy = peer_policy.to_string();
+            run.peer = Some(peer);
+            return Ok(run);
+        }
         let (mut seen_rates, mut seen_learn) = (false, false);
         for option in parts {
             let bad = |why: String| format!("policy entry {label:?}: {why}");
@@ -258,6 +313,37 @@ mod tests {
         let dir = run.dir_name();
         assert_eq!(dir, "kv_aware__rates=h100-llama8bx0.01_l40s-llama8bx100");
         assert!(!dir.contains('/'));
+    }
+
+    #[test]
+    fn peer_entries_name_the_peer_and_its_policy() {
+        for peer in PeerRouter::ALL {
+            for policy in PeerRouter::POLICIES {
+                let entry = format!("{}/{policy}", peer.name());
+                let run = PolicyRun::parse(&entry).unwrap();
+                assert_eq!(
+                    (run.peer, run.policy.as_str(), run.label.as_str()),
+                    (Some(peer), policy, entry.as_str())
+                );
+                assert_eq!(run.rates, Rates::Omit);
+                assert_eq!(run.dir_name(), entry.replace('/', "__"));
+            }
+        }
+        assert_eq!(PolicyRun::parse("cache_aware").unwrap().peer, None);
+        assert_eq!(PolicyRun::parse("kv_aware/learn=off").unwrap().peer, None);
+        for (entry, says) in [
+            ("sglang-router", "exactly one policy"),
+            ("vllm-router/", "not a vllm-router policy"),
+            ("sglang-router/kv_aware", "not a sglang-router policy"),
+            ("vllm-router/cache_aware/rates=true", "exactly one policy"),
+            (
+                "sglang-router/cache_aware/round_robin",
+                "exactly one policy",
+            ),
+        ] {
+            let err = PolicyRun::parse(entry).unwrap_err();
+            assert!(err.contains(says), "{entry:?}: {err}");
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! The processes a comparison run needs, started from this same binary: a simulated fleet
-//! (`kvbench sim`) and kvroute (`kvbench proxy`, the kvroute library embedded). Both are
-//! killed when dropped, so a failed run leaves nothing behind.
+//! The processes a comparison run needs: a simulated fleet (`kvbench sim`) and a router in
+//! front of it, kvroute (`kvbench proxy`, the kvroute library embedded) or a peer router
+//! (`peer`). All are killed when dropped, so a failed run leaves nothing behind.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use super::peer::PeerProcess;
 use super::policy::{kvroute_yaml, PolicyRun};
 use crate::sim::ProfileName;
 
@@ -58,6 +59,50 @@ impl SimFleet {
             _child: child,
             addrs,
         })
+    }
+}
+
+/// The router a run replays through.
+pub enum Router {
+    Kvroute(Proxy),
+    Peer(PeerProcess),
+}
+
+impl Router {
+    /// kvroute, or the peer the entry names (from the venv at `peer_venv`), in front of
+    /// `backends`; config, command and log go to `dir`.
+    pub async fn start(
+        exe: &Path,
+        backends: &[(SocketAddr, ProfileName)],
+        run: &PolicyRun,
+        dir: &Path,
+        peer_venv: &Path,
+    ) -> Result<Router, String> {
+        let Some(peer) = run.peer else {
+            return Proxy::start(exe, backends, run, dir)
+                .await
+                .map(Router::Kvroute);
+        };
+        let workers: Vec<SocketAddr> = backends.iter().map(|&(a, _)| a).collect();
+        let (listen, prometheus) = (free_addr()?, free_addr()?);
+        PeerProcess::start(peer_venv, run, peer, &workers, listen, prometheus, dir)
+            .await
+            .map(Router::Peer)
+    }
+
+    pub fn url(&self) -> &str {
+        match self {
+            Router::Kvroute(p) => &p.url,
+            Router::Peer(p) => &p.url,
+        }
+    }
+
+    /// Ends the router before the fleet, so it sees no backend vanish under it.
+    pub async fn stop(self) {
+        match self {
+            Router::Kvroute(p) => drop(p),
+            Router::Peer(p) => p.stop().await,
+        }
     }
 }
 
