@@ -74,7 +74,7 @@ fn routing(c: &mut Criterion) {
     let tokens = TokenEstimator::default();
     tokens.warm_now();
     let mut g = c.benchmark_group("profile_count_and_place");
-    for size in [1_000usize, 8_000] {
+    for size in [1_000usize, 4_000] {
         let b = body(size);
         g.throughput(Throughput::Bytes(b.len() as u64));
         g.bench_with_input(BenchmarkId::from_parameter(size), &b, |bench, b| {

@@ -352,3 +352,79 @@ async fn prefill_rates_are_learned_from_engine_counters() {
         assert!((gauge / truth - 1.0).abs() <= 0.25, "{name}: gauge {gauge}");
     }
 }
+
+/// Small prompts are counted with o200k_base and the count is settled against the engine's
+/// `usage.prompt_tokens`; the estimate moves toward what this engine reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_tokens_are_counted_and_corrected_by_the_engine() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sim.addr], "");
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    // The tables load in the background: wait until a request is counted.
+    let send = |i: usize| {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            // Digits: o200k splits them in threes, the simulator's stand-in counts ~4 bytes a
+            // token, so the two disagree by about a third and the correction has work to do.
+            let text = format!("question {i}: ") + &"1234567890 ".repeat(60);
+            let body = chat_body(MODEL, json!([{"role": "user", "content": text}]), false, 1);
+            let r = c.post(&url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    let counted = || {
+        kv.metric_sum(
+            "kvroute_prompt_tokens_estimate_ratio_count",
+            &[("method", "counted")],
+        )
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut i = 0;
+    while counted() < 1.0 && std::time::Instant::now() < deadline {
+        send(i).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(counted() >= 1.0, "no prompt was counted");
+    // The first ratios are off by the tokenizers' disagreement, later ones (after the
+    // correction has moved) by less.
+    let ratio = |text: &str| {
+        metric_sum(
+            text,
+            "kvroute_prompt_tokens_estimate_ratio_sum",
+            &[("method", "counted")],
+        ) / metric_sum(
+            text,
+            "kvroute_prompt_tokens_estimate_ratio_count",
+            &[("method", "counted")],
+        )
+    };
+    for j in 0..20 {
+        send(i + j).await;
+    }
+    let early = ratio(&kv.metrics());
+    for j in 20..120 {
+        send(i + j).await;
+    }
+    let text = kv.metrics();
+    let (sum_all, n_all) = (
+        metric_sum(
+            &text,
+            "kvroute_prompt_tokens_estimate_ratio_sum",
+            &[("method", "counted")],
+        ),
+        metric_sum(
+            &text,
+            "kvroute_prompt_tokens_estimate_ratio_count",
+            &[("method", "counted")],
+        ),
+    );
+    let (sum_early, n_early) = (early * (n_all - 100.0), n_all - 100.0);
+    let late = (sum_all - sum_early) / (n_all - n_early);
+    assert!(
+        (late - 1.0).abs() < (early - 1.0).abs(),
+        "the correction did not move: early mean ratio {early}, late {late}"
+    );
+    assert!((late - 1.0).abs() < 0.15, "late mean ratio {late}");
+}

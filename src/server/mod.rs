@@ -24,8 +24,6 @@ use admin::AdminApp;
 use drain::DrainWatch;
 use reload::{unix_now, ReloadMetrics, Reloader};
 
-pub use reload::{effective, needs_upgrade, Applied, ReloadError};
-
 /// The engine telemetry scrape loop as a Pingora background service.
 struct Telemetry(Arc<Current>);
 
