@@ -294,7 +294,7 @@ async fn run_one(
     }
     let replay = ReplayCli::try_parse_from(&cli).map_err(|e| format!("replay arguments: {e}"))?;
     let replayed = runner::run(replay.args).await;
-    router.stop().await;
+    router.stop(&dir).await;
     drop(fleet);
     replayed?;
     // Keep the summary; per-request records of every run would bloat the committed results.

@@ -97,10 +97,15 @@ impl Router {
         }
     }
 
-    /// Ends the router before the fleet, so it sees no backend vanish under it.
-    pub async fn stop(self) {
+    /// Ends the router before the fleet, so it sees no backend vanish under it. kvroute's view
+    /// of its backends at the end (learned prefill rates, KV sizes) is kept as
+    /// `dir/backends.json` first.
+    pub async fn stop(self, dir: &Path) {
         match self {
-            Router::Kvroute(p) => drop(p),
+            Router::Kvroute(p) => {
+                p.save_backends(&dir.join("backends.json")).await;
+                drop(p)
+            }
             Router::Peer(p) => p.stop().await,
         }
     }
@@ -151,6 +156,21 @@ impl Proxy {
         };
         proxy.wait_ready(&log_path).await?;
         Ok(proxy)
+    }
+
+    /// `GET /backends` of the admin listener into `path`; a failure is reported, not fatal
+    /// (the run's figures do not depend on it).
+    async fn save_backends(&self, path: &Path) {
+        let url = format!("http://{}/backends", self.admin);
+        let body = match reqwest::get(&url).await {
+            Ok(r) if r.status().is_success() => r.bytes().await.map_err(|e| e.to_string()),
+            Ok(r) => Err(format!("status {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        };
+        let saved = body.and_then(|b| std::fs::write(path, b).map_err(|e| e.to_string()));
+        if let Err(e) = saved {
+            eprintln!("compare: could not save {url} to {}: {e}", path.display());
+        }
     }
 
     async fn wait_ready(&self, log: &Path) -> Result<(), String> {
