@@ -191,21 +191,16 @@ impl ProxyHttp for Router {
         match request::profile_with_text(endpoint, &body, header, DEFAULT_BLOCK_BYTES, count_limit)
         {
             Ok((mut p, text)) => {
-                let estimate = match &text {
+                // Token ids are already an exact count; text is counted or sized.
+                let text = match &text {
                     PromptText::TokenIds => None,
-                    PromptText::Text(t) => {
-                        Some(
-                            self.tokens
-                                .estimate(&p.model, Some(t), p.prompt_bytes, count_limit),
-                        )
-                    }
-                    PromptText::TooLong => {
-                        Some(
-                            self.tokens
-                                .estimate(&p.model, None, p.prompt_bytes, count_limit),
-                        )
-                    }
+                    PromptText::Text(t) => Some(Some(t.as_slice())),
+                    PromptText::TooLong => Some(None),
                 };
+                let estimate = text.map(|t| {
+                    self.tokens
+                        .estimate(&p.model, t, p.prompt_bytes, count_limit)
+                });
                 if let Some(e) = estimate {
                     p.est_prompt_tokens = e.tokens;
                     ctx.route.tokens = Some(e);

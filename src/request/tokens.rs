@@ -9,7 +9,7 @@
 //! so a large document never stalls other connections.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use tiktoken_rs::CoreBPE;
 
 /// Bytes per token assumed for a model no engine has reported on yet.
@@ -60,7 +60,8 @@ fn settle(old: f64, sample: f64, lo: f64, hi: f64) -> f64 {
 pub struct TokenEstimator {
     bpe: Arc<OnceLock<CoreBPE>>,
     loading: std::sync::atomic::AtomicBool,
-    models: Mutex<HashMap<String, Ratios>>,
+    /// Read on every request, written once per answered one: readers never wait on each other.
+    models: RwLock<HashMap<String, Ratios>>,
 }
 
 impl TokenEstimator {
@@ -128,7 +129,7 @@ impl TokenEstimator {
         if engine_tokens == 0 || est.bytes == 0 {
             return;
         }
-        let Ok(mut models) = self.models.lock() else {
+        let Ok(mut models) = self.models.write() else {
             return;
         };
         if !models.contains_key(model) && models.len() >= MAX_MODELS {
@@ -144,7 +145,7 @@ impl TokenEstimator {
 
     fn ratios(&self, model: &str) -> Ratios {
         self.models
-            .lock()
+            .read()
             .ok()
             .and_then(|m| m.get(model).copied())
             .unwrap_or_default()
