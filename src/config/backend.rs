@@ -21,9 +21,10 @@ pub struct BackendConfig {
     pub addr: String,
     #[serde(default = "one")]
     pub weight: u32,
-    /// Prefill throughput of this backend's engine (kv_aware's cost model).
-    #[serde(default = "default_prefill_rate")]
-    pub prefill_tokens_per_s: f64,
+    /// Prefill throughput of this backend's engine (kv_aware's cost model). Unset: learned
+    /// from the engine's counters, `DEFAULT_PREFILL_TOKENS_PER_S` until then.
+    #[serde(default)]
+    pub prefill_tokens_per_s: Option<f64>,
     /// KV cache size of this backend's engine, which bounds its prefix index. Unset: learned
     /// from `vllm:cache_config_info`, else `DEFAULT_KV_CAPACITY_TOKENS`.
     #[serde(default)]
@@ -43,10 +44,6 @@ pub const DEFAULT_KV_CAPACITY_TOKENS: u64 = 500_000;
 
 /// Prefill rate assumed when none is configured: an 8B model on one H100.
 pub const DEFAULT_PREFILL_TOKENS_PER_S: f64 = 25_000.0;
-
-fn default_prefill_rate() -> f64 {
-    DEFAULT_PREFILL_TOKENS_PER_S
-}
 
 fn default_metrics_path() -> String {
     "/metrics".into()
@@ -74,7 +71,9 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
                 "must be between 1 and 1000",
             ));
         }
-        if !(b.prefill_tokens_per_s.is_finite() && b.prefill_tokens_per_s >= 1.0) {
+        if b.prefill_tokens_per_s
+            .is_some_and(|r| !(r.is_finite() && r >= 1.0))
+        {
             return Err(err(
                 format!("kvroute.backends[{i}].prefill_tokens_per_s"),
                 "must be at least 1",

@@ -7,10 +7,14 @@ use std::time::Instant;
 
 use pingora_load_balancing::Backend;
 
-use super::learn::{PrefillCounters, PrefillLearner};
+use super::learn::{PrefillCounters, PrefillEstimate, PrefillLearner};
 use super::outlier::Outlier;
 use super::telemetry::Slot;
-use crate::config::{EngineKind, DEFAULT_KV_CAPACITY_TOKENS};
+use crate::config::{EngineKind, DEFAULT_KV_CAPACITY_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S};
+
+/// A configured prefill rate stands while it is at most this many times the learned estimate
+/// (and not below the proven floor): the estimate itself is only good to about this much.
+const CONFIGURED_RATE_TOLERANCE: f64 = 1.5;
 
 /// What a backend accumulates while it runs. Shared by `Arc` between fleet generations and the
 /// guards of requests in flight, so a reload neither loses nor double-counts load.
@@ -19,6 +23,8 @@ pub(super) struct Live {
     /// The engine's prefill rate as its own counters show it (f64 bits; 0 until learned).
     /// Read on every placement, written by the scrape loop.
     pub(super) learned_rate: AtomicU64,
+    /// The lower bound those counters prove (f64 bits; 0 until learned).
+    pub(super) learned_floor: AtomicU64,
     pub(super) learner: Mutex<PrefillLearner>,
     /// KV capacity the engine reported or showed (tokens; 0 until known). Kept past the
     /// telemetry sample's staleness: a cache does not change size while the engine runs.
@@ -47,6 +53,7 @@ impl Live {
         Live {
             telemetry: Slot::default(),
             learned_rate: AtomicU64::new(0),
+            learned_floor: AtomicU64::new(0),
             learner: Mutex::new(PrefillLearner::default()),
             learned_kv_capacity: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
@@ -64,8 +71,8 @@ pub struct BackendState {
     /// `ip:port`, the `backend` label in metrics and logs.
     pub name: String,
     pub weight: u32,
-    /// Configured prefill rate: the prior until the engine's counters teach one.
-    pub prefill_rate: f64,
+    /// Configured prefill rate (`None`: [`DEFAULT_PREFILL_TOKENS_PER_S`] until learned).
+    pub prefill_rate_configured: Option<f64>,
     /// Use the learned rate once there is one (`routing.learn_prefill_rate`).
     pub(super) learn: bool,
     pub engine: EngineKind,
@@ -101,19 +108,32 @@ impl BackendState {
         since_epoch_ms(now) < self.live.ejected_until_ms.load(Ordering::Relaxed)
     }
 
-    /// The prefill rate placement uses: learned from the engine when it can be, else the
-    /// configured one.
+    /// The prefill rate placement uses. Without learning, or before the engine's counters
+    /// say enough: the configured rate, else the default. Then a configured rate stands while
+    /// the evidence allows it (at least the proven floor, at most
+    /// `CONFIGURED_RATE_TOLERANCE` times the estimate): on a fleet configured right, learning
+    /// changes nothing, while a rate configured 100x wrong is replaced within a minute. An
+    /// unconfigured backend uses the estimate.
     pub fn effective_prefill_rate(&self) -> f64 {
-        match (self.learn, self.learned_prefill_rate()) {
-            (true, Some(r)) => r,
-            _ => self.prefill_rate,
+        let prior = self
+            .prefill_rate_configured
+            .unwrap_or(DEFAULT_PREFILL_TOKENS_PER_S);
+        let learned = self.learn.then(|| self.learned_prefill()).flatten();
+        match (learned, self.prefill_rate_configured) {
+            (None, _) => prior,
+            (Some(e), Some(c)) if c >= e.floor && c <= e.rate * CONFIGURED_RATE_TOLERANCE => c,
+            (Some(e), _) => e.rate,
         }
     }
 
     /// What the engine's counters say, whether or not placement uses it.
-    pub fn learned_prefill_rate(&self) -> Option<f64> {
-        let r = f64::from_bits(self.live.learned_rate.load(Ordering::Relaxed));
-        (r > 0.0).then_some(r)
+    pub fn learned_prefill(&self) -> Option<PrefillEstimate> {
+        let rate = f64::from_bits(self.live.learned_rate.load(Ordering::Relaxed));
+        let floor = f64::from_bits(self.live.learned_floor.load(Ordering::Relaxed));
+        (rate > 0.0).then_some(PrefillEstimate {
+            rate,
+            floor: floor.min(rate),
+        })
     }
 
     /// The engine's cumulative prefill counters from one scrape.
@@ -121,15 +141,24 @@ impl BackendState {
         let Ok(mut learner) = self.live.learner.lock() else {
             return;
         };
-        if let Some(r) = learner.observe(counters) {
-            let old = self.live.learned_rate.swap(r.to_bits(), Ordering::Relaxed);
+        if let Some(e) = learner.observe(counters) {
+            self.live
+                .learned_floor
+                .store(e.floor.to_bits(), Ordering::Relaxed);
+            let old = self
+                .live
+                .learned_rate
+                .swap(e.rate.to_bits(), Ordering::Relaxed);
             let old = f64::from_bits(old);
+            let r = e.rate;
             // Say when what placement believes changes materially, not on every scrape.
             if !(old > 0.0 && (r / old - 1.0).abs() < 0.2) {
                 log::info!(
-                    "backend {}: prefill rate learned from its engine: {r:.0} tokens/s (configured {:.0}{})",
+                    "backend {}: prefill rate learned from its engine: {r:.0} tokens/s, at least {:.0} (configured {}{})",
                     self.name,
-                    self.prefill_rate,
+                    e.floor,
+                    self.prefill_rate_configured
+                        .map_or_else(|| "none".to_owned(), |c| format!("{c:.0}")),
                     if old > 0.0 { format!(", was {old:.0}") } else { String::new() }
                 );
             }

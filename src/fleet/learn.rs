@@ -15,6 +15,14 @@
 //! separates the two; otherwise, or when the window's intervals cannot tell them apart, the
 //! ratio is used. The fit may only raise the ratio, by at most `MAX_FIT_CORRECTION`.
 //! Estimates are clamped to a sane range and need a minimum of evidence.
+//!
+//! The plain ratio is also a proof: a prefill cannot outrun its engine, so each request's
+//! prefill seconds are at least its tokens over the rate, and `tokens / seconds` over any set
+//! of requests is at most the rate (batching and per-step overhead only lower it). It is kept
+//! as the `floor` beside the `rate`, so a configured rate that the evidence cannot rule out is
+//! not replaced by a noisier estimate (see `BackendState::effective_prefill_rate`). The proof
+//! needs tokens and seconds of the same requests: vLLM's `request_prefill_kv_computed_tokens`
+//! gives that, its `prompt_tokens_total` only over a long window.
 
 use std::collections::VecDeque;
 
@@ -51,6 +59,15 @@ struct Interval {
     requests: Option<f64>,
 }
 
+/// What a window of counters says of an engine's prefill rate, tokens per engine second.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillEstimate {
+    /// The best estimate.
+    pub rate: f64,
+    /// A lower bound the evidence proves (the plain ratio); `floor <= rate`.
+    pub floor: f64,
+}
+
 /// The rolling prefill-rate estimate of one backend.
 #[derive(Debug, Default)]
 pub struct PrefillLearner {
@@ -59,8 +76,8 @@ pub struct PrefillLearner {
 }
 
 impl PrefillLearner {
-    /// Take one scrape's counters; returns the current estimate (tokens per engine second).
-    pub fn observe(&mut self, now: PrefillCounters) -> Option<f64> {
+    /// Take one scrape's counters; returns the current estimate.
+    pub fn observe(&mut self, now: PrefillCounters) -> Option<PrefillEstimate> {
         match self.last.replace(now) {
             // Counters went down: the engine restarted, and what it knew of itself is gone.
             Some(prev) if now.tokens < prev.tokens || now.seconds < prev.seconds => {
@@ -89,7 +106,7 @@ impl PrefillLearner {
     }
 
     /// The window's estimate, or `None` while it holds too little evidence.
-    pub fn estimate(&self) -> Option<f64> {
+    pub fn estimate(&self) -> Option<PrefillEstimate> {
         let (tokens, seconds, requests) =
             self.window
                 .iter()
@@ -108,7 +125,10 @@ impl PrefillLearner {
             Some(fit) if fit > ratio => fit.min(ratio * MAX_FIT_CORRECTION),
             _ => ratio,
         };
-        Some(rate.clamp(MIN_RATE, MAX_RATE))
+        Some(PrefillEstimate {
+            rate: rate.clamp(MIN_RATE, MAX_RATE),
+            floor: ratio.clamp(MIN_RATE, MAX_RATE),
+        })
     }
 
     /// Least squares of `seconds = a * requests + b * tokens` (a >= 0, b > 0): the rate is
@@ -188,8 +208,10 @@ mod tests {
             est = l.observe(e.serve(&batch));
         }
         let est = est.unwrap();
-        assert!((est / 9_000.0 - 1.0).abs() < 0.02, "{est}");
+        assert!((est.rate / 9_000.0 - 1.0).abs() < 0.02, "{est:?}");
         let naive = e.c.tokens / e.c.seconds;
+        // The floor is the plain ratio (of the window: all but the first batch).
+        assert!((est.floor / naive - 1.0).abs() < 0.05, "{est:?} vs {naive}");
         assert!(
             naive < 0.8 * 9_000.0,
             "the test must be one the ratio gets wrong: {naive}"
@@ -207,7 +229,8 @@ mod tests {
         assert_eq!(l.observe(c(0.0, 0.0)), None);
         assert_eq!(l.observe(c(1000.0, 1.0)), None, "below MIN_TOKENS");
         let r = l.observe(c(10_000.0, 4.0)).unwrap();
-        assert!((r - 2_500.0).abs() < 1e-9, "{r}");
+        assert!((r.rate - 2_500.0).abs() < 1e-9, "{r:?}");
+        assert_eq!(r.floor, r.rate);
     }
 
     #[test]
@@ -225,7 +248,7 @@ mod tests {
         let mut fresh = Engine::new(1_000.0, 0.0);
         assert_eq!(l.observe(fresh.serve(&[100.0])), None);
         l.observe(fresh.serve(&[1_000.0; 4]));
-        let r = l.observe(fresh.serve(&[1_000.0; 4])).unwrap();
+        let r = l.observe(fresh.serve(&[1_000.0; 4])).unwrap().rate;
         assert!((r / 1_000.0 - 1.0).abs() < 0.01, "{r}");
     }
 
@@ -252,7 +275,11 @@ mod tests {
         }
         let ratio = 42_000.0 / 6.0;
         let r = r.unwrap();
-        assert!(r >= ratio && r <= MAX_FIT_CORRECTION * ratio, "{r}");
+        assert!(
+            r.rate >= ratio && r.rate <= MAX_FIT_CORRECTION * ratio,
+            "{r:?}"
+        );
+        assert!((r.floor - ratio).abs() < 1e-6);
     }
 
     #[test]
@@ -268,7 +295,7 @@ mod tests {
         for _ in 0..WINDOW {
             r = l.observe(slow.serve(&[2_000.0]));
         }
-        let r = r.unwrap();
+        let r = r.unwrap().rate;
         assert!((r / 50_000.0 - 1.0).abs() < 0.01, "{r}");
     }
 }

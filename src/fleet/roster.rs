@@ -178,7 +178,7 @@ impl Fleet {
                     addr,
                     name: b.addr.clone(),
                     weight: b.weight,
-                    prefill_rate: b.prefill_tokens_per_s,
+                    prefill_rate_configured: b.prefill_tokens_per_s,
                     learn: cfg.routing.learn_prefill_rate,
                     engine: b.engine,
                     metrics_path: b.metrics_path.clone(),
@@ -410,10 +410,69 @@ mod tests {
         };
         f.observe(0, scrape(0.0, 0.0));
         f.observe(0, scrape(90_000.0, 10.0));
-        assert_eq!(b.learned_prefill_rate(), Some(9_000.0));
+        assert_eq!(b.learned_prefill().map(|e| e.rate), Some(9_000.0));
         assert_eq!(b.effective_prefill_rate(), 9_000.0);
         assert_eq!(b.kv_capacity(), 150_000);
         assert_eq!(f.loads()[0].prefill_rate, 9_000.0);
+    }
+
+    #[test]
+    fn a_configured_rate_stands_while_the_evidence_allows_it() {
+        let yaml = |rate: &str| {
+            format!("kvroute:\n  listen: \"127.0.0.1:1\"\n  backends:\n    - addr: \"127.0.0.1:2\"\n{rate}")
+        };
+        // Small prompts with a fixed per-request cost: the plain ratio (the floor) reads ~6,200
+        // tokens/s for an engine the fit puts at 9,000.
+        let feed = |f: &Fleet| {
+            let mut c = PrefillCounters {
+                tokens: 0.0,
+                seconds: 0.0,
+                requests: Some(0.0),
+            };
+            f.observe(
+                0,
+                EngineStats {
+                    prefill: Some(c),
+                    ..EngineStats::default()
+                },
+            );
+            for k in 0..30 {
+                let (small, docs) = (20.0 + (k % 5) as f64, (k % 3 == 0) as u8 as f64);
+                c.tokens += small * 100.0 + docs * 20_000.0;
+                c.seconds += (small + docs) * 0.02 + (small * 100.0 + docs * 20_000.0) / 9_000.0;
+                c.requests = c.requests.map(|r| r + small + docs);
+                f.observe(
+                    0,
+                    EngineStats {
+                        prefill: Some(c),
+                        ..EngineStats::default()
+                    },
+                );
+            }
+        };
+        let run = |rate: &str| {
+            let cfg = Config::from_yaml(&yaml(rate)).unwrap();
+            let f = Fleet::new(&cfg).unwrap();
+            feed(&f);
+            let b = &f.backends()[0];
+            let e = b.learned_prefill().unwrap();
+            assert!((e.rate / 9_000.0 - 1.0).abs() < 0.05, "{e:?}");
+            assert!(
+                e.floor < 0.8 * e.rate,
+                "the test needs a floor well below: {e:?}"
+            );
+            b.effective_prefill_rate()
+        };
+        // Right, or within what the evidence cannot rule out: kept as configured.
+        assert_eq!(run("      prefill_tokens_per_s: 9500\n"), 9_500.0);
+        assert_eq!(run("      prefill_tokens_per_s: 7000\n"), 7_000.0);
+        assert_eq!(run("      prefill_tokens_per_s: 13000\n"), 13_000.0);
+        // Below the proven floor (~6,200), or far above the estimate: the estimate.
+        let est = run("");
+        assert!((est / 9_000.0 - 1.0).abs() < 0.05, "unconfigured: {est}");
+        assert_eq!(run("      prefill_tokens_per_s: 5000\n"), est);
+        assert_eq!(run("      prefill_tokens_per_s: 90\n"), est);
+        assert_eq!(run("      prefill_tokens_per_s: 900000\n"), est);
     }
 
     #[test]

@@ -92,7 +92,7 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
     let mut s = EngineStats::default();
     let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
     // Prefill counters: prompt tokens (all, or computed only), seconds, requests.
-    let (mut prompt, mut seconds, mut requests) = (None, None, None);
+    let (mut prompt, mut seconds, mut requests, mut kv_computed) = (None, None, None, None);
     for (name, labels, v) in samples(text) {
         match (kind, name) {
             (EngineKind::Vllm, "vllm:num_requests_waiting")
@@ -111,6 +111,9 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             (EngineKind::Vllm, "vllm:request_prefill_time_seconds_sum")
             | (EngineKind::Llamacpp, "llamacpp:prompt_seconds_total") => add(&mut seconds, v),
             (EngineKind::Vllm, "vllm:request_prefill_time_seconds_count") => add(&mut requests, v),
+            (EngineKind::Vllm, "vllm:request_prefill_kv_computed_tokens_sum") => {
+                add(&mut kv_computed, v)
+            }
             (EngineKind::Llamacpp, "llamacpp:kv_cache_tokens")
             | (EngineKind::Sglang, "sglang:num_used_tokens") => add(&mut s.kv_tokens_used, v),
             (EngineKind::Vllm, "vllm:prefix_cache_queries_total") => add(&mut s.prefix_queries, v),
@@ -125,10 +128,14 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             _ => {}
         }
     }
-    // vLLM counts every prompt token, cached or not; what was computed is the rest. llama.cpp
-    // counts only the tokens it processed.
+    // vLLM counts every prompt token, cached or not, when it is scheduled; what was computed
+    // is the rest. Its `request_prefill_kv_computed_tokens` (vLLM 0.11+) is better: observed
+    // with the prefill time, so both cover the same requests and a scrape cannot split a long
+    // prefill's tokens from its seconds. llama.cpp counts only the tokens it processed.
     let computed = match kind {
-        EngineKind::Vllm => prompt.map(|p| (p - s.prefix_hits.unwrap_or(0.0)).max(0.0)),
+        EngineKind::Vllm => {
+            kv_computed.or_else(|| prompt.map(|p| (p - s.prefix_hits.unwrap_or(0.0)).max(0.0)))
+        }
         _ => prompt,
     };
     if let (Some(tokens), Some(seconds)) = (computed, seconds) {
@@ -209,6 +216,12 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
                 requests: Some(7.0)
             })
         );
+        // Newer vLLM says per request what each prefill computed: that is preferred.
+        let text = format!(
+            "{text}vllm:request_prefill_kv_computed_tokens_sum{{model_name=\"m\"}} 3900.0\n"
+        );
+        let s = parse_engine(EngineKind::Vllm, &text);
+        assert_eq!(s.prefill.map(|p| p.tokens), Some(3900.0));
         // llama.cpp counts processed tokens only, and shows its KV size by how full it is.
         let s = parse_engine(
             EngineKind::Llamacpp,

@@ -66,8 +66,9 @@ fn backends_json(fleet: &Fleet, cfg: &Config) -> Vec<u8> {
                 "decoding_requests": b.decoding(),
                 "prefill_tokens_per_second": {
                     "in_use": b.effective_prefill_rate(),
-                    "configured": b.prefill_rate,
-                    "learned": b.learned_prefill_rate(),
+                    "configured": b.prefill_rate_configured,
+                    "learned": b.learned_prefill().map(|e| e.rate),
+                    "learned_floor": b.learned_prefill().map(|e| e.floor),
                     "learning": cfg.routing.learn_prefill_rate,
                 },
                 "kv_capacity_tokens": {

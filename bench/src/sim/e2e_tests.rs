@@ -507,6 +507,10 @@ async fn engine_prefill_telemetry_in_each_engines_names_and_model_time() {
                 assert_eq!(sample(&m, "vllm:prompt_tokens_total"), 9_000.0);
                 assert_eq!(sample(&m, "vllm:prefix_cache_queries_total"), 9_000.0);
                 assert_eq!(sample(&m, "vllm:prefix_cache_hits_total"), 4_496.0);
+                // What each prefill computed, observed with its prefill time: 4,500 then 4.
+                let computed = "vllm:request_prefill_kv_computed_tokens";
+                assert_eq!(sample(&m, &format!("{computed}_sum")), 4_504.0);
+                assert_eq!(sample(&m, &format!("{computed}_count")), 2.0);
             }
             Engine::Llamacpp => {
                 // Only the computed prompt tokens: 4,500 then 4.

@@ -4,8 +4,10 @@
 //! Names keep their engine's meaning, since a router reading them cannot tell a simulator
 //! from the real engine: vLLM's and SGLang's `prompt_tokens_total` count every prompt token
 //! of admitted requests, llama.cpp's only those it computed (`n_prompt_tokens_processed`,
-//! prefix-cache hits excluded); vLLM's prefix-cache counters count tokens. All times are
-//! model seconds.
+//! prefix-cache hits excluded); vLLM's prefix-cache counters count tokens, its
+//! `request_prefill_kv_computed_tokens` the tokens each prefill computed, observed with its
+//! `request_prefill_time_seconds` (vLLM observes both when the request finishes, the simulator
+//! when its prefill does). All times are model seconds.
 
 use std::fmt::Write;
 
@@ -34,6 +36,11 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
             t.counter("vllm:generation_tokens", &label, s.generation_tokens_total);
             t.histogram("vllm:time_to_first_token_seconds", &label, &s.ttft);
             t.histogram("vllm:request_prefill_time_seconds", &label, &s.prefill_time);
+            t.histogram(
+                "vllm:request_prefill_kv_computed_tokens",
+                &label,
+                &s.prefill_computed_tokens,
+            );
         }
         Engine::Sglang => {
             t.gauge("sglang:num_running_reqs", &label, s.running as f64);

@@ -21,6 +21,12 @@ pub const PREFILL_BUCKETS: [f64; 21] = [
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// Prompt-token buckets of vLLM's per-request token histograms.
+pub const TOKEN_BUCKETS: [f64; 14] = [
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+    65536.0,
+];
+
 /// Engine counters published after every step, read by `/metrics` and `/debug/state`.
 #[derive(Debug, Default)]
 pub struct EngineGauges {
@@ -92,8 +98,9 @@ struct Timings {
     ttft: Histogram,
     /// Per request, model seconds of prefill (see `scheduler`).
     prefill: Histogram,
-    /// Prompt tokens computed by finished prefills (prefix-cache hits excluded).
-    prompt_tokens_processed: u64,
+    /// Per request, prompt tokens computed by its prefill (prefix-cache hits excluded):
+    /// vLLM's `request_prefill_kv_computed_tokens`, observed with `prefill`.
+    computed: Histogram,
 }
 
 impl Default for Timings {
@@ -101,7 +108,7 @@ impl Default for Timings {
         Self {
             ttft: Histogram::new(&TTFT_BUCKETS),
             prefill: Histogram::new(&PREFILL_BUCKETS),
-            prompt_tokens_processed: 0,
+            computed: Histogram::new(&TOKEN_BUCKETS),
         }
     }
 }
@@ -128,6 +135,8 @@ pub struct Snapshot {
     pub ttft: Histogram,
     #[serde(skip)]
     pub prefill_time: Histogram,
+    #[serde(skip)]
+    pub prefill_computed_tokens: Histogram,
 }
 
 impl Stats {
@@ -152,7 +161,7 @@ impl Stats {
     pub fn prefilled(&self, processed_tokens: u64, seconds: f64) {
         let mut t = self.timings();
         t.prefill.observe(seconds);
-        t.prompt_tokens_processed += processed_tokens;
+        t.computed.observe(processed_tokens as f64);
     }
 
     fn timings(&self) -> MutexGuard<'_, Timings> {
@@ -194,10 +203,11 @@ impl Stats {
             prefix_cache_queries_total: self.prefix_queries_total.load(Relaxed),
             prefix_cache_hits_total: self.prefix_hits_total.load(Relaxed),
             preemptions_total: e.preemptions.load(Relaxed),
-            prompt_tokens_processed_total: timings.prompt_tokens_processed,
+            prompt_tokens_processed_total: timings.computed.sum as u64,
             prompt_seconds_total: timings.prefill.sum,
             ttft: timings.ttft,
             prefill_time: timings.prefill,
+            prefill_computed_tokens: timings.computed,
         }
     }
 }
