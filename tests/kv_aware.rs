@@ -299,8 +299,9 @@ async fn overload_queues_then_sheds_with_retry_after() {
 }
 
 /// kvroute learns each backend's prefill rate from its engine's counters (in the engine's model
-/// time, whatever the time scale): configured at 25,000 tok/s, the L40S-like backend is found
-/// near its true 9,000 and the H100-like one near 25,000.
+/// time, whatever the time scale): with no rate configured, the L40S-like backend is found near
+/// its true 9,000 tok/s and the H100-like one near 25,000. Their decode gaps give each one's
+/// engine step time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_rates_are_learned_from_engine_counters() {
     let l40s = Sim::start(&["--profile", "l40s-llama8b", "--time-scale", "20"]);
@@ -314,7 +315,7 @@ async fn prefill_rates_are_learned_from_engine_counters() {
     for i in 0..24 {
         // About 4,000 tokens each, distinct from the first block on: all computed, none cached.
         let text = format!("document {i}: ") + &"lorem ipsum dolor sit amet ".repeat(600);
-        let body = chat_body(MODEL, json!([{"role": "user", "content": text}]), false, 1);
+        let body = chat_body(MODEL, json!([{"role": "user", "content": text}]), false, 8);
         let r = c.post(&url).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 200);
     }
@@ -350,6 +351,18 @@ async fn prefill_rates_are_learned_from_engine_counters() {
             &[("backend", name)],
         );
         assert!((gauge / truth - 1.0).abs() <= 0.25, "{name}: gauge {gauge}");
+        // One stream at a time: a step is the engine's fixed cost plus one stream's reads,
+        // a few model milliseconds.
+        let (_, body) = http_get(kv.admin, "/backends");
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let b = v.as_array().and_then(|a| a.iter().find(|b| b["backend"] == name.as_str()));
+        let step = b.and_then(|b| b["decode_step_seconds"].as_f64());
+        assert!(
+            step.is_some_and(|s| (0.001..0.05).contains(&s)),
+            "{name}: decode step {step:?}"
+        );
+        let gauge = kv.metric_sum("kvroute_backend_decode_step_seconds", &[("backend", name)]);
+        assert_eq!(Some(gauge), step, "{name}");
     }
 }
 

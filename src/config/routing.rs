@@ -55,6 +55,9 @@ pub struct RoutingConfig {
     pub heavy_prefill_tokens: u64,
     /// kv_aware: cost, per decoding stream on a backend, of each second of prefill there.
     pub decode_stall_weight: f64,
+    /// kv_aware: cost, per second of prefill, of recomputing a prefix another backend holds
+    /// or is computing: the copy is work other requests then queue behind.
+    pub duplicate_prefill_weight: f64,
     /// kv_aware: a backend whose engine reports more KV cache in use than this takes new
     /// requests only when no other can.
     pub kv_usage_ceiling: f64,
@@ -87,6 +90,7 @@ impl Default for RoutingConfig {
             candidates: 3,
             heavy_prefill_tokens: 8192,
             decode_stall_weight: 0.02,
+            duplicate_prefill_weight: 1.0,
             kv_usage_ceiling: 0.9,
             min_prefix_saving_tokens: 1024,
             learn_prefill_rate: true,
@@ -119,6 +123,14 @@ impl RoutingConfig {
         }
         if !(self.decode_stall_weight.is_finite() && self.decode_stall_weight >= 0.0) {
             return Err(err("kvroute.routing.decode_stall_weight", "must be >= 0"));
+        }
+        if !(self.duplicate_prefill_weight.is_finite()
+            && (0.0..=100.0).contains(&self.duplicate_prefill_weight))
+        {
+            return Err(err(
+                "kvroute.routing.duplicate_prefill_weight",
+                "must be between 0 and 100",
+            ));
         }
         if !(self.kv_usage_ceiling > 0.0 && self.kv_usage_ceiling <= 1.0) {
             return Err(err("kvroute.routing.kv_usage_ceiling", "must be in (0, 1]"));

@@ -7,14 +7,17 @@ use std::time::Instant;
 
 use pingora_load_balancing::Backend;
 
-use super::learn::{PrefillCounters, PrefillEstimate, PrefillLearner};
+use super::learn::{
+    DecodeCounters, DecodeLearner, PrefillCounters, PrefillEstimate, PrefillLearner,
+};
 use super::outlier::Outlier;
 use super::telemetry::Slot;
 use crate::config::{EngineKind, DEFAULT_KV_CAPACITY_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S};
 
 /// A configured prefill rate stands while it is at most this many times the learned estimate
-/// (and not below the proven floor): the estimate itself is only good to about this much.
-const CONFIGURED_RATE_TOLERANCE: f64 = 1.5;
+/// (and not below the proven floor): the estimate reads low by about this much where only
+/// short prompts came.
+const CONFIGURED_RATE_TOLERANCE: f64 = 2.0;
 
 /// What a backend accumulates while it runs. Shared by `Arc` between fleet generations and the
 /// guards of requests in flight, so a reload neither loses nor double-counts load.
@@ -26,6 +29,10 @@ pub(super) struct Live {
     /// The lower bound those counters prove (f64 bits; 0 until learned).
     pub(super) learned_floor: AtomicU64,
     pub(super) learner: Mutex<PrefillLearner>,
+    /// Seconds an engine step takes each decoding stream, as the engine shows it (f64 bits;
+    /// 0 until learned).
+    pub(super) decode_step: AtomicU64,
+    pub(super) decode_learner: Mutex<DecodeLearner>,
     /// KV capacity the engine reported or showed (tokens; 0 until known). Kept past the
     /// telemetry sample's staleness: a cache does not change size while the engine runs.
     pub(super) learned_kv_capacity: AtomicU64,
@@ -55,6 +62,8 @@ impl Live {
             learned_rate: AtomicU64::new(0),
             learned_floor: AtomicU64::new(0),
             learner: Mutex::new(PrefillLearner::default()),
+            decode_step: AtomicU64::new(0),
+            decode_learner: Mutex::new(DecodeLearner::default()),
             learned_kv_capacity: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
             queued_prefill: AtomicU64::new(0),
@@ -113,14 +122,18 @@ impl BackendState {
     /// the evidence allows it (at least the proven floor, at most
     /// `CONFIGURED_RATE_TOLERANCE` times the estimate): on a fleet configured right, learning
     /// changes nothing, while a rate configured 100x wrong is replaced within a minute. An
-    /// unconfigured backend uses the estimate.
-    pub fn effective_prefill_rate(&self) -> f64 {
+    /// unconfigured backend uses the estimate. Until its engine says, a learning backend is
+    /// assumed at least `explore` fast (the fleet's median learned rate), or one configured
+    /// far too slow would get no request to learn from.
+    pub fn effective_prefill_rate(&self, explore: f64) -> f64 {
         let prior = self
             .prefill_rate_configured
             .unwrap_or(DEFAULT_PREFILL_TOKENS_PER_S);
-        let learned = self.learn.then(|| self.learned_prefill()).flatten();
-        match (learned, self.prefill_rate_configured) {
-            (None, _) => prior,
+        if !self.learn {
+            return prior;
+        }
+        match (self.learned_prefill(), self.prefill_rate_configured) {
+            (None, _) => prior.max(explore),
             (Some(e), Some(c)) if c >= e.floor && c <= e.rate * CONFIGURED_RATE_TOLERANCE => c,
             (Some(e), _) => e.rate,
         }
@@ -162,6 +175,24 @@ impl BackendState {
                     if old > 0.0 { format!(", was {old:.0}") } else { String::new() }
                 );
             }
+        }
+    }
+
+    /// Seconds one engine step takes now, as the engine's decode gaps show it.
+    pub fn decode_step_seconds(&self) -> Option<f64> {
+        let s = f64::from_bits(self.live.decode_step.load(Ordering::Relaxed));
+        (s > 0.0).then_some(s)
+    }
+
+    /// The engine's cumulative decode counters from one scrape.
+    pub(super) fn observe_decode(&self, counters: DecodeCounters) {
+        let Ok(mut learner) = self.live.decode_learner.lock() else {
+            return;
+        };
+        if let Some(step) = learner.observe(counters) {
+            self.live
+                .decode_step
+                .store(step.to_bits(), Ordering::Relaxed);
         }
     }
 

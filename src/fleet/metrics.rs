@@ -54,6 +54,7 @@ pub struct FleetMetrics {
     queued_prefill: IntGaugeVec,
     decoding: IntGaugeVec,
     prefill_rate: GaugeVec,
+    decode_step: GaugeVec,
     kv_capacity: IntGaugeVec,
     telemetry_age: GaugeVec,
     /// Engine telemetry, one gauge family per scraped quantity.
@@ -101,6 +102,13 @@ impl FleetMetrics {
                 "Prefill rate kv_aware uses: learned from the engine's counters, else configured.",
                 &["backend"],
             )?,
+            decode_step: gauge_vec(
+                r,
+                "kvroute_backend_decode_step_seconds",
+                "Seconds an engine step takes each decoding stream, from the engine's inter-token \
+                 latency (vLLM, SGLang) or predicted-token seconds (llama.cpp); absent until known.",
+                &["backend"],
+            )?,
             kv_capacity: int_gauge_vec(
                 r,
                 "kvroute_backend_kv_capacity_tokens",
@@ -143,6 +151,7 @@ impl FleetMetrics {
             let _ = g.remove_label_values(&[name]);
         }
         let _ = self.prefill_rate.remove_label_values(&[name]);
+        let _ = self.decode_step.remove_label_values(&[name]);
         let _ = self.telemetry_age.remove_label_values(&[name]);
         for (g, _) in &self.engine {
             let _ = g.remove_label_values(&[name]);
@@ -171,7 +180,10 @@ impl FleetMetrics {
                 .set(b.decoding() as i64);
             self.prefill_rate
                 .with_label_values(&name)
-                .set(b.effective_prefill_rate());
+                .set(fleet.prefill_rate(i));
+            if let Some(step) = b.decode_step_seconds() {
+                self.decode_step.with_label_values(&name).set(step);
+            }
             self.kv_capacity
                 .with_label_values(&name)
                 .set(b.kv_capacity() as i64);

@@ -41,6 +41,10 @@ pub struct Fleet {
     tickets: AtomicU64,
     block_tokens: u64,
     stale_after: Duration,
+    /// The median learned prefill rate (f64 bits; 0 while none is): a backend whose engine
+    /// has not yet said is assumed at least this fast, so that it gets the traffic it needs to
+    /// say. Without it, a backend configured far too slow would never be sent a request.
+    explore_rate: AtomicU64,
 }
 
 /// A backend's address and optional DCGM exporter, parsed before anything is changed.
@@ -204,6 +208,7 @@ impl Fleet {
             ring,
             shared,
             tickets: AtomicU64::new(0),
+            explore_rate: AtomicU64::new(0),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
         })
@@ -243,7 +248,8 @@ impl Fleet {
                     inflight: b.inflight(),
                     queued_prefill: b.queued_prefill(),
                     decoding: b.decoding(),
-                    prefill_rate: b.effective_prefill_rate(),
+                    prefill_rate: self.prefill_rate(i),
+                    decode_step_s: b.decode_step_seconds().unwrap_or(0.0),
                     engine_load: engine.and_then(|e| match (e.running, e.waiting) {
                         (None, None) => None,
                         (r, w) => Some((r.unwrap_or(0.0) + w.unwrap_or(0.0)).max(0.0) as u64),
@@ -252,6 +258,15 @@ impl Fleet {
                 }
             })
             .collect()
+    }
+
+    /// The prefill rate placement uses for backend `i` (see
+    /// [`BackendState::effective_prefill_rate`]).
+    pub fn prefill_rate(&self, i: usize) -> f64 {
+        let explore = f64::from_bits(self.explore_rate.load(Ordering::Relaxed));
+        self.backends
+            .get(i)
+            .map_or(0.0, |b| b.effective_prefill_rate(explore))
     }
 
     /// A fresh round-robin ticket.
@@ -316,6 +331,17 @@ impl Fleet {
         };
         if let Some(counters) = stats.prefill {
             b.observe_prefill(counters);
+            let mut rates: Vec<f64> = self
+                .backends
+                .iter()
+                .filter_map(|b| b.learned_prefill().map(|e| e.rate))
+                .collect();
+            rates.sort_by(f64::total_cmp);
+            let median = rates.get(rates.len() / 2).copied().unwrap_or(0.0);
+            self.explore_rate.store(median.to_bits(), Ordering::Relaxed);
+        }
+        if let Some(counters) = stats.decode {
+            b.observe_decode(counters);
         }
         if let Some(tokens) = stats.kv_capacity_tokens {
             b.set_learned_kv_capacity(tokens);
@@ -398,12 +424,13 @@ mod tests {
     fn prefill_rate_and_kv_capacity_are_learned_from_engine_counters() {
         let f = fleet();
         let b = &f.backends()[0];
-        assert_eq!(b.effective_prefill_rate(), 20_000.0, "the configured prior");
+        assert_eq!(f.prefill_rate(0), 20_000.0, "the configured prior");
         let scrape = |tokens: f64, seconds: f64| EngineStats {
             prefill: Some(PrefillCounters {
                 tokens,
                 seconds,
                 requests: None,
+                paired: true,
             }),
             kv_capacity_tokens: Some(150_000),
             ..EngineStats::default()
@@ -411,7 +438,7 @@ mod tests {
         f.observe(0, scrape(0.0, 0.0));
         f.observe(0, scrape(90_000.0, 10.0));
         assert_eq!(b.learned_prefill().map(|e| e.rate), Some(9_000.0));
-        assert_eq!(b.effective_prefill_rate(), 9_000.0);
+        assert_eq!(f.prefill_rate(0), 9_000.0);
         assert_eq!(b.kv_capacity(), 150_000);
         assert_eq!(f.loads()[0].prefill_rate, 9_000.0);
     }
@@ -428,6 +455,7 @@ mod tests {
                 tokens: 0.0,
                 seconds: 0.0,
                 requests: Some(0.0),
+                paired: false,
             };
             f.observe(
                 0,
@@ -461,7 +489,7 @@ mod tests {
                 e.floor < 0.8 * e.rate,
                 "the test needs a floor well below: {e:?}"
             );
-            b.effective_prefill_rate()
+            f.prefill_rate(0)
         };
         // Right, or within what the evidence cannot rule out: kept as configured.
         assert_eq!(run("      prefill_tokens_per_s: 9500\n"), 9_500.0);
@@ -473,6 +501,36 @@ mod tests {
         assert_eq!(run("      prefill_tokens_per_s: 5000\n"), est);
         assert_eq!(run("      prefill_tokens_per_s: 90\n"), est);
         assert_eq!(run("      prefill_tokens_per_s: 900000\n"), est);
+    }
+
+    #[test]
+    fn a_backend_not_yet_heard_from_is_assumed_as_fast_as_the_median() {
+        let cfg = Config::from_yaml(
+            "kvroute:\n  listen: \"127.0.0.1:1\"\n  backends:\n    - addr: \"127.0.0.1:2\"\n    - addr: \"127.0.0.1:3\"\n      prefill_tokens_per_s: 250\n",
+        )
+        .unwrap();
+        let f = Fleet::new(&cfg).unwrap();
+        assert_eq!((f.prefill_rate(0), f.prefill_rate(1)), (25_000.0, 250.0));
+        let scrape = |tokens: f64, seconds: f64| EngineStats {
+            prefill: Some(PrefillCounters {
+                tokens,
+                seconds,
+                requests: None,
+                paired: true,
+            }),
+            ..EngineStats::default()
+        };
+        f.observe(0, scrape(0.0, 0.0));
+        f.observe(0, scrape(80_000.0, 4.0));
+        // Told it is 80x slower, backend 1 would never be sent a request to learn from.
+        assert_eq!((f.prefill_rate(0), f.prefill_rate(1)), (20_000.0, 20_000.0));
+        f.observe(1, scrape(0.0, 0.0));
+        f.observe(1, scrape(50_000.0, 2.0));
+        assert_eq!(
+            f.prefill_rate(1),
+            25_000.0,
+            "its own evidence rules out 250"
+        );
     }
 
     #[test]

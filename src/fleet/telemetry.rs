@@ -7,7 +7,7 @@
 
 use arc_swap::ArcSwapOption;
 
-use super::learn::PrefillCounters;
+use super::learn::{DecodeCounters, PrefillCounters};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +28,8 @@ pub struct EngineStats {
     pub kv_tokens_used: Option<f64>,
     /// Cumulative prefill work, the input of the learned prefill rate.
     pub prefill: Option<PrefillCounters>,
+    /// Cumulative decode gaps, the input of the learned decode step time.
+    pub decode: Option<DecodeCounters>,
     pub gpu_utilization: Option<f64>,
     pub gpu_memory_used_bytes: Option<f64>,
 }
@@ -93,6 +95,8 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
     let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
     // Prefill counters: prompt tokens (all, or computed only), seconds, requests.
     let (mut prompt, mut seconds, mut requests, mut kv_computed) = (None, None, None, None);
+    // Decode counters: seconds between consecutive tokens, and how many gaps.
+    let (mut gap_seconds, mut gaps) = (None, None);
     for (name, labels, v) in samples(text) {
         match (kind, name) {
             (EngineKind::Vllm, "vllm:num_requests_waiting")
@@ -114,6 +118,14 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             (EngineKind::Vllm, "vllm:request_prefill_kv_computed_tokens_sum") => {
                 add(&mut kv_computed, v)
             }
+            (EngineKind::Vllm, "vllm:inter_token_latency_seconds_sum")
+            | (EngineKind::Sglang, "sglang:inter_token_latency_seconds_sum")
+            | (EngineKind::Llamacpp, "llamacpp:tokens_predicted_seconds_total") => {
+                add(&mut gap_seconds, v)
+            }
+            (EngineKind::Vllm, "vllm:inter_token_latency_seconds_count")
+            | (EngineKind::Sglang, "sglang:inter_token_latency_seconds_count")
+            | (EngineKind::Llamacpp, "llamacpp:tokens_predicted_total") => add(&mut gaps, v),
             (EngineKind::Llamacpp, "llamacpp:kv_cache_tokens")
             | (EngineKind::Sglang, "sglang:num_used_tokens") => add(&mut s.kv_tokens_used, v),
             (EngineKind::Vllm, "vllm:prefix_cache_queries_total") => add(&mut s.prefix_queries, v),
@@ -143,7 +155,11 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             tokens,
             seconds,
             requests,
+            paired: kind == EngineKind::Llamacpp || kv_computed.is_some(),
         });
+    }
+    if let (Some(seconds), Some(tokens)) = (gap_seconds, gaps) {
+        s.decode = Some(DecodeCounters { seconds, tokens });
     }
     // Without a reported size, a cache that is in use tells its size by how full it is.
     if let (None, Some(used), Some(ratio)) = (s.kv_capacity_tokens, s.kv_tokens_used, s.kv_usage) {
@@ -213,7 +229,8 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
             Some(PrefillCounters {
                 tokens: 4360.0,
                 seconds: 1.5,
-                requests: Some(7.0)
+                requests: Some(7.0),
+                paired: false,
             })
         );
         // Newer vLLM says per request what each prefill computed: that is preferred.
@@ -221,7 +238,20 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
             "{text}vllm:request_prefill_kv_computed_tokens_sum{{model_name=\"m\"}} 3900.0\n"
         );
         let s = parse_engine(EngineKind::Vllm, &text);
-        assert_eq!(s.prefill.map(|p| p.tokens), Some(3900.0));
+        assert_eq!(
+            s.prefill.map(|p| (p.tokens, p.paired)),
+            Some((3900.0, true))
+        );
+        // Decode gaps, per engine's names.
+        let itl = "inter_token_latency_seconds";
+        for (kind, text) in [
+            (EngineKind::Vllm, format!("vllm:{itl}_sum{{model_name=\"m\"}} 3.0\nvllm:{itl}_count{{model_name=\"m\"}} 200\n")),
+            (EngineKind::Sglang, format!("sglang:{itl}_sum{{model_name=\"m\"}} 3.0\nsglang:{itl}_count{{model_name=\"m\"}} 200\n")),
+            (EngineKind::Llamacpp, "llamacpp:tokens_predicted_seconds_total 3.0\nllamacpp:tokens_predicted_total 200\n".to_owned()),
+        ] {
+            let d = parse_engine(kind, &text).decode;
+            assert_eq!(d, Some(DecodeCounters { seconds: 3.0, tokens: 200.0 }), "{kind:?}");
+        }
         // llama.cpp counts processed tokens only, and shows its KV size by how full it is.
         let s = parse_engine(
             EngineKind::Llamacpp,
@@ -233,7 +263,8 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
             Some(PrefillCounters {
                 tokens: 6886.0,
                 seconds: 2.5,
-                requests: None
+                requests: None,
+                paired: true,
             })
         );
         assert_eq!(s.kv_capacity_tokens, Some(4096));

@@ -19,6 +19,8 @@ pub struct Params {
     /// Seconds of cost per second of prefill per stream decoding on the backend: the stall a
     /// prefill imposes on the streams sharing its engine steps.
     pub decode_stall_weight: f64,
+    /// Seconds of cost per second of prefill recomputing a prefix another backend holds.
+    pub duplicate_prefill_weight: f64,
     /// Engine-reported KV usage above which a backend is a last resort.
     pub kv_usage_ceiling: f64,
     /// Hard cap of in-flight requests per unit of weight: a backend at it is not eligible.
@@ -41,6 +43,7 @@ impl Params {
             candidates: routing.candidates,
             heavy_prefill_tokens: routing.heavy_prefill_tokens,
             decode_stall_weight: routing.decode_stall_weight,
+            duplicate_prefill_weight: routing.duplicate_prefill_weight,
             kv_usage_ceiling: routing.kv_usage_ceiling,
             backend_max_inflight,
             min_prefix_saving_tokens: routing.min_prefix_saving_tokens,

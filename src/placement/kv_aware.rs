@@ -7,16 +7,32 @@
 //! ```text
 //! uncached(b) = max(0, P - m(b) * B)
 //! work(b)     = inflight(b) + queued_prefill(b) / U          (U = work_unit_tokens)
+//! shared(b)   = min(m(b) * B, P, queued_prefill(b)) / U      (its prefix, maybe still computing)
 //! cost(b)     = 1 + uncached(b) / U                          (this request, in work units)
-//! admissible  = healthy, untried, and work(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack
-//! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b)
+//! admissible  = healthy, untried, and
+//!               work(b) - shared(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack
+//! dup(b)      = min(P, max_c m(c) * B) - min(P, m(b) * B)    (a prefix held elsewhere, recomputed)
+//! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b) + step(b)
 //! score(b)    = est_ttft(b) + decode_stall_weight * decoding(b) * uncached(b) / prefill_rate(b)
+//!               + duplicate_prefill_weight * dup(b) / prefill_rate(b)
 //!               - [b is the key's owner] * min_prefix_saving_tokens / prefill_rate(b)
 //! ```
+//!
+//! `step(b)` is the engine step time the backend's decode gaps show (0 until known): even a
+//! fully cached prompt waits for one step, and a backend with a heavy decode batch has slow
+//! ones.
 //!
 //! `W` is the eligible fleet's work. As in the unit-request rule (`load + 1 <= bound`), a
 //! backend below its bound may take the request whatever its size: a request heavier than a
 //! fair share must still fit somewhere.
+//!
+//! A miss costs more than its own TTFT: the copy of the prefix is work the other requests on
+//! that backend then wait behind, and it splits the group's later requests between two
+//! holders. `dup` prices that. And the prefill of a prefix that this request will reuse is
+//! work it waits behind (in `est_ttft`) but does not add: `shared` keeps it from counting
+//! against the bound, or the second request of a group would spill off the backend computing
+//! the group's prefix and compute it again elsewhere. The discount is bounded by the
+//! backend's queued prefill, and the request count in `work` still bounds a hot prefix.
 //!
 //! Candidates, in ring order from the session key: the first `candidates` admissible ring
 //! positions, plus every admissible backend whose match is at least half the best match and
@@ -38,7 +54,8 @@ pub struct Terms {
     pub backend: usize,
     pub matched_tokens: u64,
     pub uncached: u64,
-    /// The backend's work before this request.
+    /// The backend's work before this request, less the prefill of this request's prefix
+    /// that it may still be computing.
     pub work: f64,
     pub bound: u64,
     pub est_ttft_s: f64,
@@ -93,15 +110,19 @@ pub(super) fn choose(
         );
         let rate = b.prefill_rate.max(1.0);
         let prefill_s = uncached as f64 / rate;
-        let est_ttft_s = b.queued_prefill as f64 / rate + prefill_s;
+        let est_ttft_s = b.queued_prefill as f64 / rate + prefill_s + b.decode_step_s;
+        let shared = m.min(b.queued_prefill) as f64 / unit;
+        let dup = best_match.min(prompt).saturating_sub(m) as f64 / rate;
         Terms {
             backend: i,
             matched_tokens: m,
             uncached,
-            work: work(i),
+            work: work(i) - shared,
             bound,
             est_ttft_s,
-            score: est_ttft_s + params.decode_stall_weight * b.decoding as f64 * prefill_s,
+            score: est_ttft_s
+                + params.decode_stall_weight * b.decoding as f64 * prefill_s
+                + params.duplicate_prefill_weight * dup,
         }
     };
 
@@ -266,6 +287,45 @@ mod tests {
         let d = pick(&loads, &r, &matched, &req(key, 2_000));
         assert_ne!(d.backend, order[0]);
         assert_eq!(d.reason, Reason::Spill);
+    }
+
+    #[test]
+    fn a_group_waits_for_the_prefix_its_owner_is_computing() {
+        let r = ring(4);
+        let key = 17;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        // The group's first request is still prefilling its 8k-token prefix on the owner:
+        // counted as work, the owner would be over its bound (4 >= 3).
+        loads[order[0]].inflight = 2;
+        loads[order[0]].queued_prefill = 8_192;
+        let mut matched = [0u32; 4];
+        matched[order[0]] = 128;
+        let d = pick(&loads, &r, &matched, &req(key, 8_300));
+        assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+        assert_eq!(d.predicted_cached_tokens, 8_192);
+    }
+
+    #[test]
+    fn a_copy_of_a_held_prefix_is_priced_for_the_fleet() {
+        let r = ring(4);
+        let key = 23;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        let holder = order[1];
+        let mut matched = [0u32; 4];
+        matched[holder] = 128;
+        // The holder has as much queued as the miss would cost the idle owner: this request
+        // alone would not care, but the copy is 8k tokens of work for the owner's next ones.
+        loads[holder].inflight = 1;
+        loads[holder].queued_prefill = 8_192;
+        let d = pick(&loads, &r, &matched, &req(key, 8_300));
+        assert_eq!((d.backend, d.reason), (holder, Reason::CachedPrefix));
+        // Far busier, it loses after all.
+        loads[holder].queued_prefill = 40_000;
+        loads[holder].inflight = 5;
+        let d = pick(&loads, &r, &matched, &req(key, 8_300));
+        assert_eq!(d.backend, order[0]);
     }
 
     #[test]

@@ -15,6 +15,8 @@ pub struct BackendLoad {
     pub decoding: u64,
     /// Prefill throughput, tokens per second.
     pub prefill_rate: f64,
+    /// Seconds an engine step takes now (0 when unknown): the least a first token waits.
+    pub decode_step_s: f64,
     /// Requests the engine reports running + waiting (fresh telemetry only).
     pub engine_load: Option<u64>,
     /// KV cache in use as the engine reports it, 0..1 (fresh telemetry only).
@@ -31,6 +33,7 @@ impl BackendLoad {
             queued_prefill: 0,
             decoding: 0,
             prefill_rate: 25_000.0,
+            decode_step_s: 0.0,
             engine_load: None,
             kv_usage: None,
         }

@@ -65,12 +65,13 @@ fn backends_json(fleet: &Fleet, cfg: &Config) -> Vec<u8> {
                 "queued_prefill_tokens": b.queued_prefill(),
                 "decoding_requests": b.decoding(),
                 "prefill_tokens_per_second": {
-                    "in_use": b.effective_prefill_rate(),
+                    "in_use": fleet.prefill_rate(i),
                     "configured": b.prefill_rate_configured,
                     "learned": b.learned_prefill().map(|e| e.rate),
                     "learned_floor": b.learned_prefill().map(|e| e.floor),
                     "learning": cfg.routing.learn_prefill_rate,
                 },
+                "decode_step_seconds": b.decode_step_seconds(),
                 "kv_capacity_tokens": {
                     "in_use": b.kv_capacity(),
                     "configured": b.kv_capacity_configured,

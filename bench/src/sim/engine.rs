@@ -174,6 +174,8 @@ impl Engine {
             for p in &out.prefilled {
                 self.stats.prefilled(p.computed_tokens, p.seconds);
             }
+            let next_tokens = out.emitted.iter().filter(|e| e.generated > 1).count();
+            self.stats.decoded(out.seconds, next_tokens as u64);
             let mut tokens = 0;
             for e in &out.emitted {
                 tokens += 1;

@@ -41,6 +41,7 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
                 &label,
                 &s.prefill_computed_tokens,
             );
+            t.histogram("vllm:inter_token_latency_seconds", &label, &s.itl);
         }
         Engine::Sglang => {
             t.gauge("sglang:num_running_reqs", &label, s.running as f64);
@@ -59,6 +60,7 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
                 s.generation_tokens_total,
             );
             t.histogram("sglang:time_to_first_token_seconds", &label, &s.ttft);
+            t.histogram("sglang:inter_token_latency_seconds", &label, &s.itl);
             t.gauge("sglang:num_used_tokens", &label, s.kv_tokens_used as f64);
             t.counter("sglang:cached_tokens", &label, s.prefix_cache_hits_total);
         }
@@ -78,6 +80,9 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
             t.gauge("llamacpp:prompt_tokens_seconds", "", throughput);
             t.gauge("llamacpp:kv_cache_tokens", "", s.kv_tokens_used as f64);
             t.counter("llamacpp:tokens_predicted", "", s.generation_tokens_total);
+            // Seconds of generation after each stream's first token (llama.cpp's
+            // `t_token_generation`).
+            t.counter_f64("llamacpp:tokens_predicted_seconds", "", s.itl.sum);
         }
     }
     t.out

@@ -21,6 +21,12 @@ pub const PREFILL_BUCKETS: [f64; 21] = [
     480.0, 960.0, 1920.0, 7680.0,
 ];
 
+/// vLLM's inter-token latency buckets, seconds.
+pub const ITL_BUCKETS: [f64; 19] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
 /// Prompt-token buckets of vLLM's per-request token histograms.
 pub const TOKEN_BUCKETS: [f64; 14] = [
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
@@ -82,14 +88,19 @@ impl Histogram {
     }
 
     fn observe(&mut self, v: f64) {
+        self.observe_n(v, 1);
+    }
+
+    /// `n` observations of the same value.
+    fn observe_n(&mut self, v: f64, n: u64) {
         let slot = self
             .bounds
             .iter()
             .position(|&b| v <= b)
             .unwrap_or(self.bounds.len());
-        self.counts[slot] += 1;
-        self.sum += v;
-        self.count += 1;
+        self.counts[slot] += n;
+        self.sum += v * n as f64;
+        self.count += n;
     }
 }
 
@@ -101,6 +112,8 @@ struct Timings {
     /// Per request, prompt tokens computed by its prefill (prefix-cache hits excluded):
     /// vLLM's `request_prefill_kv_computed_tokens`, observed with `prefill`.
     computed: Histogram,
+    /// Per output token after the first, model seconds since the request's previous token.
+    itl: Histogram,
 }
 
 impl Default for Timings {
@@ -109,6 +122,7 @@ impl Default for Timings {
             ttft: Histogram::new(&TTFT_BUCKETS),
             prefill: Histogram::new(&PREFILL_BUCKETS),
             computed: Histogram::new(&TOKEN_BUCKETS),
+            itl: Histogram::new(&ITL_BUCKETS),
         }
     }
 }
@@ -137,6 +151,8 @@ pub struct Snapshot {
     pub prefill_time: Histogram,
     #[serde(skip)]
     pub prefill_computed_tokens: Histogram,
+    #[serde(skip)]
+    pub itl: Histogram,
 }
 
 impl Stats {
@@ -162,6 +178,13 @@ impl Stats {
         let mut t = self.timings();
         t.prefill.observe(seconds);
         t.computed.observe(processed_tokens as f64);
+    }
+
+    /// An engine step of `seconds` gave `tokens` streams their next (not first) token.
+    pub fn decoded(&self, seconds: f64, tokens: u64) {
+        if tokens > 0 {
+            self.timings().itl.observe_n(seconds, tokens);
+        }
     }
 
     fn timings(&self) -> MutexGuard<'_, Timings> {
@@ -208,6 +231,7 @@ impl Stats {
             ttft: timings.ttft,
             prefill_time: timings.prefill,
             prefill_computed_tokens: timings.computed,
+            itl: timings.itl,
         }
     }
 }
