@@ -7,10 +7,10 @@
 //! ```text
 //! uncached(b) = max(0, P - m(b) * B)
 //! work(b)     = inflight(b) + queued_prefill(b) / U          (U = work_unit_tokens)
-//! shared(b)   = min(m(b) * B, P, queued_prefill(b)) / U      (its prefix, maybe still computing)
+//! saved(b)    = min(m(b) * B, P) / U                         (work its cache saves the fleet)
 //! cost(b)     = 1 + uncached(b) / U                          (this request, in work units)
 //! admissible  = healthy, untried, and
-//!               work(b) - shared(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack
+//!               work(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack + saved(b)
 //! dup(b)      = min(P, max_c m(c) * B) - min(P, m(b) * B)    (a prefix held elsewhere, recomputed)
 //! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b) + step(b)
 //! score(b)    = est_ttft(b) + decode_stall_weight * decoding(b) * uncached(b) / prefill_rate(b)
@@ -28,11 +28,12 @@
 //!
 //! A miss costs more than its own TTFT: the copy of the prefix is work the other requests on
 //! that backend then wait behind, and it splits the group's later requests between two
-//! holders. `dup` prices that. And the prefill of a prefix that this request will reuse is
-//! work it waits behind (in `est_ttft`) but does not add: `shared` keeps it from counting
-//! against the bound, or the second request of a group would spill off the backend computing
-//! the group's prefix and compute it again elsewhere. The discount is bounded by the
-//! backend's queued prefill, and the request count in `work` still bounds a hot prefix.
+//! holders. `dup` prices that in the score. In the bound, a backend may carry more than its
+//! share by the work its cache saves the fleet (`saved`): spilling a request off it costs
+//! that much more work elsewhere. Without it, the second request of a group spills off the
+//! backend still computing the group's prefix (that prefill counts as its work) and computes
+//! the prefix again elsewhere, and a popular group's holder sheds hits to misses. The credit
+//! is at most the prompt, so the request count in `work` still bounds a hot prefix.
 //!
 //! Candidates, in ring order from the session key: the first `candidates` admissible ring
 //! positions, plus every admissible backend whose match is at least half the best match and
@@ -54,9 +55,10 @@ pub struct Terms {
     pub backend: usize,
     pub matched_tokens: u64,
     pub uncached: u64,
-    /// The backend's work before this request, less the prefill of this request's prefix
-    /// that it may still be computing.
+    /// The backend's work before this request.
     pub work: f64,
+    /// Work the backend's cached prefix saves the fleet: headroom over the bound.
+    pub saved: f64,
     pub bound: u64,
     pub est_ttft_s: f64,
     pub score: f64,
@@ -111,13 +113,13 @@ pub(super) fn choose(
         let rate = b.prefill_rate.max(1.0);
         let prefill_s = uncached as f64 / rate;
         let est_ttft_s = b.queued_prefill as f64 / rate + prefill_s + b.decode_step_s;
-        let shared = m.min(b.queued_prefill) as f64 / unit;
         let dup = best_match.min(prompt).saturating_sub(m) as f64 / rate;
         Terms {
             backend: i,
             matched_tokens: m,
             uncached,
-            work: work(i) - shared,
+            work: work(i),
+            saved: m as f64 / unit,
             bound,
             est_ttft_s,
             score: est_ttft_s
@@ -143,7 +145,7 @@ pub(super) fn choose(
                 .kv_usage
                 .is_some_and(|u| u > params.kv_usage_ceiling);
             let mut t = terms(i);
-            if t.work >= t.bound as f64 || (full && !allow_full) {
+            if t.work >= t.bound as f64 + t.saved || (full && !allow_full) {
                 continue;
             }
             if rank == 0 {
@@ -296,7 +298,8 @@ mod tests {
         let order: Vec<usize> = r.walk(key, 4).collect();
         let mut loads = vec![BackendLoad::idle(); 4];
         // The group's first request is still prefilling its 8k-token prefix on the owner:
-        // counted as work, the owner would be over its bound (4 >= 3).
+        // counted as work, the owner is over its bound (4 >= 3), but that prefix is work the
+        // request saves the fleet (2 units).
         loads[order[0]].inflight = 2;
         loads[order[0]].queued_prefill = 8_192;
         let mut matched = [0u32; 4];
@@ -304,6 +307,28 @@ mod tests {
         let d = pick(&loads, &r, &matched, &req(key, 8_300));
         assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
         assert_eq!(d.predicted_cached_tokens, 8_192);
+    }
+
+    #[test]
+    fn a_popular_holder_keeps_its_hits_a_little_past_the_bound() {
+        let r = ring(4);
+        let key = 29;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        for l in loads.iter_mut() {
+            l.inflight = 1;
+        }
+        loads[order[0]].inflight = 7;
+        let mut matched = [0u32; 4];
+        matched[order[0]] = 128;
+        // Over its bound by 1, within the 2 units its 8k-token prefix saves.
+        let d = pick(&loads, &r, &matched, &req(key, 8_300));
+        assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+        assert_eq!(d.bound, Some(6));
+        // A short match earns little headroom: the same load spills.
+        matched[order[0]] = 16;
+        let d = pick(&loads, &r, &matched, &req(key, 8_300));
+        assert_eq!(d.reason, Reason::Spill);
     }
 
     #[test]

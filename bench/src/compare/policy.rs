@@ -9,6 +9,9 @@
 //!   `F` (a deliberately wrong configuration), the others their true rate.
 //! - `learn=on|off`: `routing.learn_prefill_rate`, whether kvroute corrects configured rates
 //!   from the engines' telemetry.
+//! - `routing.KEY=VALUE`: any other `kvroute.routing` setting, e.g.
+//!   `kv_aware/routing.duplicate_prefill_weight=0`, to measure one knob's effect (kvroute
+//!   checks the key and value when it starts).
 //!
 //! Without options the config is exactly what a plain policy run always had.
 //!
@@ -39,6 +42,8 @@ pub struct PolicyRun {
     pub rates: Rates,
     /// `routing.learn_prefill_rate`, when given.
     pub learn: Option<bool>,
+    /// Other `kvroute.routing` settings, in the order given.
+    pub routing: Vec<(String, String)>,
     /// Set when the entry names a peer router: the run starts it instead of kvroute, and
     /// `policy` is the peer's policy.
     pub peer: Option<PeerRouter>,
@@ -87,6 +92,7 @@ impl PolicyRun {
             policy: policy.to_string(),
             rates: Rates::Omit,
             learn: None,
+            routing: Vec::new(),
             peer: None,
         };
         if let Some(peer) = PeerRouter::parse(policy) {
@@ -133,7 +139,26 @@ impl PolicyRun {
                     });
                 }
                 "rates" | "learn" => return Err(bad(format!("option {key} given twice"))),
-                _ => return Err(bad(format!("unknown option {key:?} (known: rates, learn)"))),
+                _ if key.starts_with("routing.") => {
+                    let name = &key["routing.".len()..];
+                    let word = |v: &str| {
+                        !v.is_empty()
+                            && v.chars()
+                                .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+                    };
+                    if !word(name) || !word(value) || run.routing.iter().any(|(k, _)| k == name) {
+                        return Err(bad(format!(
+                            "{option:?}: expected routing.KEY=VALUE, each key once, in letters, \
+                             digits, _ . and -"
+                        )));
+                    }
+                    run.routing.push((name.to_string(), value.to_string()));
+                }
+                _ => {
+                    return Err(bad(format!(
+                        "unknown option {key:?} (known: rates, learn, routing.KEY)"
+                    )))
+                }
             }
         }
         Ok(run)
@@ -213,6 +238,9 @@ pub fn kvroute_yaml(
     if let Some(learn) = run.learn {
         let _ = writeln!(yaml, "    learn_prefill_rate: {learn}");
     }
+    for (key, value) in &run.routing {
+        let _ = writeln!(yaml, "    {key}: {value}");
+    }
     yaml.push_str("  backends:\n");
     for &(addr, profile) in backends {
         let _ = writeln!(yaml, "    - addr: \"{addr}\"");
@@ -271,6 +299,21 @@ mod tests {
             (run.label.as_str(), run.dir_name()),
             ("round_robin", "round_robin".into())
         );
+    }
+
+    #[test]
+    fn routing_options_go_under_routing() {
+        let k = config("kv_aware/routing.duplicate_prefill_weight=0/learn=off");
+        assert_eq!(k["routing"]["duplicate_prefill_weight"].as_i64(), Some(0));
+        assert_eq!(k["routing"]["learn_prefill_rate"].as_bool(), Some(false));
+        for bad in [
+            "kv_aware/routing.=1",
+            "kv_aware/routing.a=",
+            "kv_aware/routing.a=1/routing.a=2",
+            "kv_aware/routing.a=x: y",
+        ] {
+            assert!(PolicyRun::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
