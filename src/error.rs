@@ -37,6 +37,10 @@ impl ApiError {
         Self::new(400, "invalid_request_error", code, message)
     }
 
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(404, "invalid_request_error", "not_found", message)
+    }
+
     pub fn method_not_allowed(message: impl Into<String>) -> Self {
         Self::new(405, "invalid_request_error", "method_not_allowed", message)
     }

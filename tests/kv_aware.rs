@@ -355,7 +355,9 @@ async fn prefill_rates_are_learned_from_engine_counters() {
         // a few model milliseconds.
         let (_, body) = http_get(kv.admin, "/backends");
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        let b = v.as_array().and_then(|a| a.iter().find(|b| b["backend"] == name.as_str()));
+        let b = v
+            .as_array()
+            .and_then(|a| a.iter().find(|b| b["backend"] == name.as_str()));
         let step = b.and_then(|b| b["decode_step_seconds"].as_f64());
         assert!(
             step.is_some_and(|s| (0.001..0.05).contains(&s)),

@@ -13,6 +13,7 @@ use super::backend::{self, BackendConfig};
 use super::error::{err, parse_addr, ConfigError};
 use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 use super::limits::{LimitsConfig, TimeoutsConfig};
+use super::passthrough::PassthroughConfig;
 use super::routing::{PolicyKind, RoutingConfig};
 
 /// Backends the prefix index can track: its per-block holder set is a 64-bit mask.
@@ -45,6 +46,9 @@ pub struct Config {
     /// API keys and per-key limits; absent: no access control.
     #[serde(default)]
     pub access: Option<AccessConfig>,
+    /// Routes forwarded besides the inference API; everything else is 404.
+    #[serde(default)]
+    pub passthrough: PassthroughConfig,
 }
 
 fn default_admin_listen() -> String {
@@ -110,6 +114,7 @@ impl Config {
             a.validate()?;
         }
         self.outlier.validate()?;
+        self.passthrough.validate()?;
         self.timeouts.validate()
     }
 }

@@ -8,6 +8,7 @@ mod error;
 mod file;
 mod health;
 mod limits;
+mod passthrough;
 mod routing;
 
 pub use access::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
@@ -18,4 +19,5 @@ pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
 pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 pub use limits::{LimitsConfig, TimeoutsConfig};
+pub use passthrough::{AllowRule, PassthroughConfig};
 pub use routing::{PolicyKind, RoutingConfig, BLOCK_BYTES};

@@ -19,10 +19,9 @@ use crate::fleet::outlier::Outcome;
 use crate::fleet::Current;
 use crate::placement::PolicyKind;
 use crate::request::body::read_body;
+use crate::request::surface::{self, Route};
 use crate::request::usage::{self, UsageTap};
-use crate::request::{
-    self, Endpoint, PromptText, TokenEstimator, DEFAULT_BLOCK_BYTES, SESSION_HEADER,
-};
+use crate::request::{self, PromptText, TokenEstimator, DEFAULT_BLOCK_BYTES, SESSION_HEADER};
 
 mod ctx;
 mod failures;
@@ -128,6 +127,25 @@ impl ProxyHttp for Router {
         }
         let generation = ctx.generation.clone();
         let cfg = &generation.config;
+        // The edge's surface first: a route kvroute does not serve is refused whoever asks,
+        // and never reaches a backend.
+        let (method, path) = (
+            session.req_header().method.as_str(),
+            session.req_header().uri.path(),
+        );
+        let route = surface::route(method, path, &cfg.passthrough.allow);
+        let refused = match route {
+            Route::NotFound => Some(ApiError::not_found(format!(
+                "{method} {path} is not served here: kvroute serves the OpenAI inference API"
+            ))),
+            Route::WrongMethod(allowed) => Some(ApiError::method_not_allowed(format!(
+                "{method} is not allowed on {path}; use {allowed}"
+            ))),
+            Route::Forward | Route::Inference(_) => None,
+        };
+        if let Some(err) = refused {
+            return reject(session, ctx, err, true).await;
+        }
         if let Some(acl) = &cfg.access {
             let authorization = session
                 .req_header()
@@ -139,17 +157,9 @@ impl ProxyHttp for Router {
                 Err(e) => return reject(session, ctx, e, true).await,
             }
         }
-        let Some(endpoint) = Endpoint::from_path(session.req_header().uri.path()) else {
+        let Route::Inference(endpoint) = route else {
             return Ok(false);
         };
-        if session.req_header().method != http::Method::POST {
-            let err = ApiError::method_not_allowed(format!(
-                "{} is not allowed on {}; use POST",
-                session.req_header().method,
-                session.req_header().uri.path()
-            ));
-            return reject(session, ctx, err, true).await;
-        }
         match session
             .req_header()
             .headers
