@@ -69,6 +69,21 @@ fn sim_refuses_non_loopback_hosts() {
     assert!(!out.status.success());
 }
 
+#[test]
+fn sim_refuses_a_bad_tokenizer_path_with_a_clear_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(["sim", "--servers", "1", "--base-port", "0"])
+        .args(["--tokenizer", "/nonexistent/bpe8k"])
+        .output()
+        .expect("run kvbench");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tokenizer /nonexistent/bpe8k: no such file or directory"),
+        "{err}"
+    );
+}
+
 /// Starts `kvbench sim ARGS` and returns the child and its servers' addresses, once ready.
 fn start_sim(args: &[&str]) -> (std::process::Child, Vec<SocketAddr>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbench"))

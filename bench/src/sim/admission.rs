@@ -1,5 +1,5 @@
-//! Admission of a POST request: slow start, parsing, the hang and failure faults and, in
-//! fixed-timing mode, the prefix-cache lookup. Both answer paths take its `Admitted` (fixed
+//! Admission of a POST request: slow start, parsing, tokenizing (with `--tokenizer`), the hang
+//! and failure faults and, in fixed-timing mode, the prefix-cache lookup. Both answer paths take its `Admitted` (fixed
 //! timing in `inference`, engine mode in `engine_answer`), so it sits below both.
 
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use super::openai::{self, Endpoint, SimRequest};
 use super::prompt::count_tokens;
 use super::response::Usage;
 use super::state::ServerState;
+use super::tokenizer::PromptTokenizer;
 
 /// A request that passed admission, with its prefix-cache result (fixed mode; the engine
 /// looks up its own pool when it schedules the request).
@@ -33,7 +34,10 @@ pub async fn admit(
     if s.in_slow_start() {
         return Err(ApiError::unavailable("kvbench-sim: server is starting"));
     }
-    let req = openai::parse(endpoint, body)?;
+    let mut req = openai::parse(endpoint, body)?;
+    if !req.token_ids && !s.config.tokenizer.is_stand_in() {
+        req.prompt = tokenize(&s.config.tokenizer, std::mem::take(&mut req.prompt)).await?;
+    }
     let prompt_tokens = count_tokens(req.prompt.len());
     s.log().update(seq, |e| {
         e.model = Some(req.model.clone());
@@ -72,6 +76,25 @@ pub async fn admit(
         usage,
         blocks,
     })
+}
+
+/// The prompt's token stream (`tokenizer`), made on tokio's blocking pool: a long prompt takes
+/// milliseconds, which must not stall the server's other connections.
+async fn tokenize(
+    tokenizer: &Arc<PromptTokenizer>,
+    canonical: Vec<u8>,
+) -> Result<Vec<u8>, ApiError> {
+    let tokenizer = tokenizer.clone();
+    tokio::task::spawn_blocking(move || tokenizer.stream(canonical))
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|counted| counted)
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("kvbench-sim: {e}"),
+            )
+        })
 }
 
 /// Holds a request the hang faults select: forever for `hang_rate`, until the `hang` knob is

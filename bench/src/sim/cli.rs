@@ -1,11 +1,14 @@
 //! `kvbench sim` arguments and their validation into a `SimConfig` plus listen addresses.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use super::config::{scaled, Engine, SimConfig};
 use super::error::SimError;
 use super::faults::{check_rate, Faults};
 use super::profile::{fleet_profiles, Profile, ProfileName};
+use super::tokenizer::PromptTokenizer;
 
 const DEFAULT_TTFT_MS: f64 = 20.0;
 const DEFAULT_ITL_MS: f64 = 5.0;
@@ -59,6 +62,11 @@ pub struct SimArgs {
     /// Run K times faster than real time: every wait is divided by K.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// Count prompt tokens with this Hugging Face tokenizer (its directory or its
+    /// tokenizer.json), e.g. bench/data/tokenizer/bpe8k-sharegpt, instead of the stand-in
+    /// ceil(bytes / 4): usage, prefill and prefix-cache blocks all follow its count.
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// What `run` needs: one config and one address per server. The configs differ only in
@@ -104,6 +112,10 @@ impl SimArgs {
             return Err(SimError::new("--kv-tokens must be at least 16 (one block)"));
         }
         let listen = self.listen_addrs(host, fleet.len())?;
+        let tokenizer = match &self.tokenizer {
+            Some(path) => PromptTokenizer::load(path).map_err(SimError::new)?,
+            None => PromptTokenizer::default(),
+        };
         let base = SimConfig {
             model: self.model.clone(),
             engine: self.engine,
@@ -119,6 +131,7 @@ impl SimArgs {
             // Each server's own, set below.
             profile: Profile::get(ProfileName::H100Llama8b),
             fixed_timing: fixed,
+            tokenizer: Arc::new(tokenizer),
         };
         let configs = fleet
             .iter()
@@ -276,6 +289,23 @@ mod tests {
         assert!(parse(&["--host", "example.com"]).is_err());
         assert!(parse(&["--host", "127.0.0.2"]).is_ok());
         assert!(parse(&["--host", "::1"]).is_ok());
+    }
+
+    #[test]
+    fn tokenizer_flag_loads_once_for_every_server_and_bad_paths_fail() {
+        assert!(parse(&[]).unwrap().configs[0].tokenizer.is_stand_in());
+        let dir = super::super::tokenizer::shipped_path();
+        let plan = parse(&["--tokenizer", dir.to_str().unwrap()]).unwrap();
+        assert!(!plan.configs[0].tokenizer.is_stand_in());
+        assert!(Arc::ptr_eq(
+            &plan.configs[0].tokenizer,
+            &plan.configs[2].tokenizer
+        ));
+        let err = parse(&["--tokenizer", "/nonexistent/bpe"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--tokenizer /nonexistent/bpe"), "{err}");
     }
 
     #[test]

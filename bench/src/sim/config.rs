@@ -1,10 +1,12 @@
 //! Validated simulator settings shared by every server of one process. Durations are already
 //! divided by the time scale, so the serving code never has to remember to do it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::faults::Faults;
 use super::profile::{Profile, ProfileName};
+use super::tokenizer::PromptTokenizer;
 
 /// Which engine's metric names `/metrics` speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -33,6 +35,8 @@ pub struct SimConfig {
     /// Fixed timing (`ttft`, `itl`) instead of the engine, which kvroute's integration tests
     /// rely on.
     pub fixed_timing: bool,
+    /// What counts prompt tokens (`--tokenizer`), loaded once for every server.
+    pub tokenizer: Arc<PromptTokenizer>,
 }
 
 impl SimConfig {
@@ -49,6 +53,7 @@ impl SimConfig {
             faults: Faults::default(),
             profile: Profile::get(ProfileName::H100Llama8b),
             fixed_timing: true,
+            tokenizer: Arc::default(),
         }
     }
 

@@ -622,3 +622,92 @@ async fn fixed_timing_reports_prefill_as_its_ttft() {
         "{m}"
     );
 }
+
+/// With `--tokenizer`, `usage.prompt_tokens` is the tokenizer's count of the rendered prompt
+/// (not bytes / 4), token-id prompts count one token per id, and a conversation's next turn
+/// still hits its previous prompt and reply, in both modes.
+#[tokio::test]
+async fn usage_counts_with_the_tokenizer_when_given() {
+    use super::prompt::{render_chat, TURN_END};
+    use super::tokenizer::{shipped_path, PromptTokenizer};
+    let path = shipped_path();
+    let tokenizer = Arc::new(PromptTokenizer::load(&path).unwrap());
+    // Counted here with the tokenizers crate directly, independently of the simulator.
+    let hf = tokenizers::Tokenizer::from_file(path.join("tokenizer.json")).unwrap();
+    let count = |messages: &Value| {
+        let text = String::from_utf8(render_chat(messages).unwrap()).unwrap();
+        (
+            hf.encode(text.as_str(), false).unwrap().len() as u64,
+            text.len() as u64,
+        )
+    };
+    let fixed = SimConfig {
+        tokenizer: tokenizer.clone(),
+        ..SimConfig::for_tests()
+    };
+    let engine = SimConfig {
+        tokenizer,
+        ..SimConfig::for_engine_tests(64_000, 10.0)
+    };
+    for sim in [
+        Sim::with_config(fixed).await,
+        Sim::with_config(engine).await,
+    ] {
+        let body = chat_body(false);
+        let (want, bytes) = count(&body["messages"]);
+        let v: Value = sim
+            .post("/v1/chat/completions", &body)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], want);
+        assert_ne!(want, bytes.div_ceil(4), "must differ from the stand-in");
+        let streamed = sim.post("/v1/chat/completions", &chat_body(true)).await;
+        let text = streamed.text().await.unwrap();
+        assert!(
+            text.contains(&format!("\"prompt_tokens\":{want}")),
+            "{text}"
+        );
+        let log = sim.get_json("/debug/requests").await;
+        assert_eq!(log[0]["prompt_tokens"], want);
+
+        let ids = json!({"model": "m", "prompt": [5, 6, 7, 8, 9], "max_tokens": 1});
+        let v: Value = sim
+            .post("/v1/completions", &ids)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["usage"]["prompt_tokens"], 5);
+
+        const N: u64 = 40;
+        let question = json!({"role": "user", "content": "Tell me about caches. ".repeat(30)});
+        let turn1 = json!({"model": "m", "messages": [question], "max_tokens": N, "stream": true});
+        let res = sim.post("/v1/chat/completions", &turn1).await;
+        assert!(res.text().await.unwrap().contains("[DONE]"));
+        let messages = json!([
+            question,
+            {"role": "assistant", "content": completion_text(N)},
+            {"role": "user", "content": "More."},
+        ]);
+        let turn2 = json!({"model": "m", "max_tokens": 1, "messages": messages});
+        let v: Value = sim
+            .post("/v1/chat/completions", &turn2)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert_eq!(prompt, count(&messages).0);
+        // Every full block of turn 1's prompt and reply is hit: only the new turn and the
+        // partial block before it are left to prefill.
+        let turn1_text = String::from_utf8(render_chat(&json!([question])).unwrap()).unwrap();
+        let sent_back = format!("{turn1_text}{}{TURN_END}", completion_text(N));
+        let shared = hf.encode(sent_back.as_str(), false).unwrap().len() as u64;
+        assert_eq!(cached, shared / 16 * 16, "{prompt} {cached} {shared}");
+    }
+}

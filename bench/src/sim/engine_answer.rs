@@ -42,7 +42,8 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         return ApiError::bad_request(msg).into_response();
     }
     // Only now that `n` is known to fit the pool: the hashes cost a few bytes per token.
-    let reply_hashes = reply_hashes(a.req.endpoint, &a.req.prompt, &a.blocks, n);
+    let tokenizer = &s.config.tokenizer;
+    let reply_hashes = reply_hashes(a.req.endpoint, &a.req.prompt, &a.blocks, n, tokenizer);
     let req = NewRequest {
         prompt_tokens,
         hashes: a.blocks,

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use super::kvcache::continued_hashes;
 use super::openai::Endpoint;
 use super::prompt::TURN_END;
+use super::tokenizer::PromptTokenizer;
 
 pub fn token_text(i: u64) -> String {
     format!(" tok{i}")
@@ -37,17 +38,35 @@ impl Schedule {
 /// after it when it sends the reply back: a chat template closes the assistant turn, a
 /// completions client appends the text as is. These are the blocks past the prompt's that a
 /// server keeps cached after answering, and that the conversation's next turn starts with.
-pub fn reply_hashes(endpoint: Endpoint, prompt: &[u8], prompt_hashes: &[u64], n: u64) -> Vec<u64> {
+/// `prompt` is the prompt's token stream; a real tokenizer's stream continues with the tokens of
+/// the reply's text (`tokenizer`).
+pub fn reply_hashes(
+    endpoint: Endpoint,
+    prompt: &[u8],
+    prompt_hashes: &[u64],
+    n: u64,
+    tokenizer: &PromptTokenizer,
+) -> Vec<u64> {
     let end = match endpoint {
         Endpoint::Chat => TURN_END,
         Endpoint::Completions | Endpoint::Embeddings => "",
     };
-    let reply = (0..n).map(token_text);
-    continued_hashes(
-        prompt,
-        prompt_hashes,
-        reply.chain(std::iter::once(end.to_owned())),
-    )
+    let Some(tokens) = tokenizer.reply_stream(n, end) else {
+        let reply = (0..n).map(token_text);
+        return continued_hashes(
+            prompt,
+            prompt_hashes,
+            reply.chain(std::iter::once(end.to_owned())),
+        );
+    };
+    match tokens {
+        Ok(tokens) => continued_hashes(prompt, prompt_hashes, [tokens]),
+        Err(e) => {
+            // Only the reply goes uncached: the next turn misses it and computes it again.
+            log::warn!("kvbench-sim: reply not cached: {e}");
+            Vec::new()
+        }
+    }
 }
 
 #[cfg(test)]

@@ -177,7 +177,8 @@ impl Generation {
     fn replied(&mut self, n: u64) {
         let prompt = std::mem::take(&mut self.prompt);
         let mut blocks = std::mem::take(&mut self.blocks);
-        blocks.extend(reply_hashes(self.endpoint, &prompt, &blocks, n));
+        let tokenizer = &self.state.config.tokenizer;
+        blocks.extend(reply_hashes(self.endpoint, &prompt, &blocks, n, tokenizer));
         self.state.kv().insert(&blocks);
     }
 }

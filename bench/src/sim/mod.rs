@@ -31,7 +31,8 @@
 //! - `engine`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
 //!   `kvpool`: its KV block pool; `profile`: GPU profiles and the step-time model.
 //! - `admin`: health, models, metrics and the `/debug` endpoints.
-//! - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer.
+//! - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer;
+//!   `tokenizer`: a real Hugging Face tokenizer instead (`--tokenizer`).
 //! - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
 //! - `generate`: filler text, token timing and the reply's block hashes; `response` / `sse`:
 //!   answer bodies.
@@ -66,6 +67,7 @@ mod server;
 mod sse;
 mod state;
 mod stats;
+mod tokenizer;
 
 #[cfg(test)]
 mod e2e_tests;
@@ -94,6 +96,10 @@ pub async fn run(args: SimArgs) -> Result<(), SimError> {
                 config.model,
                 config.engine,
                 config.time_scale
+            );
+            log::info!(
+                "kvbench-sim: prompt tokens counted by {:?}",
+                config.tokenizer
             );
         }
         profiles.push(config.profile.name.as_str());

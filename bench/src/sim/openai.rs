@@ -3,7 +3,7 @@
 use serde_json::Value;
 
 use super::error::ApiError;
-use super::prompt::{render_chat, render_completion};
+use super::prompt::{is_token_ids, render_chat, render_completion};
 
 pub const DEFAULT_MAX_TOKENS: u64 = 16;
 
@@ -34,6 +34,8 @@ pub struct SimRequest {
     pub max_tokens: u64,
     /// Canonical prompt bytes (see `prompt`).
     pub prompt: Vec<u8>,
+    /// The prompt was sent as token ids: `prompt` is already a token stream.
+    pub token_ids: bool,
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
@@ -47,10 +49,17 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
         Some(_) => return Err(ApiError::bad_request("'model' must be a string")),
         None => return Err(ApiError::bad_request("missing required field 'model'")),
     };
-    let prompt = match endpoint {
-        Endpoint::Chat => render_chat(required(&v, "messages")?)?,
-        Endpoint::Completions => render_completion(required(&v, "prompt")?)?,
-        Endpoint::Embeddings => render_completion(required(&v, "input")?)?,
+    let (prompt, token_ids) = match endpoint {
+        Endpoint::Chat => (render_chat(required(&v, "messages")?)?, false),
+        Endpoint::Completions | Endpoint::Embeddings => {
+            let field = if endpoint == Endpoint::Completions {
+                "prompt"
+            } else {
+                "input"
+            };
+            let p = required(&v, field)?;
+            (render_completion(p)?, is_token_ids(p))
+        }
     };
     let stream = optional_bool(&v, "stream")?;
     let include_usage = match v.get("stream_options") {
@@ -73,6 +82,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
         include_usage,
         max_tokens,
         prompt,
+        token_ids,
     })
 }
 

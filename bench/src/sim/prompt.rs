@@ -1,7 +1,9 @@
 //! The canonical prompt: the bytes an engine would tokenize after applying its chat template,
 //! and a deterministic stand-in tokenizer over them (about 4 bytes a token, as for English
 //! text with a BPE vocabulary). Prefix caching works on these bytes, so any two requests whose
-//! canonical prompts share a prefix share cached blocks, exactly as on a real engine.
+//! canonical prompts share a prefix share cached blocks, exactly as on a real engine. With
+//! `--tokenizer` the bytes counted and cached are the prompt's token ids instead (see
+//! `tokenizer`), 4 bytes each, so the count below is then exact.
 
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
@@ -10,17 +12,18 @@ use super::error::ApiError;
 
 pub const BYTES_PER_TOKEN: usize = 4;
 
-/// Stand-in tokenizer: `ceil(bytes / 4)`.
+/// Tokens of a token stream (`tokenizer`): `ceil(bytes / 4)`, which for the stand-in is its
+/// whole tokenizer.
 pub fn count_tokens(canonical_len: usize) -> u64 {
     canonical_len.div_ceil(BYTES_PER_TOKEN) as u64
 }
 
 /// A ChatML-like template. The generation prompt at the end makes turn n's stream a prefix of
 /// turn n+1's once the reply is appended, as real chat templates do.
-const TURN_START: &str = "<|im_start|>";
+pub const TURN_START: &str = "<|im_start|>";
 /// Also what follows the reply in the next turn's stream, so the engine caches it with it.
 pub const TURN_END: &str = "<|im_end|>\n";
-const GENERATION_PROMPT: &str = "<|im_start|>assistant\n";
+pub const GENERATION_PROMPT: &str = "<|im_start|>assistant\n";
 
 /// Renders chat `messages` through the template.
 pub fn render_chat(messages: &Value) -> Result<Vec<u8>, ApiError> {
@@ -125,6 +128,15 @@ pub fn render_completion(prompt: &Value) -> Result<Vec<u8>, ApiError> {
     }
 }
 
+/// Whether a completions `prompt` (or embeddings `input`) was sent as token ids, which an
+/// engine takes as they are instead of tokenizing.
+pub fn is_token_ids(prompt: &Value) -> bool {
+    prompt
+        .as_array()
+        .and_then(|items| items.first())
+        .is_some_and(|first| first.is_number() || first.is_array())
+}
+
 fn push_token_ids(ids: &[Value], out: &mut Vec<u8>) -> Result<(), ApiError> {
     for id in ids {
         let id = id
@@ -195,6 +207,8 @@ mod tests {
         assert_eq!(count_tokens(ids.len()), 3);
         let nested = render_completion(&json!([[1, 2], [3]])).unwrap();
         assert_eq!(nested, ids);
+        assert!(is_token_ids(&json!([1, 2])) && is_token_ids(&json!([[1], [2]])));
+        assert!(!is_token_ids(&json!("1 2")) && !is_token_ids(&json!(["a"])));
         assert!(render_completion(&json!([])).is_err());
         assert!(render_completion(&json!([1, "a"])).is_err());
         assert!(render_completion(&json!([-1])).is_err());

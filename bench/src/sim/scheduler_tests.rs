@@ -11,6 +11,7 @@ use crate::sim::openai::{self, Endpoint};
 use crate::sim::profile::ProfileName;
 use crate::sim::prompt::{count_tokens, TURN_END};
 use crate::sim::scheduler::Prefilled;
+use crate::sim::tokenizer::{shipped_path, PromptTokenizer};
 
 fn h100() -> Profile {
     Profile::get(ProfileName::H100Llama8b)
@@ -37,11 +38,16 @@ fn canonical(messages: &Value) -> Vec<u8> {
 
 /// A chat request as the server submits it to its engine.
 fn chat(messages: &Value, max_tokens: u64) -> NewRequest {
-    let prompt = canonical(messages);
+    chat_counted_by(messages, max_tokens, &PromptTokenizer::default())
+}
+
+/// The same, with the prompt counted by `tokenizer` (`--tokenizer`).
+fn chat_counted_by(messages: &Value, max_tokens: u64, tokenizer: &PromptTokenizer) -> NewRequest {
+    let prompt = tokenizer.stream(canonical(messages)).unwrap();
     let hashes = block_hashes(&prompt);
     NewRequest {
         prompt_tokens: count_tokens(prompt.len()),
-        reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, max_tokens),
+        reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, max_tokens, tokenizer),
         hashes,
         max_tokens,
     }
@@ -364,4 +370,30 @@ fn preemption_before_the_first_token_stays_in_the_prefill_span() {
     assert!(b_start < seen[&a].ttft.unwrap() + 1e-9);
     assert!(seen[&b].ttft.unwrap() > a_done);
     assert!(pb.seconds > a_done - b_start, "{pb:?}");
+}
+
+/// With a real tokenizer, blocks are 16 token ids: turn 2 still finds every block of turn 1's
+/// prompt and reply, and its count is the tokenizer's, not bytes / 4.
+#[test]
+fn a_real_tokenizer_keeps_the_next_turn_hitting_the_previous_one() {
+    let bpe = PromptTokenizer::load(&shipped_path()).unwrap();
+    let mut s = Scheduler::new(h100());
+    let (turn1, turn2) = two_turns(200);
+    let first = chat_counted_by(&turn1, 200, &bpe);
+    assert_ne!(first.prompt_tokens, chat(&turn1, 200).prompt_tokens);
+    let stream_blocks = first.hashes.len() + first.reply_hashes.len();
+    s.add(first);
+    run(&mut s, 10_000);
+    let second = chat_counted_by(&turn2, 10, &bpe);
+    assert_eq!(s.pool().lookup(&second.hashes), stream_blocks);
+    let prompt_tokens = second.prompt_tokens;
+    let id = s.add(second);
+    let (_, seen) = run(&mut s, 10_000);
+    let cached = seen[&id].cached.unwrap();
+    assert_eq!(cached, stream_blocks as u64 * BLOCK_TOKENS);
+    // Left to prefill: the new question and the partial blocks around it.
+    assert!(
+        prompt_tokens - cached < 3 * BLOCK_TOKENS,
+        "{prompt_tokens} {cached}"
+    );
 }
