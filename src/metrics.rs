@@ -80,6 +80,24 @@ pub(crate) fn microseconds(
     )
 }
 
+/// Buckets of `estimate_ratio_vec`: fine around 1, so the share within 5% or 10% can be read.
+const ESTIMATE_RATIO_BUCKETS: [f64; 13] = [
+    0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0,
+];
+
+/// A ratio expected near 1 (an estimate that is learned to be right), 0.25 .. 4 with fine
+/// buckets between 0.9 and 1.1: the share of estimates within 10% is `le="1.1"` minus
+/// `le="0.9"`.
+pub(crate) fn estimate_ratio_vec(
+    reg: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<HistogramVec> {
+    let opts = HistogramOpts::new(name, help).buckets(ESTIMATE_RATIO_BUCKETS.to_vec());
+    registered(reg, HistogramVec::new(opts, labels)?)
+}
+
 /// A dimensionless ratio, 1/64 .. 512 by powers of two: how far an estimate was off.
 pub(crate) fn ratio_vec(
     reg: &Registry,

@@ -47,6 +47,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         ),
         // The demo runs no peer router.
         peer_venv: PathBuf::new(),
+        sim_tokenizer: None,
     };
     compare::run(args).await
 }

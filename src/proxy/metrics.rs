@@ -3,7 +3,9 @@
 
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
 
-use crate::metrics::{counter, counter_vec, microseconds, ratio_vec, seconds_vec};
+use crate::metrics::{
+    counter, counter_vec, estimate_ratio_vec, microseconds, ratio_vec, seconds_vec,
+};
 
 pub struct ProxyMetrics {
     pub(super) requests: IntCounterVec,
@@ -102,7 +104,7 @@ impl ProxyMetrics {
                  (predictions are in the engine's time, observations in kvroute's).",
                 &["backend"],
             )?,
-            token_estimate_ratio: ratio_vec(
+            token_estimate_ratio: estimate_ratio_vec(
                 r,
                 "kvroute_prompt_tokens_estimate_ratio",
                 "Engine-reported prompt tokens over kvroute's estimate, by method (counted: \

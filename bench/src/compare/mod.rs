@@ -7,6 +7,7 @@
 //! change kvroute's config (`kv_aware/rates=true`, see `policy`) or name a peer router to run
 //! instead of kvroute (`sglang-router/cache_aware`, see `peer`).
 
+mod estimates;
 mod peer;
 mod policy;
 mod procs;
@@ -20,7 +21,8 @@ use crate::replay::args::WorkloadKind;
 use crate::replay::report::{self, Report};
 use crate::replay::stats::Summary;
 use crate::replay::{charts, runner, ReplayArgs};
-use crate::sim::{fleet_profiles, ProfileName};
+use crate::sim::{fleet_profiles, ProfileName, PromptTokenizer};
+use estimates::Estimates;
 use policy::PeerRouter;
 pub use policy::PolicyRun;
 use procs::{Router, SimFleet};
@@ -107,12 +109,18 @@ pub struct CompareArgs {
     /// The venv holding the peer routers (`bench/scripts/install-peers.sh` makes it).
     #[arg(long, default_value = "bench/.venv-peers")]
     pub peer_venv: PathBuf,
+    /// The simulated engines count prompt tokens with this Hugging Face tokenizer (`kvbench
+    /// sim --tokenizer`), e.g. bench/data/tokenizer/bpe8k-sharegpt, instead of bytes / 4.
+    #[arg(long)]
+    pub sim_tokenizer: Option<PathBuf>,
 }
 
 /// One workload's runs, one per policy.
 struct Section {
     workload: WorkloadKind,
     runs: Vec<(String, Summary)>,
+    /// kvroute's prompt-token estimates against the engines' counts, per kvroute run.
+    estimates: Vec<(String, Estimates)>,
     /// Ladder rate steps, labelled `policy, step`.
     steps: Vec<(String, Summary)>,
 }
@@ -154,6 +162,10 @@ fn check_policies(policies: &[PolicyRun]) -> Result<(), String> {
 pub async fn run(args: CompareArgs) -> Result<(), String> {
     let fleet = fleet(&args)?;
     check_policies(&args.policies)?;
+    if let Some(path) = &args.sim_tokenizer {
+        // Here rather than in every simulator's log.
+        PromptTokenizer::load(path).map_err(|e| e.replace("--tokenizer", "--sim-tokenizer"))?;
+    }
     let peers = peer_versions(&args).await?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own binary: {e}"))?;
     let out = args.results_dir.join(&args.name);
@@ -162,10 +174,14 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     for &workload in &args.workloads {
         let mut rows: Vec<(String, Summary)> = Vec::new();
         let mut steps: Vec<(String, Summary)> = Vec::new();
+        let mut estimates = Vec::new();
         for policy in &args.policies {
             let label = &policy.label;
             eprintln!("== {} / {label}", workload.name());
-            let report = run_one(&exe, &args, &fleet, workload, policy, &out).await?;
+            let (report, est) = run_one(&exe, &args, &fleet, workload, policy, &out).await?;
+            if let Some(est) = est {
+                estimates.push((label.clone(), est));
+            }
             steps.extend(
                 report
                     .steps
@@ -180,6 +196,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
         sections.push(Section {
             workload,
             runs: rows,
+            estimates,
             steps,
         });
     }
@@ -187,7 +204,14 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     std::fs::write(out.join("README.md"), &md).map_err(|e| format!("{}: {e}", out.display()))?;
     let json: Vec<_> = sections
         .iter()
-        .map(|s| serde_json::json!({"workload": s.workload.name(), "runs": s.runs, "steps": s.steps}))
+        .map(|s| {
+            serde_json::json!({
+                "workload": s.workload.name(),
+                "runs": s.runs,
+                "steps": s.steps,
+                "prompt_token_estimates": s.estimates,
+            })
+        })
         .collect();
     let json = serde_json::json!({"command_line": command_line(), "settings": settings(&args, &fleet), "peers": peers, "results": json});
     std::fs::write(
@@ -226,6 +250,9 @@ fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
     if let Some(kv) = args.kv_tokens {
         sim_args.extend(["--kv-tokens".to_string(), kv.to_string()]);
     }
+    if let Some(path) = &args.sim_tokenizer {
+        sim_args.extend(["--tokenizer".to_string(), path.display().to_string()]);
+    }
     sim_args
 }
 
@@ -236,7 +263,7 @@ async fn run_one(
     workload: WorkloadKind,
     policy: &PolicyRun,
     out: &Path,
-) -> Result<Report, String> {
+) -> Result<(Report, Option<Estimates>), String> {
     let dir = out.join(workload.name()).join(policy.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let servers = u32::try_from(profiles.len()).map_err(|_| "too many servers")?;
@@ -293,7 +320,24 @@ async fn run_one(
         cli.push(f.display().to_string());
     }
     let replay = ReplayCli::try_parse_from(&cli).map_err(|e| format!("replay arguments: {e}"))?;
+    // kvroute's token-estimate histogram at the end of the warm-up (from the replay's start,
+    // in wall time), to subtract from the one at the end.
+    let warm = (router.admin(), args.warmup_s > 0.0);
+    let warm = match warm {
+        (Some(admin), true) => {
+            let wall = std::time::Duration::from_secs_f64(args.warmup_s / args.time_scale);
+            Some(tokio::spawn(async move {
+                tokio::time::sleep(wall).await;
+                estimates::scrape(admin).await
+            }))
+        }
+        _ => None,
+    };
     let replayed = runner::run(replay.args).await;
+    let est = match router.admin() {
+        Some(admin) => token_estimates(admin, warm).await,
+        None => None,
+    };
     router.stop(&dir).await;
     drop(fleet);
     replayed?;
@@ -303,12 +347,65 @@ async fn run_one(
     report.records_omitted += report.records.len() as u64;
     report.records.clear();
     report.load_samples.clear();
+    if let Some(e) = &est {
+        report.token_estimates = serde_json::to_value(e).ok();
+        let md = dir.join("report.md");
+        let line = format!(
+            "\nPrompt-token estimates within 10% of the engine's count (kvroute's \
+             `kvroute_prompt_tokens_estimate_ratio` in (0.9, 1.1], requests answered after the \
+             warm-up): {}\n",
+            estimates::summary_line(e)
+        );
+        let appended = std::fs::read_to_string(&md).map(|text| text + &line);
+        if let Err(e) = appended.and_then(|text| std::fs::write(&md, text)) {
+            eprintln!(
+                "compare: could not add the estimates to {}: {e}",
+                md.display()
+            );
+        }
+    }
     std::fs::write(
         &path,
         serde_json::to_string_pretty(&report).unwrap_or_default(),
     )
     .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(report)
+    Ok((report, est))
+}
+
+/// kvroute's prompt-token estimates over the measured window: its histogram now, less the
+/// one `warm` scraped at the end of the warm-up. None (with a note) when a scrape failed or
+/// the run ended inside the warm-up; the run's other figures stand.
+async fn token_estimates(
+    admin: std::net::SocketAddr,
+    warm: Option<tokio::task::JoinHandle<Result<String, String>>>,
+) -> Option<Estimates> {
+    let before = match warm {
+        None => None,
+        Some(task) if !task.is_finished() => {
+            task.abort();
+            eprintln!("compare: the run ended inside the warm-up; no token estimates");
+            return None;
+        }
+        Some(task) => match task.await {
+            Ok(Ok(text)) => Some(text),
+            Ok(Err(e)) => {
+                eprintln!("compare: token estimates: {e}");
+                return None;
+            }
+            Err(e) => {
+                eprintln!("compare: token estimates: {e}");
+                return None;
+            }
+        },
+    };
+    let after = estimates::scrape(admin).await;
+    match after.and_then(|after| estimates::between(before.as_deref(), &after)) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            eprintln!("compare: token estimates: {e}");
+            None
+        }
+    }
 }
 
 fn command_line() -> String {
@@ -323,13 +420,24 @@ fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
             format!("{} simulated `{}` servers", fleet.len(), name.as_str())
         }
     };
-    format!(
+    let mut s = format!(
         "{servers}, time scale {} (times below are model time), {} s of sending per run, TTFT SLO {} ms, {}",
         args.time_scale,
         args.duration_s,
         args.slo_ttft_ms,
         if args.session_header { "session ids sent as x-session-id" } else { "no session header (content affinity only)" }
-    )
+    );
+    if args.warmup_s > 0.0 {
+        let _ = write!(
+            s,
+            ", the first {} model s of each run left out",
+            args.warmup_s
+        );
+    }
+    if let Some(path) = &args.sim_tokenizer {
+        let _ = write!(s, ", engines count prompt tokens with `{}`", path.display());
+    }
+    s
 }
 
 fn render(
@@ -352,11 +460,23 @@ fn render(
     for Section {
         workload: w,
         runs,
+        estimates,
         steps,
     } in sections
     {
         let _ = writeln!(md, "## {}\n", w.name());
         md.push_str(&report::markdown_table(runs));
+        if !estimates.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nkvroute's prompt-token estimates within 10% of the engines' counts \
+                 (`kvroute_prompt_tokens_estimate_ratio` in (0.9, 1.1], before each request's \
+                 correction; requests answered after the warm-up), overall (by method):\n"
+            );
+            for (label, e) in estimates {
+                let _ = writeln!(md, "- {label}: {}", estimates::summary_line(e));
+            }
+        }
         if !steps.is_empty() {
             let _ = writeln!(md, "\nPer rate step:\n");
             md.push_str(&report::markdown_table(steps));
@@ -401,6 +521,14 @@ mod tests {
         assert_eq!(f, [ProfileName::H100Llama8b; 8]);
         let sim = sim_args(&args, &f);
         assert_eq!(sim, ["--time-scale", "2", "--profile", "h100-llama8b"]);
+        let tok = "bench/data/tokenizer/bpe8k-sharegpt";
+        let with_tok = parse(&["--sim-tokenizer", tok, "--warmup-s", "20"]).unwrap();
+        let sim = sim_args(&with_tok, &f);
+        assert_eq!(sim[4..], ["--tokenizer", tok]);
+        let s = settings(&with_tok, &f);
+        assert!(s.ends_with(&format!(
+            "left out, engines count prompt tokens with `{tok}`"
+        )));
         assert!(settings(&args, &f).starts_with("8 simulated `h100-llama8b` servers"));
         let args = parse(&["--servers", "3", "--profile", "l40s-llama8b"]).unwrap();
         assert_eq!(fleet(&args).unwrap(), [ProfileName::L40sLlama8b; 3]);

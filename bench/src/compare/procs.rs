@@ -90,6 +90,14 @@ impl Router {
             .map(Router::Peer)
     }
 
+    /// kvroute's admin listener (`/metrics`, `/backends`); None for a peer.
+    pub fn admin(&self) -> Option<SocketAddr> {
+        match self {
+            Router::Kvroute(p) => Some(p.admin),
+            Router::Peer(_) => None,
+        }
+    }
+
     pub fn url(&self) -> &str {
         match self {
             Router::Kvroute(p) => &p.url,

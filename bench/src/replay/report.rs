@@ -29,6 +29,10 @@ pub struct Report {
     pub records_omitted: u64,
     #[serde(default)]
     pub load_samples: Vec<LoadSample>,
+    /// `compare` only: how close kvroute's prompt-token estimates came to the engines' counts
+    /// (see `compare::estimates`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_estimates: Option<serde_json::Value>,
 }
 
 impl Report {
@@ -193,6 +197,7 @@ mod tests {
             records: vec![rec],
             records_omitted: 0,
             load_samples: vec![],
+            token_estimates: None,
         };
         write(&dir, r).unwrap();
         let back = Report::load(&dir.join("report.json")).unwrap();

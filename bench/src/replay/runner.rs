@@ -184,6 +184,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         records,
         records_omitted: 0,
         load_samples,
+        token_estimates: None,
     };
     report::write(&args.out, report)?;
     print!("{table}");

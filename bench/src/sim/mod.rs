@@ -79,6 +79,7 @@ use std::sync::Arc;
 pub use cli::SimArgs;
 pub use error::SimError;
 pub use profile::{fleet_profiles, Profile, ProfileName};
+pub use tokenizer::PromptTokenizer;
 
 /// Binds every server, announces them on stdout, then serves until SIGTERM or SIGINT.
 pub async fn run(args: SimArgs) -> Result<(), SimError> {
