@@ -67,16 +67,42 @@ pub struct RoutingConfig {
     /// kv_aware: use each backend's prefill rate as its engine's own counters show it
     /// (vLLM, llama.cpp) once they hold enough evidence; the configured rate is the prior.
     pub learn_prefill_rate: bool,
-    /// Count a prompt's tokens with o200k_base when its canonical text is at most this many
-    /// bytes (inline, on the proxy's worker thread); larger prompts, and all with 0, are
-    /// estimated from their size. Both are corrected per model by the engines' `usage`.
+    /// Count a prompt's tokens when its canonical text is at most this many bytes, inline on
+    /// the proxy's worker thread (~0.1 ms per KB).
     pub count_tokens_max_bytes: usize,
+    /// Count larger prompts, up to this many bytes, on a blocking thread while the request
+    /// waits; larger ones are estimated from their size. 0: never off-thread. With both limits
+    /// 0 the BPE tables are not loaded. Every estimate is corrected per model by the engines'
+    /// `usage`.
+    pub count_tokens_offthread_max_bytes: usize,
+    /// What counts: `o200k_base` (built in) or the absolute path of a tiktoken rank file
+    /// (`<base64 token> <rank>` per line).
+    pub tokenizer: String,
+    /// A rank file's pre-tokenizer split pattern: `o200k_base`, `cl100k_base` (Llama 3's
+    /// `tokenizer.model` uses this one) or a regex. Unset: `o200k_base`.
+    pub tokenizer_pattern: Option<String>,
 }
+
+/// The built-in tokenizer's name in `routing.tokenizer`.
+const O200K_BASE: &str = "o200k_base";
+
+/// Largest `count_tokens_offthread_max_bytes`: one count of it takes a core for about 1.5 s.
+const MAX_OFFTHREAD_BYTES: usize = 16 << 20;
 
 impl RoutingConfig {
     /// Estimated tokens per prefix block (about 4 bytes a token).
     pub fn block_tokens(&self) -> u64 {
         (BLOCK_BYTES / 4) as u64
+    }
+
+    /// Whether any prompt is counted (and so whether the BPE tables are needed).
+    pub fn counts_tokens(&self) -> bool {
+        self.count_tokens_max_bytes > 0 || self.count_tokens_offthread_max_bytes > 0
+    }
+
+    /// The tiktoken rank file to count with; `None`: the built-in o200k_base.
+    pub fn rank_file(&self) -> Option<&std::path::Path> {
+        (self.tokenizer != O200K_BASE).then(|| std::path::Path::new(&self.tokenizer))
     }
 }
 
@@ -95,6 +121,9 @@ impl Default for RoutingConfig {
             min_prefix_saving_tokens: 1024,
             learn_prefill_rate: true,
             count_tokens_max_bytes: 8192,
+            count_tokens_offthread_max_bytes: 1 << 20,
+            tokenizer: O200K_BASE.to_string(),
+            tokenizer_pattern: None,
         }
     }
 }
@@ -106,6 +135,44 @@ impl RoutingConfig {
                 "kvroute.routing.count_tokens_max_bytes",
                 "must be at most 1048576 (counting runs on the proxy's worker threads)",
             ));
+        }
+        let offthread = self.count_tokens_offthread_max_bytes;
+        if offthread > MAX_OFFTHREAD_BYTES {
+            return Err(err(
+                "kvroute.routing.count_tokens_offthread_max_bytes",
+                format!("must be at most {MAX_OFFTHREAD_BYTES} (a count takes ~0.1 s per MiB)"),
+            ));
+        }
+        if offthread != 0 && offthread < self.count_tokens_max_bytes {
+            return Err(err(
+                "kvroute.routing.count_tokens_offthread_max_bytes",
+                "must be 0 (off) or at least count_tokens_max_bytes (it takes the prompts too \
+                 long to count inline)",
+            ));
+        }
+        if self.tokenizer != O200K_BASE && !std::path::Path::new(&self.tokenizer).is_absolute() {
+            return Err(err(
+                "kvroute.routing.tokenizer",
+                format!(
+                    "`{}` is neither {O200K_BASE} nor an absolute path to a tiktoken rank file",
+                    self.tokenizer
+                ),
+            ));
+        }
+        match &self.tokenizer_pattern {
+            Some(_) if self.tokenizer == O200K_BASE => {
+                return Err(err(
+                    "kvroute.routing.tokenizer_pattern",
+                    "applies to a rank file only (o200k_base has its own)",
+                ))
+            }
+            Some(p) if p.is_empty() => {
+                return Err(err(
+                    "kvroute.routing.tokenizer_pattern",
+                    "must not be empty",
+                ))
+            }
+            _ => {}
         }
         if !(self.epsilon.is_finite() && self.epsilon >= 0.0 && self.epsilon <= 100.0) {
             return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
@@ -136,5 +203,80 @@ impl RoutingConfig {
             return Err(err("kvroute.routing.kv_usage_ceiling", "must be in (0, 1]"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn routing(keys: &str) -> Result<Config, crate::config::ConfigError> {
+        Config::from_yaml(&format!(
+            "kvroute:\n  listen: \"127.0.0.1:1\"\n  backends:\n    - addr: \"127.0.0.1:2\"\n  \
+             routing:\n{keys}"
+        ))
+    }
+
+    #[test]
+    fn token_counting_defaults() {
+        let r = routing("    policy: kv_aware\n").unwrap().routing;
+        assert_eq!(r.count_tokens_max_bytes, 8192);
+        assert_eq!(r.count_tokens_offthread_max_bytes, 1 << 20);
+        assert_eq!(
+            (r.tokenizer.as_str(), r.tokenizer_pattern.as_deref()),
+            ("o200k_base", None)
+        );
+        assert!(r.counts_tokens());
+        let off = "    count_tokens_max_bytes: 0\n    count_tokens_offthread_max_bytes: 0\n";
+        assert!(!routing(off).unwrap().routing.counts_tokens());
+        // Everything off-thread, nothing inline, is a valid choice.
+        let r = routing("    count_tokens_max_bytes: 0\n").unwrap().routing;
+        assert!(r.counts_tokens());
+        let file =
+            "    tokenizer: /etc/kvroute/llama3.tiktoken\n    tokenizer_pattern: cl100k_base\n";
+        let r = routing(file).unwrap().routing;
+        assert_eq!(r.tokenizer, "/etc/kvroute/llama3.tiktoken");
+        assert_eq!(r.tokenizer_pattern.as_deref(), Some("cl100k_base"));
+    }
+
+    #[test]
+    fn token_counting_keys_are_checked() {
+        let cases = [
+            (
+                "    count_tokens_offthread_max_bytes: 16777217\n",
+                "kvroute.routing.count_tokens_offthread_max_bytes",
+                "at most 16777216",
+            ),
+            (
+                "    count_tokens_offthread_max_bytes: 4096\n",
+                "kvroute.routing.count_tokens_offthread_max_bytes",
+                "at least count_tokens_max_bytes",
+            ),
+            (
+                "    tokenizer: llama3.tiktoken\n",
+                "kvroute.routing.tokenizer",
+                "absolute path",
+            ),
+            (
+                "    tokenizer: cl100k_base\n",
+                "kvroute.routing.tokenizer",
+                "neither o200k_base",
+            ),
+            (
+                "    tokenizer_pattern: cl100k_base\n",
+                "kvroute.routing.tokenizer_pattern",
+                "rank file only",
+            ),
+            (
+                "    tokenizer: /t.tiktoken\n    tokenizer_pattern: \"\"\n",
+                "kvroute.routing.tokenizer_pattern",
+                "empty",
+            ),
+        ];
+        for (keys, key, reason) in cases {
+            let e = routing(keys).unwrap_err();
+            assert_eq!(e.key, key, "{keys}: {e}");
+            assert!(e.reason.contains(reason), "{keys}: {e}");
+        }
     }
 }
