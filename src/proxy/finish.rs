@@ -82,13 +82,8 @@ pub(super) fn end_request(
         ctx.route.profile.as_ref(),
     ) {
         if est.tokens > 0 && u.prompt_tokens > 0 {
-            let method = if est.counted.is_some() {
-                "counted"
-            } else {
-                "sized"
-            };
             m.token_estimate_ratio
-                .with_label_values(&[method])
+                .with_label_values(&[est.method.as_str()])
                 .observe(u.prompt_tokens as f64 / est.tokens as f64);
         }
         tokens.learn(&p.model, est, u.prompt_tokens);

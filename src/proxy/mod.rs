@@ -197,20 +197,21 @@ impl ProxyHttp for Router {
             .headers
             .get(SESSION_HEADER)
             .map(|v| v.as_bytes());
-        let count_limit = cfg.routing.count_tokens_max_bytes;
-        match request::profile_with_text(endpoint, &body, header, DEFAULT_BLOCK_BYTES, count_limit)
+        let count = self.tokens.limits(&cfg.routing);
+        match request::profile_with_text(endpoint, &body, header, DEFAULT_BLOCK_BYTES, count.text())
         {
             Ok((mut p, text)) => {
-                // Token ids are already an exact count; text is counted or sized.
-                let text = match &text {
+                // Token ids are already an exact count; text is counted (a long prompt off the
+                // worker thread, awaited here so placement sees the count) or sized.
+                let estimate = match text {
                     PromptText::TokenIds => None,
-                    PromptText::Text(t) => Some(Some(t.as_slice())),
-                    PromptText::TooLong => Some(None),
+                    PromptText::Text(t) => {
+                        Some(self.tokens.count(&p.model, t, p.prompt_bytes, count).await)
+                    }
+                    PromptText::TooLong => {
+                        Some(self.tokens.estimate(&p.model, None, p.prompt_bytes, 0))
+                    }
                 };
-                let estimate = text.map(|t| {
-                    self.tokens
-                        .estimate(&p.model, t, p.prompt_bytes, count_limit)
-                });
                 if let Some(e) = estimate {
                     p.est_prompt_tokens = e.tokens;
                     ctx.route.tokens = Some(e);

@@ -16,7 +16,7 @@ mod tokens;
 pub(crate) mod usage;
 
 pub use blocks::{BlockHasher, DEFAULT_BLOCK_BYTES};
-pub use tokens::{TokenEstimate, TokenEstimator};
+pub use tokens::{CountLimits, Method, TokenEstimate, TokenEstimator, TokenMetrics};
 
 /// Which OpenAI endpoint a routed request is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

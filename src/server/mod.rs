@@ -14,7 +14,7 @@ use crate::config::Config;
 use crate::edge::{EdgeState, Listener};
 use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
 use crate::proxy::{ProxyMetrics, Router};
-use crate::request::TokenEstimator;
+use crate::request::{TokenEstimator, TokenMetrics};
 
 mod admin;
 mod drain;
@@ -31,6 +31,20 @@ struct Telemetry(Arc<Current>);
 impl BackgroundService for Telemetry {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         scrape_forever(&self.0, &mut shutdown).await;
+    }
+}
+
+/// Loads the BPE tables once the process runs: after `-d` has forked, so no loader thread is
+/// lost with the parent.
+struct TokenizerLoad(Arc<TokenEstimator>);
+
+#[async_trait]
+impl BackgroundService for TokenizerLoad {
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        let tokens = self.0.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || tokens.load_pending()).await {
+            log::error!("the tokenizer loader failed, prompts are estimated by size: {e}");
+        }
     }
 }
 
@@ -76,6 +90,12 @@ pub fn run(mut opt: Opt) -> ! {
     let proxy_metrics = ProxyMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
     let fleet_metrics = FleetMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
     let reload_metrics = ReloadMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
+    let token_metrics = TokenMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
+    let tokens = Arc::new(TokenEstimator::with_metrics(token_metrics));
+    // Before `-t` returns: a rank file that does not load is a config error like any other.
+    tokens
+        .start(&cfg.routing)
+        .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
 
     shield_sighup();
     // A reload re-reads the file's Pingora keys as the process did at start (Opt is not Clone).
@@ -103,16 +123,13 @@ pub fn run(mut opt: Opt) -> ! {
     let listen = cfg.listen.clone();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
-    // The BPE tables load in the background; until then prompts are estimated by size.
-    let tokens = Arc::new(TokenEstimator::default());
-    tokens.warm();
     let current = Arc::new(Current::new(Generation::new(cfg, fleet)));
     reload_metrics.last_success.set(unix_now());
     let fleet_metrics = Arc::new(fleet_metrics);
 
     let router = pingora::proxy::http_proxy(
         &server.configuration,
-        Router::new(current.clone(), edge.clone(), tokens, proxy_metrics),
+        Router::new(current.clone(), edge.clone(), tokens.clone(), proxy_metrics),
     );
     let mut proxy = Service::new(
         "kvroute proxy".to_string(),
@@ -141,11 +158,16 @@ pub fn run(mut opt: Opt) -> ! {
         Arc::new(Telemetry(current.clone())),
     ));
     server.add_service(GenBackgroundService::new(
+        "kvroute tokenizer load".to_string(),
+        Arc::new(TokenizerLoad(tokens.clone())),
+    ));
+    server.add_service(GenBackgroundService::new(
         "kvroute config reload".to_string(),
         Arc::new(Reloader {
             current: current.clone(),
             edge: edge.clone(),
             fleet_metrics,
+            tokens,
             metrics: reload_metrics,
             opt: reload_opt,
             server_conf: server.configuration.clone(),

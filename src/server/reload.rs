@@ -4,7 +4,9 @@
 //!
 //! Backends that stay keep their load accounting, learned prefill rate, telemetry, health and
 //! prefix-index slot; requests in flight finish on the backend and fleet generation they were
-//! placed with. A file that fails to load or validate changes nothing.
+//! placed with. The BPE tables are rebuilt when the file names other ones (or a rank file changed
+//! on disk), dropped when it counts nothing. A file that fails to load or validate, or names a
+//! rank file that does not load, changes nothing.
 
 use async_trait::async_trait;
 use pingora::server::configuration::{Opt, ServerConf};
@@ -22,6 +24,7 @@ use crate::config::{Config, ConfigError};
 use crate::edge::EdgeState;
 use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
 use crate::metrics::{counter_vec, gauge, int_gauge};
+use crate::request::TokenEstimator;
 
 /// Why a reload changed nothing.
 #[derive(Debug)]
@@ -125,6 +128,8 @@ pub(super) struct Reloader {
     pub edge: Arc<EdgeState>,
     /// Shared with the admin listener: a removed backend's gauges are dropped.
     pub fleet_metrics: Arc<FleetMetrics>,
+    /// Its BPE tables follow the reloaded `routing` keys.
+    pub tokens: Arc<TokenEstimator>,
     pub metrics: ReloadMetrics,
     /// The Pingora options the process started with, to re-read the file's server keys.
     pub opt: Opt,
@@ -160,6 +165,16 @@ impl Reloader {
         }
         let cfg = effective(running, file);
         let fleet = old.fleet.reload(&cfg)?;
+        // Built before anything is published, so a rank file that does not load rejects the
+        // whole reload; installed together with the config.
+        let tables =
+            self.tokens
+                .prepare(&cfg.routing)
+                .await
+                .map_err(|error| ReloadError::Config {
+                    path: path.clone(),
+                    error,
+                })?;
         fleet.sync_health().await?;
 
         let before: BTreeSet<&str> = old
@@ -179,6 +194,7 @@ impl Reloader {
             Some(acl) => limiter.retain(acl),
             None => limiter.retain(&Default::default()),
         }
+        self.tokens.apply(tables);
         self.current.publish(Generation::new(cfg, fleet));
         for name in &applied.removed {
             self.fleet_metrics.forget_backend(name);
