@@ -107,8 +107,9 @@ impl ProxyMetrics {
             token_estimate_ratio: estimate_ratio_vec(
                 r,
                 "kvroute_prompt_tokens_estimate_ratio",
-                "Engine-reported prompt tokens over kvroute's estimate, by method (counted: \
-                 o200k count, sized: from the prompt's bytes), before this request's correction.",
+                "Engine-reported prompt tokens over kvroute's estimate, by method (counted: BPE \
+                 count inline, counted_offthread: BPE count on a blocking thread, sized: from the \
+                 prompt's bytes), before this request's correction.",
                 &["method"],
             )?,
         })

@@ -11,14 +11,7 @@ use super::openai::Endpoint;
 use super::prompt::TURN_END;
 use super::tokenizer::PromptTokenizer;
 
-pub fn token_text(i: u64) -> String {
-    format!(" tok{i}")
-}
-
-/// The whole reply of `n` tokens.
-pub fn completion_text(n: u64) -> String {
-    (0..n).map(token_text).collect()
-}
+pub use super::filler::{completion_text, token_text};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Schedule {

@@ -52,6 +52,7 @@ mod engine;
 mod engine_answer;
 mod error;
 mod faults;
+mod filler;
 mod generate;
 mod inference;
 mod kvcache;

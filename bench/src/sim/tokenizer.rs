@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use serde_json::json;
 use xxhash_rust::xxh3::xxh3_128;
 
-use super::generate::{completion_text, token_text};
+use super::filler::{completion_text, token_text};
 use super::prompt::{render_chat, GENERATION_PROMPT, TURN_END, TURN_START};
 
 /// Token-stream bytes the memo holds before it starts over.
