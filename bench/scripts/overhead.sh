@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Proxy cost: what kvroute adds per request, next to nginx round robin and no proxy at all,
-# against a backend that answers at once (an nginx `return`), on loopback only.
+# Proxy cost: what kvroute adds per request, next to a bare Pingora proxy (the framework's
+# floor: examples/bare_pingora.rs), nginx round robin and no proxy at all, against a backend
+# that answers at once (an nginx `return`), on loopback only.
 #
 #   bench/scripts/overhead.sh [SECONDS=10] [OUT=bench/results/overhead]
 #
@@ -18,8 +19,9 @@ for tool in nginx wrk taskset python3; do
   command -v "$tool" >/dev/null || { echo "overhead.sh: $tool not found (apt-get install nginx wrk)" >&2; exit 1; }
 done
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/kvroute-target}
-cargo build --release -q -p kvroute
+cargo build --release -q -p kvroute --bin kvroute --example bare_pingora
 KVROUTE="$CARGO_TARGET_DIR/release/kvroute"
+BARE="$CARGO_TARGET_DIR/release/examples/bare_pingora"
 
 WORK=$(mktemp -d /tmp/kvroute-overhead.XXXXXX)
 PIDS=()
@@ -37,6 +39,7 @@ BACKEND_SSE=18302    # answers chat completions as an SSE stream
 NGINX_RR=18310
 KV=18320
 KV_ADMIN=18321
+BARE_PORT=18330
 
 JSON_BODY='{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}'
 SSE_BODY='data: {"choices":[{"delta":{"content":"o"},"index":0}]}\n\ndata: {"choices":[{"delta":{"content":"k"},"index":0}]}\n\ndata: [DONE]\n\n'
@@ -105,6 +108,15 @@ kvroute:
     policy: bounded_hash
 CONF
 }
+
+cat > "$WORK/bare.yaml" <<CONF
+version: 1
+threads: 1
+pid_file: $WORK/bare.pid
+upgrade_sock: $WORK/bare.sock
+grace_period_seconds: 0
+graceful_shutdown_timeout_seconds: 1
+CONF
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
 
@@ -179,7 +191,9 @@ for mode in plain stream; do
   taskset -c 1 nginx -c "$WORK/rr.conf" -p "$WORK"
   RUST_LOG=warn taskset -c 1 "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
   KPID=$!; PIDS+=("$KPID")
-  wait_port $NGINX_RR; wait_port $KV
+  RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$backend" 2>"$WORK/bare.err" &
+  BPID=$!; PIDS+=("$BPID")
+  wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT
   sleep 0.5
   # nginx workers do not carry the config path in their command line: take the master's children.
   RRMASTER=$(cat "$WORK/rr.pid")
@@ -189,9 +203,10 @@ for mode in plain stream; do
     run_case direct $backend "$stem"
     # shellcheck disable=SC2086
     run_case nginx_rr $NGINX_RR "$stem" $RRPIDS
+    run_case pingora_bare $BARE_PORT "$stem" "$BPID"
     run_case kvroute $KV "$stem" "$KPID"
   done
-  kill "$KPID"; wait "$KPID" 2>/dev/null || true
+  kill "$KPID" "$BPID"; wait "$KPID" "$BPID" 2>/dev/null || true
   kill "$(cat "$WORK/rr.pid")"; sleep 0.3
 done
 
@@ -203,15 +218,17 @@ json.dump(rows, open(os.path.join(out, "overhead.json"), "w"), indent=1)
 def f(v, d=2):
     return "n/a" if v is None else f"{v:.{d}f}"
 lines = [f"Proxy cost, loopback, wrk {secs}s per case; proxy pinned to 1 core (1 worker), wrk + backend on the other.", "",
-         "| body | stream | proxy | p50 ms (c=1) | added p50 ms | p99 ms (c=1) | req/s (c=32) | vs nginx | p99 ms (c=32) | CPU s / 1000 req | peak RSS MiB | non-2xx |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| body | stream | proxy | p50 ms (c=1) | added p50 ms | p99 ms (c=1) | req/s (c=32) | vs nginx | vs bare Pingora | p99 ms (c=32) | CPU s / 1000 req | peak RSS MiB | non-2xx |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     direct = next(x for x in rows if x["proxy"] == "direct" and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"])
     nginx = next(x for x in rows if x["proxy"] == "nginx_rr" and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"])
     added = r["p50_ms_c1"] - direct["p50_ms_c1"] if r["proxy"] != "direct" else None
     ratio = r["rps_c32"] / nginx["rps_c32"] if r["proxy"] != "direct" else None
+    bare = next((x for x in rows if x["proxy"] == "pingora_bare" and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"]), None)
+    vs_bare = r["rps_c32"] / bare["rps_c32"] if bare and r["proxy"] != "direct" else None
     size = "1 KB" if r["body_bytes"] == 1000 else "100 KB"
-    lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {f(ratio)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {f(r['peak_rss_mib'],1)} | {r['non_2xx']} |")
+    lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {f(ratio)} | {f(vs_bare)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {f(r['peak_rss_mib'],1)} | {r['non_2xx']} |")
 open(os.path.join(out, "overhead.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

@@ -19,5 +19,5 @@ pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
 pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 pub use limits::{LimitsConfig, TimeoutsConfig};
-pub use passthrough::{AllowRule, PassthroughConfig};
+pub use passthrough::{path_matches, AllowRule, PassthroughConfig};
 pub use routing::{PolicyKind, RoutingConfig, BLOCK_BYTES};

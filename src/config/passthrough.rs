@@ -30,14 +30,18 @@ fn read_only() -> Vec<String> {
 
 const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
 
+/// Whether `path` is `rule`, or under it when `rule` ends in `*`.
+pub fn path_matches(rule: &str, path: &str) -> bool {
+    match rule.strip_suffix('*') {
+        Some(prefix) => path.starts_with(prefix),
+        None => path == rule,
+    }
+}
+
 impl AllowRule {
     /// Whether `method path` falls under this rule (`path` already checked to be plain).
     pub fn matches(&self, method: &str, path: &str) -> bool {
-        let under = match self.path.strip_suffix('*') {
-            Some(prefix) => path.starts_with(prefix),
-            None => path == self.path,
-        };
-        under && self.methods.iter().any(|m| m == method)
+        path_matches(&self.path, path) && self.methods.iter().any(|m| m == method)
     }
 }
 

@@ -420,20 +420,27 @@ mod tests {
         Fleet::new(&cfg).unwrap()
     }
 
-    #[test]
-    fn prefill_rate_and_kv_capacity_are_learned_from_engine_counters() {
-        let f = fleet();
-        let b = &f.backends()[0];
-        assert_eq!(f.prefill_rate(0), 20_000.0, "the configured prior");
-        let scrape = |tokens: f64, seconds: f64| EngineStats {
+    /// A scrape of paired cumulative prefill counters, request counts unknown.
+    fn paired_scrape(tokens: f64, seconds: f64) -> EngineStats {
+        EngineStats {
             prefill: Some(PrefillCounters {
                 tokens,
                 seconds,
                 requests: None,
                 paired: true,
             }),
-            kv_capacity_tokens: Some(150_000),
             ..EngineStats::default()
+        }
+    }
+
+    #[test]
+    fn prefill_rate_and_kv_capacity_are_learned_from_engine_counters() {
+        let f = fleet();
+        let b = &f.backends()[0];
+        assert_eq!(f.prefill_rate(0), 20_000.0, "the configured prior");
+        let scrape = |tokens: f64, seconds: f64| EngineStats {
+            kv_capacity_tokens: Some(150_000),
+            ..paired_scrape(tokens, seconds)
         };
         f.observe(0, scrape(0.0, 0.0));
         f.observe(0, scrape(90_000.0, 10.0));
@@ -511,15 +518,7 @@ mod tests {
         .unwrap();
         let f = Fleet::new(&cfg).unwrap();
         assert_eq!((f.prefill_rate(0), f.prefill_rate(1)), (25_000.0, 250.0));
-        let scrape = |tokens: f64, seconds: f64| EngineStats {
-            prefill: Some(PrefillCounters {
-                tokens,
-                seconds,
-                requests: None,
-                paired: true,
-            }),
-            ..EngineStats::default()
-        };
+        let scrape = paired_scrape;
         f.observe(0, scrape(0.0, 0.0));
         f.observe(0, scrape(80_000.0, 4.0));
         // Told it is 80x slower, backend 1 would never be sent a request to learn from.

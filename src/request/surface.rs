@@ -4,7 +4,7 @@
 //! SGLang's `/flush_cache`, `/update_weights_from_disk`; ...) stay on the backends' network.
 
 use super::Endpoint;
-use crate::config::AllowRule;
+use crate::config::{path_matches, AllowRule};
 
 /// What to do with a request, by method and path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,14 +47,10 @@ pub fn route(method: &str, path: &str, allow: &[AllowRule]) -> Route {
     if !plain(path) {
         return Route::NotFound;
     }
-    let under = |rule: &str| match rule.strip_suffix('*') {
-        Some(prefix) => path.starts_with(prefix),
-        None => path == rule,
-    };
     if allow.iter().any(|r| r.matches(method, path)) {
         return Route::Forward;
     }
-    match BUILT_IN.iter().find(|(rule, ..)| under(rule)) {
+    match BUILT_IN.iter().find(|(rule, ..)| path_matches(rule, path)) {
         Some((_, methods, _)) if methods.contains(&method) => Route::Forward,
         Some((.., allowed)) => Route::WrongMethod(allowed),
         None => Route::NotFound,
