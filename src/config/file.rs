@@ -15,6 +15,7 @@ use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 use super::limits::{LimitsConfig, TimeoutsConfig};
 use super::passthrough::PassthroughConfig;
 use super::routing::{PolicyKind, RoutingConfig};
+use super::tls::TlsConfig;
 
 /// Backends the prefix index can track: its per-block holder set is a 64-bit mask.
 pub const MAX_INDEXED_BACKENDS: usize = 64;
@@ -22,9 +23,17 @@ pub const MAX_INDEXED_BACKENDS: usize = 64;
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Client traffic listener.
-    pub listen: String,
-    /// Metrics and health listener; must differ from `listen`.
+    /// Plaintext client listener (HTTP/1.1; also HTTP/2 with prior knowledge when `h2c`).
+    /// Optional once `tls` is set: at least one client listener is required.
+    #[serde(default)]
+    pub listen: Option<String>,
+    /// The TLS client listener; absent: plaintext only.
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// Serve HTTP/2 with prior knowledge (h2c) on the plaintext listener besides HTTP/1.1.
+    #[serde(default)]
+    pub h2c: bool,
+    /// Metrics and health listener; must differ from the client listeners.
     #[serde(default = "default_admin_listen")]
     pub admin_listen: String,
     pub backends: Vec<BackendConfig>,
@@ -89,14 +98,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let listen = parse_addr("kvroute.listen", &self.listen)?;
-        let admin = parse_addr("kvroute.admin_listen", &self.admin_listen)?;
-        if listen == admin {
-            return Err(err(
-                "kvroute.admin_listen",
-                "must differ from kvroute.listen (metrics never share the client port)",
-            ));
-        }
+        self.validate_listeners()?;
         backend::validate(&self.backends)?;
         self.routing.validate()?;
         if self.routing.policy == PolicyKind::KvAware && self.backends.len() > MAX_INDEXED_BACKENDS
@@ -116,6 +118,62 @@ impl Config {
         self.outlier.validate()?;
         self.passthrough.validate()?;
         self.timeouts.validate()
+    }
+
+    fn validate_listeners(&self) -> Result<(), ConfigError> {
+        if self.listen.is_none() && self.tls.is_none() {
+            return Err(err(
+                "kvroute.listen",
+                "required unless kvroute.tls is set (at least one client listener)",
+            ));
+        }
+        if self.h2c && self.listen.is_none() {
+            return Err(err(
+                "kvroute.h2c",
+                "needs kvroute.listen (h2c is HTTP/2 on the plaintext listener)",
+            ));
+        }
+        let admin = parse_addr("kvroute.admin_listen", &self.admin_listen)?;
+        let mut clients = Vec::new();
+        if let Some(l) = &self.listen {
+            clients.push(("kvroute.listen", parse_addr("kvroute.listen", l)?));
+        }
+        if let Some(t) = &self.tls {
+            t.validate()?;
+            clients.push((
+                "kvroute.tls.listen",
+                parse_addr("kvroute.tls.listen", &t.listen)?,
+            ));
+        }
+        for (key, addr) in &clients {
+            if *addr == admin {
+                return Err(err(
+                    "kvroute.admin_listen",
+                    format!("must differ from {key} (metrics never share the client port)"),
+                ));
+            }
+        }
+        if let [(_, a), (_, b)] = clients.as_slice() {
+            if a == b {
+                return Err(err("kvroute.tls.listen", "must differ from kvroute.listen"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The client listeners' addresses, for logs: `plain` and `tls`.
+    pub fn client_listeners(&self) -> String {
+        let mut out = Vec::new();
+        if let Some(l) = &self.listen {
+            out.push(format!(
+                "{l}{}",
+                if self.h2c { " (http, h2c)" } else { " (http)" }
+            ));
+        }
+        if let Some(t) = &self.tls {
+            out.push(format!("{} (https, h2)", t.listen));
+        }
+        out.join(", ")
     }
 }
 
@@ -138,6 +196,8 @@ kvroute:
     fn minimal_file_gets_defaults() {
         let c = Config::from_yaml(MINIMAL).unwrap();
         assert_eq!(c.admin_listen, "127.0.0.1:9090");
+        assert_eq!(c.tls, None);
+        assert!(!c.h2c);
         assert_eq!(c.backends[0].weight, 1);
         assert_eq!(c.backends[1].weight, 2);
         assert_eq!(c.routing.policy, PolicyKind::KvAware);
@@ -179,6 +239,42 @@ kvroute:
         let e = Config::from_yaml(&format!("{MINIMAL}  admin_listen: \"127.0.0.1:8080\"\n"))
             .unwrap_err();
         assert_eq!(e.key, "kvroute.admin_listen");
+    }
+
+    #[test]
+    fn listeners_tls_and_h2c() {
+        let tls = "  tls:\n    listen: \"127.0.0.1:8443\"\n    cert: /c.pem\n    key: /k.pem\n";
+        let c = Config::from_yaml(&format!("{MINIMAL}{tls}  h2c: true\n")).unwrap();
+        let t = c.tls.as_ref().unwrap();
+        assert_eq!(
+            (t.listen.as_str(), t.client_ca.as_ref()),
+            ("127.0.0.1:8443", None)
+        );
+        assert!(c.h2c);
+        // TLS alone is enough; nothing at all is not.
+        let no_plain = MINIMAL.replace("  listen: \"127.0.0.1:8080\"\n", "");
+        let c = Config::from_yaml(&format!("{no_plain}{tls}")).unwrap();
+        assert_eq!(c.listen, None);
+        assert_eq!(
+            Config::from_yaml(&no_plain).unwrap_err().key,
+            "kvroute.listen"
+        );
+        let e = Config::from_yaml(&format!("{no_plain}{tls}  h2c: true\n")).unwrap_err();
+        assert_eq!(e.key, "kvroute.h2c");
+        let cases = [
+            (tls.replace("8443", "8080"), "kvroute.tls.listen"),
+            (tls.replace("8443", "9090"), "kvroute.admin_listen"),
+            (tls.replace("/k.pem", "k.pem"), "kvroute.tls.key"),
+            (
+                format!("{tls}    client_ca: ca.pem\n"),
+                "kvroute.tls.client_ca",
+            ),
+            (tls.replace("    key: /k.pem\n", ""), "kvroute.tls"),
+        ];
+        for (section, key) in cases {
+            let e = Config::from_yaml(&format!("{MINIMAL}{section}")).unwrap_err();
+            assert_eq!(e.key, key, "{e}");
+        }
     }
 
     #[test]

@@ -27,6 +27,14 @@ pub struct LimitsConfig {
     pub retry_budget_min: u64,
     /// Client connections open at once; more are closed on accept.
     pub max_connections: usize,
+    /// HTTP/2 streams one client connection may have open at once (advertised in SETTINGS).
+    pub h2_max_concurrent_streams: u32,
+    /// An HTTP/2 connection whose client abandons (resets) more than this many streams within
+    /// `h2_reset_window_ms` is closed: the rapid-reset attack (CVE-2023-44487) makes the proxy
+    /// start backend work for streams the client cancels at once.
+    pub h2_max_client_resets: u32,
+    /// See `h2_max_client_resets`.
+    pub h2_reset_window_ms: u64,
 }
 
 impl Default for LimitsConfig {
@@ -41,6 +49,9 @@ impl Default for LimitsConfig {
             retry_budget_ratio: 0.2,
             retry_budget_min: 3,
             max_connections: 10_000,
+            h2_max_concurrent_streams: 128,
+            h2_max_client_resets: 100,
+            h2_reset_window_ms: 10_000,
         }
     }
 }
@@ -58,8 +69,11 @@ pub struct TimeoutsConfig {
     /// The whole request body must arrive within this (408 after), however it trickles.
     pub client_body_ms: u64,
     /// A new connection's first request header must be complete within this; slower
-    /// (slowloris) connections are closed.
+    /// (slowloris) connections are closed. On HTTP/2, the connection preface and a first
+    /// stream's headers, and after an idle spell the next stream's.
     pub client_header_ms: u64,
+    /// A TLS handshake must complete within this; slower connections are closed.
+    pub tls_handshake_ms: u64,
     /// A keep-alive connection may sit idle this long before its next request; that request's
     /// header must then be complete within `client_header_ms` more.
     pub client_idle_ms: u64,
@@ -80,6 +94,7 @@ impl Default for TimeoutsConfig {
             client_body_read_ms: 30_000,
             client_body_ms: 60_000,
             client_header_ms: 10_000,
+            tls_handshake_ms: 10_000,
             client_idle_ms: 60_000,
             first_byte_floor_ms: 30_000,
             first_byte_factor: 10.0,
@@ -116,6 +131,21 @@ impl LimitsConfig {
         if self.max_connections == 0 {
             return Err(err("kvroute.limits.max_connections", "must be positive"));
         }
+        for (key, v) in [
+            (
+                "kvroute.limits.h2_max_concurrent_streams",
+                u64::from(self.h2_max_concurrent_streams),
+            ),
+            (
+                "kvroute.limits.h2_max_client_resets",
+                u64::from(self.h2_max_client_resets),
+            ),
+            ("kvroute.limits.h2_reset_window_ms", self.h2_reset_window_ms),
+        ] {
+            if v == 0 {
+                return Err(err(key, "must be positive"));
+            }
+        }
         Ok(())
     }
 }
@@ -131,6 +161,7 @@ impl TimeoutsConfig {
             ),
             ("kvroute.timeouts.client_body_ms", self.client_body_ms),
             ("kvroute.timeouts.client_header_ms", self.client_header_ms),
+            ("kvroute.timeouts.tls_handshake_ms", self.tls_handshake_ms),
             ("kvroute.timeouts.client_idle_ms", self.client_idle_ms),
             (
                 "kvroute.timeouts.first_byte_floor_ms",

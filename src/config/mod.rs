@@ -10,6 +10,7 @@ mod health;
 mod limits;
 mod passthrough;
 mod routing;
+mod tls;
 
 pub use access::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
 pub use backend::{
@@ -21,3 +22,4 @@ pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 pub use limits::{LimitsConfig, TimeoutsConfig};
 pub use passthrough::{path_matches, AllowRule, PassthroughConfig};
 pub use routing::{PolicyKind, RoutingConfig, BLOCK_BYTES};
+pub use tls::TlsConfig;

@@ -1,63 +1,88 @@
-//! The client connection layer in front of Pingora's HTTP/1 handling: a cap on open connections
-//! and a deadline for every request header. Pingora only times out single reads (60 s each), so
-//! a client trickling its header a byte at a time (slowloris) would otherwise hold a connection
-//! and its memory for as long as it likes.
-//!
-//! This mirrors Pingora's own HTTP/1 keep-alive loop (`ServerApp for HttpServerApp`) and adds the
-//! deadline: the proxy reports each parsed header (`early_request_filter` ->
-//! [`HeaderWatches::header_seen`], keyed by the client's socket address) and a connection whose
-//! header has not arrived in time is closed. Only HTTP/1 is served (kvroute enables neither TLS
-//! nor h2c).
+//! The client connection layer in front of Pingora's HTTP handling: a cap on open connections,
+//! TLS termination, the choice of HTTP/1.1 or HTTP/2 (ALPN on TLS, the h2c preface on
+//! plaintext), and the per-protocol loops with their deadlines (`h1`, `h2`).
 //!
 //! The listener is generic over the `ProxyHttp` it serves, so the edge does not depend on the
-//! proxy layer above it.
+//! proxy layer above it. One instance serves each client listener; they share the proxy and
+//! the connection count.
 
 use async_trait::async_trait;
 use pingora::apps::{HttpServerApp, ServerApp};
-use pingora::protocols::http::ServerSession;
-use pingora::protocols::Stream;
+use pingora::protocols::{Stream, ALPN};
 use pingora::proxy::{HttpProxy, ProxyHttp};
 use pingora::server::ShutdownWatch;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::conn_limits::ConnLimits;
 use super::state::EdgeState;
+use super::tls::{HandshakeFailure, TlsEdge};
+use super::{h1, h2};
 use crate::fleet::Current;
+
+/// The HTTP/2 connection preface (RFC 9113 section 3.4), as Pingora's own h2c check reads it.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// What a client listener speaks below HTTP.
+pub enum Transport {
+    /// Plaintext: HTTP/1.1, and HTTP/2 with prior knowledge when `kvroute.h2c` is on.
+    Plain,
+    /// TLS, with the protocol chosen by ALPN.
+    Tls(Arc<TlsEdge>),
+}
 
 pub struct Listener<P> {
     proxy: Arc<HttpProxy<P>>,
     current: Arc<Current>,
     edge: Arc<EdgeState>,
-    open: AtomicUsize,
+    transport: Transport,
 }
 
 /// One open client connection, counted until dropped.
-struct Open<'a, P> {
-    listener: &'a Listener<P>,
+struct Open<'a> {
+    edge: &'a EdgeState,
     peer: Option<SocketAddr>,
 }
 
-impl<P> Drop for Open<'_, P> {
+impl Drop for Open<'_> {
     fn drop(&mut self) {
-        let n = self.listener.open.fetch_sub(1, Ordering::Relaxed) - 1;
-        let edge = &self.listener.edge;
-        edge.metrics.connections.set(n as i64);
+        let n = self.edge.open_connections.fetch_sub(1, Ordering::Relaxed) - 1;
+        self.edge.metrics.connections.set(n as i64);
         if let Some(p) = self.peer {
-            edge.headers.unregister(p);
+            self.edge.conns.unregister(p);
         }
     }
 }
 
 impl<P> Listener<P> {
-    pub fn new(proxy: HttpProxy<P>, current: Arc<Current>, edge: Arc<EdgeState>) -> Listener<P> {
+    pub fn new(
+        proxy: Arc<HttpProxy<P>>,
+        current: Arc<Current>,
+        edge: Arc<EdgeState>,
+        transport: Transport,
+    ) -> Listener<P> {
         Listener {
-            proxy: Arc::new(proxy),
+            proxy,
             current,
             edge,
-            open: AtomicUsize::new(0),
+            transport,
         }
+    }
+}
+
+/// Whether a plaintext connection opens with the HTTP/2 preface, read within `deadline`.
+async fn has_h2_preface(stream: &mut Stream, deadline: Duration) -> Option<bool> {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    match tokio::time::timeout(deadline, stream.try_peek(&mut buf)).await {
+        // Not every stream can peek: then it is HTTP/1.
+        Ok(Ok(peeked)) => Some(peeked && buf == H2_PREFACE),
+        // Fewer bytes than the preface and then EOF: nothing to serve.
+        Ok(Err(_)) => None,
+        // A request shorter than the preface sent whole is served as HTTP/1 (its header deadline
+        // then applies); a silent connection is closed when that deadline passes.
+        Err(_) => Some(false),
     }
 }
 
@@ -69,31 +94,19 @@ where
 {
     async fn process_new(
         self: &Arc<Self>,
-        stream: Stream,
+        mut stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
-        // The connection's limits come from the config in force when it opened; the generation
-        // itself is not held, so a long keep-alive connection pins no old fleet.
-        let (max_connections, header, idle) = {
-            let generation = self.current.load();
-            let c = &generation.config;
-            (
-                c.limits.max_connections,
-                Duration::from_millis(c.timeouts.client_header_ms),
-                Duration::from_millis(c.timeouts.client_idle_ms),
-            )
-        };
-        let m = &self.edge.metrics;
-        let n = self.open.fetch_add(1, Ordering::Relaxed) + 1;
+        let limits = ConnLimits::of(&self.current.load().config);
+        let edge = self.edge.as_ref();
+        let m = &edge.metrics;
+        let n = edge.open_connections.fetch_add(1, Ordering::Relaxed) + 1;
         let peer = stream
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet().copied()));
-        let _open = Open {
-            listener: self.as_ref(),
-            peer,
-        };
+        let _open = Open { edge, peer };
         m.connections.set(n as i64);
-        if n > max_connections {
+        if n > limits.max_connections {
             m.connections_refused.inc();
             log::warn!(
                 "closing a new client connection: {} open (limits.max_connections)",
@@ -101,46 +114,65 @@ where
             );
             return None;
         }
-        let mut headers = peer.map(|p| self.edge.headers.register(p));
-
-        let mut session = ServerSession::new_http1(stream);
-        if *shutdown.borrow() {
-            session.set_keepalive(None);
-        } else {
-            session.set_keepalive(Some(idle.as_secs().max(1)));
-        }
-        let mut limit = header;
-        loop {
-            let seen = headers.as_mut().map_or(0, |rx| *rx.borrow_and_update());
-            let work = self.proxy.process_new_http(session, shutdown);
-            let reused = match headers.as_mut() {
-                None => work.await,
-                Some(rx) => {
-                    tokio::pin!(work);
-                    tokio::select! {
-                        biased;
-                        done = &mut work => done,
-                        // (The watch's guard must not live across the await below.)
-                        _ = async { rx.wait_for(|n| *n > seen).await.is_ok() } => work.await,
-                        _ = tokio::time::sleep(limit) => {
-                            m.client_timeouts.with_label_values(&["header"]).inc();
-                            log::info!(
-                                "closing client connection {}: no complete request header within {} ms",
-                                peer.map_or_else(|| "-".to_string(), |p| p.to_string()),
-                                limit.as_millis()
-                            );
-                            return None;
-                        }
+        let peer_name = peer.map_or_else(|| "-".to_string(), |p| p.to_string());
+        let (transport, h2) = match &self.transport {
+            Transport::Tls(tls) => {
+                stream = match tls.accept(stream, limits.handshake).await {
+                    Ok(s) => s,
+                    Err(HandshakeFailure::TimedOut) => {
+                        m.client_timeouts
+                            .with_label_values(&["tls_handshake"])
+                            .inc();
+                        log::info!(
+                            "closing client connection {peer_name}: no TLS handshake within {} ms",
+                            limits.handshake.as_millis()
+                        );
+                        return None;
                     }
-                }
-            };
-            let (stream, settings) = reused?.consume();
-            session = ServerSession::new_http1(stream);
-            if let Some(s) = settings {
-                s.apply_to_session(&mut session);
+                    Err(HandshakeFailure::Failed(e)) => {
+                        // Scanners and plaintext clients: not worth more than debug.
+                        log::debug!("TLS handshake with {peer_name} failed: {e}");
+                        return None;
+                    }
+                };
+                (
+                    "https",
+                    matches!(stream.selected_alpn_proto(), Some(ALPN::H2)),
+                )
             }
-            limit = idle + header;
+            Transport::Plain if limits.h2c => {
+                ("http", has_h2_preface(&mut stream, limits.header).await?)
+            }
+            Transport::Plain => ("http", false),
+        };
+        m.accepted
+            .with_label_values(&[transport, if h2 { "h2" } else { "http1" }])
+            .inc();
+        let signal = peer.map(|p| edge.conns.register(p));
+        if h2 {
+            h2::serve(
+                &self.proxy,
+                edge,
+                stream,
+                shutdown,
+                &limits,
+                signal,
+                &peer_name,
+            )
+            .await;
+        } else {
+            h1::serve(
+                &self.proxy,
+                edge,
+                stream,
+                shutdown,
+                &limits,
+                signal,
+                &peer_name,
+            )
+            .await;
         }
+        None
     }
 
     async fn cleanup(&self) {

@@ -1,14 +1,19 @@
-//! The client side of the proxy: the listener (connection cap, header deadline), access
+//! The client side of the proxy: the listeners (connection cap, TLS, HTTP/1.1 and HTTP/2,
+//! header deadlines, rapid-reset defence), access
 //! control, the router queue, the retry budget and the draining flag. Nothing here knows how a
 //! request is placed.
 
 pub(crate) mod access;
-mod headers;
+mod conn_limits;
+mod h1;
+mod h2;
 mod listener;
 mod queue;
 pub(crate) mod retry_budget;
+mod signals;
 mod state;
+pub mod tls;
 
 pub use access::{digest, Caller};
-pub use listener::Listener;
+pub use listener::{Listener, Transport};
 pub use state::EdgeState;

@@ -2,13 +2,13 @@
 //! draining) and the edge's metric families.
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::access::Limiter;
-use super::headers::HeaderWatches;
 use super::queue::Admission;
 use super::retry_budget::RetryBudget;
+use super::signals::ConnSignals;
 use crate::metrics::{counter, counter_vec, int_gauge};
 
 /// The edge's own families (the router queue registers its own).
@@ -18,11 +18,15 @@ pub struct EdgeMetrics {
     /// By phase: `header` (the listener), `body` (reading a routed request's body).
     pub client_timeouts: IntCounterVec,
     pub rate_limited: IntCounterVec,
+    /// Connections served, by transport (`http`, `https`) and protocol (`http1`, `h2`).
+    pub accepted: IntCounterVec,
+    /// HTTP/2 connections closed for abandoning streams faster than the limit (rapid reset).
+    pub h2_reset_closes: IntCounter,
 }
 
 impl EdgeMetrics {
     fn register(r: &Registry) -> prometheus::Result<EdgeMetrics> {
-        Ok(EdgeMetrics {
+        let m = EdgeMetrics {
             connections: int_gauge(r, "kvroute_client_connections", "Client connections open.")?,
             connections_refused: counter(
                 r,
@@ -32,7 +36,8 @@ impl EdgeMetrics {
             client_timeouts: counter_vec(
                 r,
                 "kvroute_client_timeouts_total",
-                "Client connections or requests cut for being too slow, by phase (header, body).",
+                "Client connections or requests cut for being too slow, by phase \
+                 (tls_handshake, header, body).",
                 &["phase"],
             )?,
             rate_limited: counter_vec(
@@ -41,7 +46,29 @@ impl EdgeMetrics {
                 "Requests answered 429 because their API key was over its rate limit, by tenant.",
                 &["tenant"],
             )?,
-        })
+            accepted: counter_vec(
+                r,
+                "kvroute_client_connections_accepted_total",
+                "Client connections served, by transport (http, https) and protocol (http1, h2).",
+                &["transport", "protocol"],
+            )?,
+            h2_reset_closes: counter(
+                r,
+                "kvroute_h2_rapid_reset_closes_total",
+                "HTTP/2 client connections closed for abandoning more than \
+                 limits.h2_max_client_resets streams within limits.h2_reset_window_ms.",
+            )?,
+        };
+        // Exported from start at zero, so an alert on their increase sees the first event.
+        for phase in ["tls_handshake", "header", "body"] {
+            m.client_timeouts.with_label_values(&[phase]);
+        }
+        for transport in ["http", "https"] {
+            for protocol in ["http1", "h2"] {
+                m.accepted.with_label_values(&[transport, protocol]);
+            }
+        }
+        Ok(m)
     }
 }
 
@@ -79,8 +106,11 @@ impl Draining {
 pub struct EdgeState {
     pub queue: Admission,
     pub retry_budget: Arc<RetryBudget>,
-    /// Request headers parsed per client connection (the listener's header deadline).
-    pub headers: HeaderWatches,
+    /// Per client connection: request headers parsed (the listener's header deadline) and
+    /// HTTP/2 streams abandoned (its rapid-reset defence).
+    pub conns: ConnSignals,
+    /// Client connections open on all client listeners (`limits.max_connections`).
+    pub open_connections: AtomicUsize,
     /// Per-key rate limits (kept across reloads).
     pub limiter: Limiter,
     pub draining: Draining,
@@ -92,7 +122,8 @@ impl EdgeState {
         Ok(EdgeState {
             queue: Admission::register(r)?,
             retry_budget: Arc::default(),
-            headers: HeaderWatches::default(),
+            conns: ConnSignals::default(),
+            open_connections: AtomicUsize::new(0),
             limiter: Limiter::default(),
             draining: Draining::register(r)?,
             metrics: EdgeMetrics::register(r)?,

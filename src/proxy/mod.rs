@@ -114,7 +114,7 @@ impl ProxyHttp for Router {
     async fn early_request_filter(&self, session: &mut Session, _ctx: &mut Ctx) -> Result<()> {
         // The header is complete: the edge's header deadline no longer applies.
         if let Some(peer) = session.client_addr().and_then(|a| a.as_inet()) {
-            self.edge.headers.header_seen(*peer);
+            self.edge.conns.header_seen(*peer);
         }
         Ok(())
     }
@@ -452,6 +452,15 @@ impl ProxyHttp for Router {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        // An HTTP/2 stream the client reset or left: the listener's rapid-reset defence counts
+        // these per connection.
+        if let (Some(e), true) = (e, session.as_downstream().is_http2()) {
+            if *e.esource() == ErrorSource::Downstream || e.etype() == &ErrorType::H2Error {
+                if let Some(peer) = session.client_addr().and_then(|a| a.as_inet()) {
+                    self.edge.conns.stream_abandoned(*peer);
+                }
+            }
+        }
         finish::end_request(&self.edge, &self.tokens, &self.metrics, session, e, ctx);
     }
 }

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use crate::config::Config;
-use crate::edge::{EdgeState, Listener};
+use crate::edge::tls::{self, TlsEdge};
+use crate::edge::{EdgeState, Listener, Transport};
 use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
 use crate::proxy::{ProxyMetrics, Router};
 use crate::request::{TokenEstimator, TokenMetrics};
@@ -97,6 +98,18 @@ pub fn run(mut opt: Opt) -> ! {
         .start(&cfg.routing)
         .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
 
+    // Before `-t` returns: certificate files that do not load, match or are expired fail it.
+    let tls_identity = cfg.tls.as_ref().map(|t| {
+        tls::load(t).unwrap_or_else(|e| {
+            fail(format!(
+                "invalid config {}: kvroute.tls: {e}",
+                path.display()
+            ))
+        })
+    });
+    let tls_edge = tls_identity
+        .map(|id| Arc::new(TlsEdge::register(&registry, id).unwrap_or_else(|e| metrics_failed(e))));
+
     shield_sighup();
     // A reload re-reads the file's Pingora keys as the process did at start (Opt is not Clone).
     let reload_opt = Opt {
@@ -121,21 +134,47 @@ pub fn run(mut opt: Opt) -> ! {
     let bootstrap = server.bootstrap_as_a_service();
 
     let listen = cfg.listen.clone();
+    let tls_listen = cfg.tls.as_ref().map(|t| t.listen.clone());
+    let listeners = cfg.client_listeners();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
     let current = Arc::new(Current::new(Generation::new(cfg, fleet)));
     reload_metrics.last_success.set(unix_now());
     let fleet_metrics = Arc::new(fleet_metrics);
 
-    let router = pingora::proxy::http_proxy(
+    let router = Arc::new(pingora::proxy::http_proxy(
         &server.configuration,
         Router::new(current.clone(), edge.clone(), tokens.clone(), proxy_metrics),
-    );
-    let mut proxy = Service::new(
-        "kvroute proxy".to_string(),
-        Listener::new(router, current.clone(), edge.clone()),
-    );
-    proxy.add_tcp(&listen);
+    ));
+    // Both client listeners are plain TCP listeners to Pingora (the TLS one terminates TLS in
+    // `edge::tls`), so `-u` hands both sockets over to the new process the same way.
+    let mut client_services = Vec::new();
+    if let Some(addr) = &listen {
+        let mut plain = Service::new(
+            "kvroute proxy".to_string(),
+            Listener::new(
+                router.clone(),
+                current.clone(),
+                edge.clone(),
+                Transport::Plain,
+            ),
+        );
+        plain.add_tcp(addr);
+        client_services.push(plain);
+    }
+    if let (Some(addr), Some(t)) = (&tls_listen, &tls_edge) {
+        let mut tls = Service::new(
+            "kvroute proxy tls".to_string(),
+            Listener::new(
+                router,
+                current.clone(),
+                edge.clone(),
+                Transport::Tls(t.clone()),
+            ),
+        );
+        tls.add_tcp(addr);
+        client_services.push(tls);
+    }
 
     let mut admin = Service::new(
         "kvroute admin".to_string(),
@@ -150,7 +189,9 @@ pub fn run(mut opt: Opt) -> ! {
 
     let health = GenBackgroundService::new("kvroute health checks".to_string(), health);
 
-    server.add_service(proxy).add_dependency(&bootstrap);
+    for service in client_services {
+        server.add_service(service).add_dependency(&bootstrap);
+    }
     server.add_service(admin).add_dependency(&bootstrap);
     server.add_service(health);
     server.add_service(GenBackgroundService::new(
@@ -169,6 +210,7 @@ pub fn run(mut opt: Opt) -> ! {
             fleet_metrics,
             tokens,
             metrics: reload_metrics,
+            tls: tls_edge,
             opt: reload_opt,
             server_conf: server.configuration.clone(),
         }),
@@ -180,6 +222,6 @@ pub fn run(mut opt: Opt) -> ! {
             phases: Mutex::new(Some(server.watch_execution_phase())),
         }),
     ));
-    log::info!("kvroute listening on {listen}, admin on {admin_listen}");
+    log::info!("kvroute listening on {listeners}, admin on {admin_listen}");
     server.run_forever();
 }

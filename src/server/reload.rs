@@ -21,6 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::signal::unix::{signal, SignalKind};
 
 use crate::config::{Config, ConfigError};
+use crate::edge::tls::{self, TlsEdge, TlsError};
 use crate::edge::EdgeState;
 use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
 use crate::metrics::{counter_vec, gauge, int_gauge};
@@ -35,6 +36,8 @@ pub enum ReloadError {
     ServerKeys { path: PathBuf, reason: String },
     /// The fleet the file describes could not be built.
     Fleet(FleetError),
+    /// The TLS listener's certificate, key or client CA cannot be served.
+    Tls(TlsError),
 }
 
 impl fmt::Display for ReloadError {
@@ -45,6 +48,7 @@ impl fmt::Display for ReloadError {
                 write!(f, "{}: Pingora server keys: {reason}", path.display())
             }
             ReloadError::Fleet(e) => e.fmt(f),
+            ReloadError::Tls(e) => write!(f, "kvroute.tls: {e}"),
         }
     }
 }
@@ -108,6 +112,9 @@ pub fn needs_upgrade(running: &Config, file: &Config) -> Vec<&'static str> {
     if running.admin_listen != file.admin_listen {
         out.push("kvroute.admin_listen");
     }
+    if running.tls.as_ref().map(|t| &t.listen) != file.tls.as_ref().map(|t| &t.listen) {
+        out.push("kvroute.tls.listen");
+    }
     if running.health_check != file.health_check {
         out.push("kvroute.health_check");
     }
@@ -120,6 +127,16 @@ pub fn effective(running: &Config, mut file: Config) -> Config {
     file.listen = running.listen.clone();
     file.admin_listen = running.admin_listen.clone();
     file.health_check = running.health_check.clone();
+    // The TLS listener stays bound as it is; its files follow the file where it still has them.
+    file.tls = match (&running.tls, file.tls) {
+        (Some(run), Some(mut new)) => {
+            new.listen = run.listen.clone();
+            Some(new)
+        }
+        (run, _) => run.clone(),
+    };
+    // h2c needs the plaintext listener this process has, whatever the file says.
+    file.h2c &= running.listen.is_some();
     file
 }
 
@@ -131,6 +148,8 @@ pub(super) struct Reloader {
     /// Its BPE tables follow the reloaded `routing` keys.
     pub tokens: Arc<TokenEstimator>,
     pub metrics: ReloadMetrics,
+    /// The TLS listener's certificate, re-read on every reload (renewed files keep their path).
+    pub tls: Option<Arc<TlsEdge>>,
     /// The Pingora options the process started with, to re-read the file's server keys.
     pub opt: Opt,
     pub server_conf: Arc<ServerConf>,
@@ -175,6 +194,12 @@ impl Reloader {
                     path: path.clone(),
                     error,
                 })?;
+        // Certificates are re-read even when the paths did not change: certbot and ACME clients
+        // renew in place. Checked before anything is published; installed after.
+        let identity = match (&self.tls, &cfg.tls) {
+            (Some(_), Some(t)) => Some(tls::load(t).map_err(ReloadError::Tls)?),
+            _ => None,
+        };
         fleet.sync_health().await?;
 
         let before: BTreeSet<&str> = old
@@ -195,6 +220,14 @@ impl Reloader {
             None => limiter.retain(&Default::default()),
         }
         self.tokens.apply(tables);
+        if let (Some(edge_tls), Some(id)) = (&self.tls, identity) {
+            log::info!(
+                "TLS certificate serial {} (expires at unix time {}) serves new handshakes",
+                id.serial,
+                id.not_after
+            );
+            edge_tls.install(id);
+        }
         self.current.publish(Generation::new(cfg, fleet));
         for name in &applied.removed {
             self.fleet_metrics.forget_backend(name);
@@ -281,7 +314,7 @@ mod tests {
         let running = cfg("");
         let mut file =
             cfg("  routing:\n    policy: round_robin\n  health_check:\n    path: /ping\n");
-        file.listen = "127.0.0.1:9".into();
+        file.listen = Some("127.0.0.1:9".into());
         assert_eq!(
             needs_upgrade(&running, &file),
             vec!["kvroute.listen", "kvroute.health_check"]
@@ -294,5 +327,28 @@ mod tests {
             "reloadable settings come from the file"
         );
         assert!(needs_upgrade(&running, &eff).is_empty());
+    }
+
+    #[test]
+    fn tls_listener_is_kept_and_its_files_follow_the_file() {
+        let tls = |port: u16, cert: &str| {
+            format!("  tls:\n    listen: \"127.0.0.1:{port}\"\n    cert: {cert}\n    key: /k\n")
+        };
+        let running = cfg(&tls(8443, "/old.pem"));
+        let file = cfg(&tls(9443, "/new.pem"));
+        assert_eq!(needs_upgrade(&running, &file), vec!["kvroute.tls.listen"]);
+        let eff = effective(&running, file);
+        let t = eff.tls.as_ref().unwrap();
+        assert_eq!(
+            (t.listen.as_str(), t.cert.to_str()),
+            ("127.0.0.1:8443", Some("/new.pem"))
+        );
+        // A file that drops the section, or adds one, cannot close or open a listener.
+        let eff = effective(&running, cfg(""));
+        assert_eq!(eff.tls, running.tls);
+        let plain = cfg("");
+        let with_tls = cfg(&tls(8443, "/c.pem"));
+        assert_eq!(needs_upgrade(&plain, &with_tls), vec!["kvroute.tls.listen"]);
+        assert_eq!(effective(&plain, with_tls).tls, None);
     }
 }

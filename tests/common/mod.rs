@@ -3,6 +3,8 @@
 //! against them. Readiness is a printed line or a successful HTTP answer, never a fixed sleep.
 #![allow(dead_code)]
 
+pub mod certs;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;

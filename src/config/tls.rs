@@ -1,0 +1,47 @@
+//! `kvroute.tls`: the TLS listener's address and the files it serves. The files themselves are
+//! read and checked by the edge (`edge::tls`), at start, at `-t` and on every reload, so a
+//! renewed certificate is picked up by `systemctl reload`.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+use super::error::{err, parse_addr, ConfigError};
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Address of the TLS listener (HTTP/1.1 and HTTP/2 by ALPN).
+    pub listen: String,
+    /// PEM certificate chain: the server certificate first, then intermediates.
+    pub cert: PathBuf,
+    /// PEM private key of the certificate.
+    pub key: PathBuf,
+    /// PEM bundle of CAs that client certificates must chain to. Set: every client must show a
+    /// certificate (mTLS).
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        parse_addr("kvroute.tls.listen", &self.listen)?;
+        let files = [
+            ("kvroute.tls.cert", Some(&self.cert)),
+            ("kvroute.tls.key", Some(&self.key)),
+            ("kvroute.tls.client_ca", self.client_ca.as_ref()),
+        ];
+        for (key, path) in files {
+            if let Some(p) = path {
+                // `-d` changes the working directory: a relative path would name another file
+                // after the fork than the one `-t` checked.
+                if !Path::new(p).is_absolute() {
+                    return Err(err(
+                        key,
+                        format!("`{}` must be an absolute path", p.display()),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

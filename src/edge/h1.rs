@@ -1,0 +1,71 @@
+//! HTTP/1.1 client connections: Pingora's keep-alive loop (`ServerApp for HttpServerApp`) with a
+//! deadline for every request header. Pingora only times out single reads (60 s each), so a
+//! client trickling its header a byte at a time (slowloris) would otherwise hold a connection
+//! and its memory for as long as it likes. The proxy reports each parsed header
+//! (`early_request_filter` -> [`super::ConnSignals::header_seen`]).
+
+use pingora::apps::HttpServerApp;
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::Stream;
+use pingora::proxy::{HttpProxy, ProxyHttp};
+use pingora::server::ShutdownWatch;
+use std::sync::Arc;
+
+use super::conn_limits::ConnLimits;
+use super::signals::ConnSignal;
+use super::state::EdgeState;
+
+pub(super) async fn serve<P>(
+    proxy: &Arc<HttpProxy<P>>,
+    edge: &EdgeState,
+    stream: Stream,
+    shutdown: &ShutdownWatch,
+    limits: &ConnLimits,
+    mut signal: Option<ConnSignal>,
+    peer: &str,
+) where
+    P: ProxyHttp + Send + Sync + 'static,
+    P::CTX: Send + Sync,
+{
+    let mut session = ServerSession::new_http1(stream);
+    if *shutdown.borrow() {
+        session.set_keepalive(None);
+    } else {
+        session.set_keepalive(Some(limits.idle.as_secs().max(1)));
+    }
+    let mut limit = limits.header;
+    loop {
+        let seen = signal
+            .as_mut()
+            .map_or(0, |s| *s.headers.borrow_and_update());
+        let work = proxy.process_new_http(session, shutdown);
+        let reused = match signal.as_mut() {
+            None => work.await,
+            Some(s) => {
+                tokio::pin!(work);
+                tokio::select! {
+                    biased;
+                    done = &mut work => done,
+                    // (The watch's guard must not live across the await below.)
+                    _ = async { s.headers.wait_for(|n| *n > seen).await.is_ok() } => work.await,
+                    _ = tokio::time::sleep(limit) => {
+                        edge.metrics.client_timeouts.with_label_values(&["header"]).inc();
+                        log::info!(
+                            "closing client connection {peer}: no complete request header \
+                             within {} ms",
+                            limit.as_millis()
+                        );
+                        return;
+                    }
+                }
+            }
+        };
+        let Some(reused) = reused else { return };
+        let (stream, settings) = reused.consume();
+        session = ServerSession::new_http1(stream);
+        if let Some(s) = settings {
+            s.apply_to_session(&mut session);
+        }
+        limit = limits.idle + limits.header;
+    }
+}

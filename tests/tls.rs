@@ -1,0 +1,407 @@
+//! The TLS listener and HTTP/2 through real processes: certificates from a CA made in the test,
+//! clients negotiating h2 or HTTP/1.1 by ALPN, mTLS, certificate reload on SIGHUP, `-t` checks,
+//! and clients that misbehave (plaintext on the TLS port, a stalled handshake).
+
+mod common;
+
+use common::certs::{client_identity, serial_of, Ca};
+use common::*;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// kvroute with a TLS listener on a port of its own; returns it and the TLS address.
+fn start_tls(sim: &Sim, dir: &Path, extra_tls: &str, extra: &str) -> (Kvroute, SocketAddr) {
+    let port = loop {
+        let p = free_port();
+        if p > 0 {
+            break p;
+        }
+    };
+    let tls: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let yaml = format!(
+        "  tls:\n    listen: \"{tls}\"\n    cert: {d}/cert.pem\n    key: {d}/key.pem\n{extra_tls}{extra}",
+        d = dir.display()
+    );
+    (Kvroute::start(&[sim.addr], &yaml), tls)
+}
+
+fn tls_client(ca: &Ca) -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca.pem()).expect("ca"))
+        .tls_info(true)
+}
+
+fn url(addr: SocketAddr, path: &str) -> String {
+    // The certificate names 127.0.0.1 (and localhost).
+    format!("https://{addr}{path}")
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kvroute-tls-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("dir");
+    d
+}
+
+fn chat(stream: bool, max_tokens: u32, text: &str) -> serde_json::Value {
+    chat_body(
+        MODEL,
+        serde_json::json!([{"role": "user", "content": text}]),
+        stream,
+        max_tokens,
+    )
+}
+
+/// The serial of the certificate the server showed on `r`'s connection.
+fn served_serial(r: &reqwest::Response) -> u32 {
+    let info = r
+        .extensions()
+        .get::<reqwest::tls::TlsInfo>()
+        .expect("tls info");
+    serial_of(info.peer_certificate().expect("peer certificate"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_streams_a_completion_as_it_is_generated_and_http1_works_too() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("h2");
+    ca.write_server(&dir, 1001, -60, 86_000);
+    let sim = Sim::start(&["--ttft-ms", "10", "--itl-ms", "60"]);
+    let (k, tls) = start_tls(&sim, &dir, "", "");
+
+    let c = tls_client(&ca).build().expect("client");
+    let start = Instant::now();
+    let mut r = c
+        .post(url(tls, "/v1/chat/completions"))
+        .json(&chat(true, 12, "stream over h2"))
+        .send()
+        .await
+        .expect("h2 request");
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    assert_eq!(served_serial(&r), 1001);
+    let mut arrivals = Vec::new();
+    let mut body = Vec::new();
+    while let Some(chunk) = r.chunk().await.expect("chunk") {
+        arrivals.push(start.elapsed());
+        body.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // 12 tokens at 60 ms: chunks arrive across ~0.7 s, not all at the end.
+    assert!(arrivals.len() >= 6, "{} chunks", arrivals.len());
+    let spread = arrivals[arrivals.len() - 1] - arrivals[0];
+    assert!(
+        spread >= Duration::from_millis(300),
+        "chunks arrived within {spread:?}"
+    );
+
+    let h1 = tls_client(&ca).http1_only().build().expect("client");
+    let r = h1
+        .post(url(tls, "/v1/chat/completions"))
+        .json(&chat(false, 3, "plain over h1"))
+        .send()
+        .await
+        .expect("h1 request");
+    assert_eq!(r.version(), reqwest::Version::HTTP_11);
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.expect("json");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+
+    // The edge's status contract holds on h2: an engine admin path is 404 in the OpenAI shape.
+    let r = c
+        .post(url(tls, "/reset_prefix_cache"))
+        .send()
+        .await
+        .expect("h2 request");
+    assert_eq!(r.status(), 404);
+    assert_eq!(
+        error_of(&r.bytes().await.expect("body"))["code"],
+        "not_found"
+    );
+    let m = k.metrics();
+    assert_eq!(
+        metric_sum(
+            &m,
+            "kvroute_client_connections_accepted_total",
+            &[("transport", "https"), ("protocol", "h2")]
+        ),
+        1.0
+    );
+    assert!(m.contains("kvroute_tls_certificate_expiry_timestamp_seconds"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_streams_share_one_h2_connection() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("streams");
+    ca.write_server(&dir, 7, -60, 86_000);
+    let sim = Sim::start(&["--ttft-ms", "50", "--itl-ms", "20"]);
+    let (k, tls) = start_tls(&sim, &dir, "", "");
+    let c = tls_client(&ca).build().expect("client");
+    // One connection first, so every request below multiplexes onto it.
+    let r = c.get(url(tls, "/v1/models")).send().await.expect("warm-up");
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    let started = Instant::now();
+    let requests = (0..64).map(|i| {
+        let c = c.clone();
+        async move {
+            let r = c
+                .post(url(tls, "/v1/chat/completions"))
+                .json(&chat(i % 2 == 0, 5, &format!("stream {i}")))
+                .send()
+                .await
+                .expect("request");
+            (
+                r.status().as_u16(),
+                r.bytes().await.map(|b| b.len()).unwrap_or(0),
+            )
+        }
+    });
+    let results = futures_util::future::join_all(requests).await;
+    assert!(
+        results.iter().all(|&(s, n)| s == 200 && n > 0),
+        "{results:?}"
+    );
+    // 64 requests of ~150 ms each, concurrently on one connection: well under one at a time.
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        k.metric_sum(
+            "kvroute_client_connections_accepted_total",
+            &[("transport", "https")]
+        ),
+        1.0
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mtls_refuses_a_client_without_a_certificate() {
+    let ca = Ca::new("kvroute test CA");
+    let clients = Ca::new("kvroute client CA");
+    let dir = temp_dir("mtls");
+    ca.write_server(&dir, 5, -60, 86_000);
+    std::fs::write(dir.join("clients.pem"), clients.pem()).expect("write");
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let client_ca = format!("    client_ca: {}/clients.pem\n", dir.display());
+    let (k, tls) = start_tls(&sim, &dir, &client_ca, "");
+
+    let anonymous = tls_client(&ca).build().expect("client");
+    let refused = anonymous.get(url(tls, "/v1/models")).send().await;
+    assert!(
+        refused.is_err(),
+        "a client without a certificate was served"
+    );
+    // A certificate from another CA is refused too.
+    let stranger = tls_client(&ca)
+        .identity(client_identity(&ca))
+        .build()
+        .expect("client");
+    assert!(stranger.get(url(tls, "/v1/models")).send().await.is_err());
+
+    let known = tls_client(&ca)
+        .identity(client_identity(&clients))
+        .build()
+        .expect("client");
+    let r = known
+        .post(url(tls, "/v1/chat/completions"))
+        .json(&chat(false, 2, "mtls"))
+        .send()
+        .await
+        .expect("request with a client certificate");
+    assert_eq!(r.status(), 200);
+    assert!(k.metric_sum("kvroute_tls_handshakes_total", &[("result", "failed")]) >= 2.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_serves_a_renewed_certificate_while_an_open_stream_completes() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("reload");
+    ca.write_server(&dir, 100, -60, 86_000);
+    let sim = Sim::start(&["--ttft-ms", "10", "--itl-ms", "40"]);
+    let (k, tls) = start_tls(&sim, &dir, "", "");
+    let expiry_before = k.metric_sum("kvroute_tls_certificate_expiry_timestamp_seconds", &[]);
+
+    let old = tls_client(&ca).build().expect("client");
+    let mut stream = old
+        .post(url(tls, "/v1/chat/completions"))
+        .json(&chat(true, 40, "a long stream across the reload"))
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(served_serial(&stream), 100);
+    let first = stream.chunk().await.expect("chunk").expect("a first chunk");
+
+    // A bad pair is rejected and the old certificate stays.
+    let (other, other_key) = ca.issue(common::certs::Role::Server, 555, -60, 86_000);
+    let (_, mismatched) = ca.issue(common::certs::Role::Server, 556, -60, 86_000);
+    common::certs::write_pair(&dir, &other.to_pem().expect("pem"), &mismatched);
+    signal(k.pid(), "HUP");
+    k.metrics_when(
+        "kvroute_config_reloads_total",
+        &[("result", "failure")],
+        1.0,
+    );
+    let fresh = tls_client(&ca).build().expect("client");
+    let r = fresh
+        .get(url(tls, "/v1/models"))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(
+        served_serial(&r),
+        100,
+        "a rejected pair replaced the certificate"
+    );
+    drop(other_key);
+
+    ca.write_server(&dir, 200, -60, 172_000);
+    signal(k.pid(), "HUP");
+    k.metrics_when(
+        "kvroute_config_reloads_total",
+        &[("result", "success")],
+        1.0,
+    );
+    let fresh = tls_client(&ca).build().expect("client");
+    let r = fresh
+        .get(url(tls, "/v1/models"))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(served_serial(&r), 200);
+    let expiry_after = k.metric_sum("kvroute_tls_certificate_expiry_timestamp_seconds", &[]);
+    assert!(
+        expiry_after > expiry_before + 80_000.0,
+        "{expiry_before} -> {expiry_after}"
+    );
+
+    let mut body = first.to_vec();
+    while let Some(chunk) = stream
+        .chunk()
+        .await
+        .expect("the open stream survived the reload")
+    {
+        body.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8_lossy(&body);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Read until EOF or `limit`; whether the server closed the connection by then.
+fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
+    s.set_read_timeout(Some(limit)).expect("timeout");
+    let mut buf = [0u8; 4096];
+    let start = Instant::now();
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return start.elapsed() < limit,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_and_stalled_handshakes_are_closed_and_others_are_served() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("bad");
+    ca.write_server(&dir, 9, -60, 86_000);
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let (k, tls) = start_tls(&sim, &dir, "", "  timeouts:\n    tls_handshake_ms: 300\n");
+
+    let mut plain = TcpStream::connect(tls).expect("connect");
+    plain
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("write");
+    assert!(closed_within(&mut plain, Duration::from_secs(5)));
+
+    let started = Instant::now();
+    let mut stalled = TcpStream::connect(tls).expect("connect");
+    let c = tls_client(&ca).build().expect("client");
+    // Served while the stalled connection waits out its deadline.
+    let r = c.get(url(tls, "/v1/models")).send().await.expect("request");
+    assert_eq!(r.status(), 200);
+    assert!(closed_within(&mut stalled, Duration::from_secs(5)));
+    assert!(started.elapsed() >= Duration::from_millis(250));
+    assert!(
+        k.metric_sum(
+            "kvroute_client_timeouts_total",
+            &[("phase", "tls_handshake")]
+        ) >= 1.0
+    );
+    assert!(k.metric_sum("kvroute_tls_handshakes_total", &[("result", "failed")]) >= 1.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kvroute -t` on a config whose TLS files are `cert` and `key`: its exit code and stderr.
+fn check(dir: &Path, cert: &Path, key: &Path) -> (i32, String) {
+    let conf = dir.join("check.yaml");
+    std::fs::write(
+        &conf,
+        format!(
+            "kvroute:\n  tls:\n    listen: \"127.0.0.1:1\"\n    cert: {}\n    key: {}\n  \
+             backends:\n    - addr: \"127.0.0.1:2\"\n",
+            cert.display(),
+            key.display()
+        ),
+    )
+    .expect("write");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["-t", "-c"])
+        .arg(&conf)
+        .output()
+        .expect("run kvroute -t");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn config_test_names_the_bad_certificate_or_key() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("check");
+    let (cert, key) = ca.write_server(&dir, 1, -60, 86_000);
+    assert_eq!(check(&dir, &cert, &key).0, 0);
+
+    let (code, err) = check(&dir, &cert, &dir.join("missing.pem"));
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("missing.pem") && err.contains("cannot read"),
+        "{err}"
+    );
+
+    // A key of another certificate: the key's path is named.
+    let other = temp_dir("check-other");
+    let (_, other_key) = ca.write_server(&other, 2, -60, 86_000);
+    let (code, err) = check(&dir, &cert, &other_key);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains(&other_key.display().to_string()) && err.contains("does not match"),
+        "{err}"
+    );
+
+    let expired = temp_dir("check-expired");
+    let (cert, key) = ca.write_server(&expired, 3, -7200, -3600);
+    let (code, err) = check(&expired, &cert, &key);
+    assert_ne!(code, 0);
+    assert!(err.contains("expired"), "{err}");
+
+    std::fs::write(dir.join("garbage.pem"), b"not a certificate").expect("write");
+    let (code, err) = check(&dir, &dir.join("garbage.pem"), &key);
+    assert_ne!(code, 0);
+    assert!(err.contains("garbage.pem"), "{err}");
+    for d in [dir, other, expired] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
