@@ -405,3 +405,97 @@ fn config_test_names_the_bad_certificate_or_key() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tls_listener_is_handed_over_on_upgrade() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("upgrade");
+    ca.write_server(&dir, 42, -60, 86_000);
+    // 100 tokens at 30 ms: a 3 s stream, still running when the old process stops accepting.
+    let sim = Sim::start(&["--ttft-ms", "2", "--itl-ms", "30"]);
+    let tls: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    let yaml = format!(
+        "  tls:\n    listen: \"{tls}\"\n    cert: {d}/cert.pem\n    key: {d}/key.pem\n",
+        d = dir.display()
+    );
+    let mut k = Kvroute::launch(&[sim.addr], &yaml, "grace_period_seconds: 1\n");
+    k.wait_ready();
+
+    // A client opening a new TLS connection for every request: a refused one would show.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let fresh = tls_client(&ca)
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client");
+    let load = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let (mut ok, mut failures) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match fresh.get(url(tls, "/v1/models")).send().await {
+                    Ok(r) if r.status() == 200 => ok += 1,
+                    Ok(r) => failures.push(format!("status {}", r.status())),
+                    Err(e) => failures.push(format!("{e:?}")),
+                }
+            }
+            (ok, failures)
+        })
+    };
+    let streaming = tls_client(&ca).build().expect("client");
+    let mut stream = streaming
+        .post(url(tls, "/v1/chat/completions"))
+        .json(&chat(true, 100, "a stream across the upgrade"))
+        .send()
+        .await
+        .expect("stream");
+    assert_eq!(stream.version(), reqwest::Version::HTTP_2);
+
+    let _ = std::fs::remove_file(k.dir.join("upgrade.sock"));
+    let new = k.spawn(&["-u"]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !k.dir.join("upgrade.sock").exists() {
+        assert!(Instant::now() < deadline, "no hand-over socket");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let old_pid = k.pid();
+    let mut old = k.replace_child(new).expect("old process");
+    signal(old_pid, "QUIT");
+    let mut body = Vec::new();
+    while let Some(chunk) = stream
+        .chunk()
+        .await
+        .expect("the stream survived the upgrade")
+    {
+        body.extend_from_slice(&chunk);
+    }
+    assert!(String::from_utf8_lossy(&body)
+        .trim_end()
+        .ends_with("data: [DONE]"));
+    let quit = Instant::now();
+    while old.try_wait().expect("wait").is_none() {
+        assert!(
+            quit.elapsed() < Duration::from_secs(20),
+            "old process stayed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The new process alone serves TLS, with the same certificate.
+    let r = tls_client(&ca)
+        .build()
+        .expect("client")
+        .get(url(tls, "/v1/models"))
+        .send()
+        .await
+        .expect("request to the new process");
+    assert_eq!(served_serial(&r), 42);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failures) = load.await.expect("load");
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+    assert!(ok >= 20, "the load barely ran: {ok}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
