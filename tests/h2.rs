@@ -206,3 +206,65 @@ async fn rapid_reset_closes_the_connection_and_others_are_served() {
     assert_eq!(exchange(&fresh, addr, chat(false, 2, "new")).await.0, 200);
     assert!(!polite_conn.is_finished());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_streams_get_the_same_access_control_and_the_stream_cap_is_advertised() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let digest: String = kvroute::digest(b"h2-secret")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let extra = format!(
+        "  h2c: true\n  limits:\n    h2_max_concurrent_streams: 7\n  access:\n    keys:\n      \
+         - sha256: \"{digest}\"\n        tenant: t\n        models: [\"{MODEL}\"]\n"
+    );
+    let k = Kvroute::start(&[sim.addr], &extra);
+    let c = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("client");
+    let send = |key: Option<&'static str>, model: &'static str| {
+        let mut r = c
+            .post(k.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(
+                serde_json::to_vec(&chat_body(
+                    model,
+                    serde_json::json!([{"role": "user", "content": "hi"}]),
+                    false,
+                    2,
+                ))
+                .expect("json"),
+            );
+        if let Some(key) = key {
+            r = r.bearer_auth(key);
+        }
+        r.send()
+    };
+    for (key, model, status, code) in [
+        (None, MODEL, 401, Some("missing_api_key")),
+        (Some("wrong"), MODEL, 401, Some("invalid_api_key")),
+        (
+            Some("h2-secret"),
+            "another-model",
+            403,
+            Some("model_not_allowed"),
+        ),
+        (Some("h2-secret"), MODEL, 200, None),
+    ] {
+        let r = send(key, model).await.expect("request");
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status().as_u16(), status, "key {key:?} model {model}");
+        let body = r.bytes().await.expect("body");
+        if let Some(code) = code {
+            assert_eq!(error_of(&body)["code"], code);
+        }
+    }
+
+    // The server's SETTINGS carry the configured cap.
+    let (client, _conn) = connect(k.addr).await;
+    let (status, _) = exchange(&client, k.addr, chat(false, 2, "settings")).await;
+    assert_eq!(status, 401);
+    assert_eq!(client.current_max_send_streams(), 7);
+}

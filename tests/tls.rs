@@ -317,7 +317,12 @@ async fn plaintext_and_stalled_handshakes_are_closed_and_others_are_served() {
     let dir = temp_dir("bad");
     ca.write_server(&dir, 9, -60, 86_000);
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
-    let (k, tls) = start_tls(&sim, &dir, "", "  timeouts:\n    tls_handshake_ms: 300\n");
+    let (k, tls) = start_tls(
+        &sim,
+        &dir,
+        "",
+        "  timeouts:\n    tls_handshake_ms: 300\n    client_header_ms: 300\n",
+    );
 
     let mut plain = TcpStream::connect(tls).expect("connect");
     plain
@@ -340,6 +345,30 @@ async fn plaintext_and_stalled_handshakes_are_closed_and_others_are_served() {
         ) >= 1.0
     );
     assert!(k.metric_sum("kvroute_tls_handshakes_total", &[("result", "failed")]) >= 1.0);
+
+    // A completed handshake followed by no request header is cut at the header deadline too.
+    let mut connector =
+        openssl::ssl::SslConnector::builder(openssl::ssl::SslMethod::tls()).expect("connector");
+    connector.set_verify(openssl::ssl::SslVerifyMode::NONE);
+    let tcp = TcpStream::connect(tls).expect("connect");
+    let mut silent = connector
+        .build()
+        .connect("localhost", tcp)
+        .expect("handshake");
+    silent
+        .get_ref()
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let started = Instant::now();
+    let mut buf = [0u8; 64];
+    let n = silent.read(&mut buf).unwrap_or(0);
+    assert_eq!(n, 0, "the silent TLS connection got data");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(4),
+        "closed after {waited:?}"
+    );
+    assert!(k.metric_sum("kvroute_client_timeouts_total", &[("phase", "header")]) >= 1.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -497,5 +526,53 @@ async fn the_tls_listener_is_handed_over_on_upgrade() {
         &failures[..failures.len().min(3)]
     );
     assert!(ok >= 20, "the load barely ran: {ok}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backend_behind_tls_is_verified_against_its_ca() {
+    // The "engine behind TLS" is a kvroute terminating TLS in front of a simulated engine.
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("upstream");
+    ca.write_server(&dir, 3, -60, 86_000);
+    std::fs::write(dir.join("ca.pem"), ca.pem()).expect("write");
+    let other = Ca::new("some other CA");
+    std::fs::write(dir.join("other.pem"), other.pem()).expect("write");
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let passthrough = "  passthrough:\n    allow:\n      - path: /health\n";
+    let (_engine, engine_tls) = start_tls(&sim, &dir, "", passthrough);
+
+    let edge = |ca_file: &str| {
+        format!(
+            "      tls:\n        sni: localhost\n        ca: {}/{ca_file}\n  health_check:\n    \
+             interval_ms: 100\n",
+            dir.display()
+        )
+    };
+    let trusted = Kvroute::start(&[engine_tls], &edge("ca.pem"));
+    let r = client()
+        .post(trusted.url("/v1/chat/completions"))
+        .json(&chat(false, 2, "through two proxies"))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 200);
+
+    // A backend whose certificate does not chain to the configured CA is never trusted: its
+    // health check fails and no request reaches it.
+    let untrusted = Kvroute::start_unready(&[engine_tls], &edge("other.pem"));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (status, _) = http_get(untrusted.admin, "/readyz");
+    assert_eq!(
+        status, 503,
+        "a backend with an unverifiable certificate passed"
+    );
+    let r = client()
+        .post(untrusted.url("/v1/chat/completions"))
+        .json(&chat(false, 2, "must not pass"))
+        .send()
+        .await
+        .expect("request");
+    assert!(r.status().is_server_error(), "{}", r.status());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,6 +1,7 @@
 //! `kvroute.backends[]`: one OpenAI-compatible engine each.
 
 use serde::Deserialize;
+use std::path::PathBuf;
 
 use super::error::{err, parse_addr, ConfigError};
 
@@ -37,6 +38,29 @@ pub struct BackendConfig {
     /// Optional DCGM exporter (`ip:port`, `GET /metrics`) for this backend's GPU.
     #[serde(default)]
     pub dcgm_addr: Option<String>,
+    /// Reach this engine over TLS (requests, health checks and metrics scrapes); absent:
+    /// plaintext HTTP/1.1.
+    #[serde(default)]
+    pub tls: Option<BackendTlsConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendTlsConfig {
+    /// Server name sent in SNI and that the engine's certificate must be valid for.
+    pub sni: String,
+    /// Absolute path of a PEM CA bundle the engine's certificate must chain to; unset: the
+    /// system's trust store.
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
+    /// Verify the engine's certificate and name. Only for a test fleet: `false` lets anyone on
+    /// the path between kvroute and the engine read and change its traffic.
+    #[serde(default = "yes")]
+    pub verify: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// KV cache assumed when neither configured nor reported: an 8B model on one H100.
@@ -93,6 +117,20 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
         }
         if let Some(d) = &b.dcgm_addr {
             parse_addr(&format!("kvroute.backends[{i}].dcgm_addr"), d)?;
+        }
+        if let Some(t) = &b.tls {
+            if t.sni.trim().is_empty() {
+                return Err(err(
+                    format!("kvroute.backends[{i}].tls.sni"),
+                    "must name the engine's certificate (a DNS name)",
+                ));
+            }
+            if t.ca.as_ref().is_some_and(|p| !p.is_absolute()) {
+                return Err(err(
+                    format!("kvroute.backends[{i}].tls.ca"),
+                    "must be an absolute path",
+                ));
+            }
         }
     }
     Ok(())

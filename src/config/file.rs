@@ -278,6 +278,34 @@ kvroute:
     }
 
     #[test]
+    fn backend_tls_is_checked() {
+        let with =
+            |tls: &str| MINIMAL.replace("      weight: 2\n", &format!("      weight: 2\n{tls}"));
+        let c = Config::from_yaml(&with("      tls:\n        sni: engine-2.internal\n")).unwrap();
+        let t = c.backends[1].tls.as_ref().unwrap();
+        assert_eq!(
+            (t.sni.as_str(), t.ca.as_ref(), t.verify),
+            ("engine-2.internal", None, true)
+        );
+        for (tls, key) in [
+            (
+                "      tls:\n        sni: \"\"\n",
+                "kvroute.backends[1].tls.sni",
+            ),
+            (
+                "      tls:\n        sni: a\n        ca: ca.pem\n",
+                "kvroute.backends[1].tls.ca",
+            ),
+            (
+                "      tls:\n        ca: /ca.pem\n",
+                "kvroute.backends[1].tls",
+            ),
+        ] {
+            assert_eq!(Config::from_yaml(&with(tls)).unwrap_err().key, key, "{tls}");
+        }
+    }
+
+    #[test]
     fn missing_section_and_empty_backends() {
         assert_eq!(
             Config::from_yaml("version: 1\n").unwrap_err().key,

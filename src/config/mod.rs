@@ -14,7 +14,8 @@ mod tls;
 
 pub use access::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
 pub use backend::{
-    BackendConfig, EngineKind, DEFAULT_KV_CAPACITY_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S,
+    BackendConfig, BackendTlsConfig, EngineKind, DEFAULT_KV_CAPACITY_TOKENS,
+    DEFAULT_PREFILL_TOKENS_PER_S,
 };
 pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use pingora::prelude::HttpPeer;
 use pingora_load_balancing::Backend;
 
 use super::learn::{
@@ -12,6 +13,7 @@ use super::learn::{
 };
 use super::outlier::Outlier;
 use super::telemetry::Slot;
+use super::upstream::{http_peer, UpstreamTls};
 use crate::config::{EngineKind, DEFAULT_KV_CAPACITY_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S};
 
 /// A configured prefill rate stands while it is at most this many times the learned estimate
@@ -93,9 +95,16 @@ pub struct BackendState {
     pub(super) slot: Option<usize>,
     pub(super) live: Arc<Live>,
     pub(super) lb_backend: Backend,
+    /// `backends[].tls`: reached over TLS.
+    pub tls: Option<Arc<UpstreamTls>>,
 }
 
 impl BackendState {
+    /// A Pingora peer for this backend (TLS when configured); callers set its timeouts.
+    pub fn peer(&self) -> HttpPeer {
+        http_peer(self.addr, self.tls.as_deref())
+    }
+
     pub fn inflight(&self) -> u64 {
         self.live.inflight.load(Ordering::Relaxed)
     }

@@ -14,6 +14,8 @@ pub enum FleetError {
     Membership(String),
     /// A thread panicked while holding the prefix index.
     IndexPoisoned,
+    /// A backend's TLS settings cannot be used (its CA bundle).
+    BackendTls { backend: String, reason: String },
 }
 
 impl fmt::Display for FleetError {
@@ -24,6 +26,9 @@ impl fmt::Display for FleetError {
             FleetError::HealthCheck(e) => write!(f, "health check: {e}"),
             FleetError::Membership(e) => write!(f, "backends: {e}"),
             FleetError::IndexPoisoned => f.write_str("prefix index lock poisoned"),
+            FleetError::BackendTls { backend, reason } => {
+                write!(f, "backend {backend}: tls: {reason}")
+            }
         }
     }
 }

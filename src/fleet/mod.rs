@@ -12,6 +12,7 @@ pub(crate) mod outlier;
 mod roster;
 mod scrape;
 pub(crate) mod telemetry;
+mod upstream;
 
 pub use backend::InflightGuard;
 pub use error::FleetError;

@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use super::backend::{since_epoch_ms, BackendState, InflightGuard, Live};
 use super::error::FleetError;
-use super::health::{health_check, Membership};
+use super::health::{health_check, Membership, TlsTargets};
 use super::outlier::{self, Outcome};
 use super::telemetry::EngineStats;
+use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::placement::index::MAX_BACKENDS;
 use crate::placement::{BackendLoad, PrefixIndex, Ring};
@@ -31,6 +32,8 @@ struct Beliefs {
 struct Shared {
     lb: Arc<LoadBalancer<RoundRobin>>,
     membership: Membership,
+    /// Which backends the health checker reaches over TLS.
+    tls_targets: TlsTargets,
     beliefs: Mutex<Beliefs>,
 }
 
@@ -47,10 +50,18 @@ pub struct Fleet {
     explore_rate: AtomicU64,
 }
 
-/// A backend's address and optional DCGM exporter, parsed before anything is changed.
-fn parse_backend(
-    b: &BackendConfig,
-) -> Result<(SocketAddr, Option<SocketAddr>, Backend), FleetError> {
+/// A backend as parsed before anything is changed: address, DCGM exporter, Pingora's
+/// `Backend`, TLS settings.
+type Parsed = (
+    SocketAddr,
+    Option<SocketAddr>,
+    Backend,
+    Option<Arc<UpstreamTls>>,
+);
+
+/// A backend's address, optional DCGM exporter and TLS settings (its CA bundle read), parsed
+/// before anything is changed.
+fn parse_backend(b: &BackendConfig) -> Result<Parsed, FleetError> {
     let addr: SocketAddr = b
         .addr
         .parse()
@@ -61,7 +72,11 @@ fn parse_backend(
         Some(d) => Some(d.parse().map_err(|_| FleetError::DcgmAddress(d.clone()))?),
         None => None,
     };
-    Ok((addr, dcgm, lb_backend))
+    let tls = match &b.tls {
+        Some(t) => Some(Arc::new(UpstreamTls::load(&b.addr, t)?)),
+        None => None,
+    };
+    Ok((addr, dcgm, lb_backend, tls))
 }
 
 /// Index blocks for a backend: its configured KV size, else what its engine showed, else the
@@ -79,14 +94,16 @@ impl Fleet {
     /// service for health checks to happen.
     pub fn new(cfg: &Config) -> Result<Fleet, FleetError> {
         let membership = Membership::default();
+        let tls_targets = TlsTargets::default();
         let mut lb =
             LoadBalancer::<RoundRobin>::from_backends(Backends::new(Box::new(membership.clone())));
-        lb.set_health_check(health_check(&cfg.health_check)?);
+        lb.set_health_check(health_check(&cfg.health_check, tls_targets.clone())?);
         lb.health_check_frequency = Some(Duration::from_millis(cfg.health_check.interval_ms));
         lb.parallel_health_check = true;
         let shared = Arc::new(Shared {
             lb: Arc::new(lb),
             membership,
+            tls_targets,
             beliefs: Mutex::new(Beliefs {
                 index: PrefixIndex::new(&[]),
                 owner: Vec::new(),
@@ -149,7 +166,7 @@ impl Fleet {
                     owner[s] = None;
                 }
             }
-            for (b, (addr, dcgm, lb_backend)) in cfg.backends.iter().zip(parsed) {
+            for (b, (addr, dcgm, lb_backend, tls)) in cfg.backends.iter().zip(parsed) {
                 let (slot, live) = match old.get(&addr) {
                     Some(prev) => {
                         if let Some(s) = prev.slot {
@@ -191,9 +208,16 @@ impl Fleet {
                     slot,
                     live,
                     lb_backend,
+                    tls,
                 }));
             }
         }
+        shared.tls_targets.0.store(Arc::new(
+            backends
+                .iter()
+                .filter_map(|b| b.tls.clone().map(|t| (b.addr, t)))
+                .collect(),
+        ));
         shared.membership.0.store(Arc::new(
             backends.iter().map(|b| b.lb_backend.clone()).collect(),
         ));

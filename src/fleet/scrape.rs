@@ -5,21 +5,25 @@ use pingora::connectors::http::Connector;
 use pingora::http::RequestHeader;
 use pingora::prelude::HttpPeer;
 use pingora::server::ShutdownWatch;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::generation::Current;
 use super::telemetry::{parse_dcgm, parse_engine};
+use super::upstream::http_peer;
 
 /// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
 async fn fetch(
     connector: &Connector,
-    addr: SocketAddr,
+    mut peer: HttpPeer,
     path: &str,
     timeout: Duration,
 ) -> Result<String, String> {
-    let mut peer = HttpPeer::new(addr, false, String::new());
+    let host = if peer.sni.is_empty() {
+        peer._address.to_string()
+    } else {
+        peer.sni.clone()
+    };
     peer.options.connection_timeout = Some(timeout);
     peer.options.read_timeout = Some(timeout);
     peer.options.write_timeout = Some(timeout);
@@ -30,8 +34,7 @@ async fn fetch(
             .map_err(|e| e.to_string())?;
         let mut req =
             RequestHeader::build("GET", path.as_bytes(), None).map_err(|e| e.to_string())?;
-        req.insert_header("Host", addr.to_string())
-            .map_err(|e| e.to_string())?;
+        req.insert_header("Host", host).map_err(|e| e.to_string())?;
         session
             .write_request_header(Box::new(req))
             .await
@@ -88,7 +91,7 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
         for (i, b) in backends.iter().enumerate() {
             let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
             tasks.spawn(async move {
-                let text = match fetch(&connector, b.addr, &b.metrics_path, timeout).await {
+                let text = match fetch(&connector, b.peer(), &b.metrics_path, timeout).await {
                     Ok(t) => t,
                     Err(e) => {
                         log::debug!("telemetry {}: {e}", b.name);
@@ -97,7 +100,7 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
                 };
                 let mut stats = parse_engine(b.engine, &text);
                 if let Some(dcgm) = b.dcgm {
-                    match fetch(&connector, dcgm, "/metrics", timeout).await {
+                    match fetch(&connector, http_peer(dcgm, None), "/metrics", timeout).await {
                         Ok(t) => parse_dcgm(&t, &mut stats),
                         Err(e) => log::debug!("dcgm {}: {e}", b.name),
                     }

@@ -298,7 +298,7 @@ impl ProxyHttp for Router {
             }
         };
         ctx.attempts.backend = Some(idx);
-        let mut peer = HttpPeer::new(fleet.backends()[idx].addr, false, String::new());
+        let mut peer = fleet.backends()[idx].peer();
         let t = &cfg.timeouts;
         peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
         peer.options.read_timeout = Some(read_timeout(ctx, t));
