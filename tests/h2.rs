@@ -210,6 +210,15 @@ async fn rapid_reset_closes_the_connection_and_others_are_served() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2_streams_get_the_same_access_control_and_the_stream_cap_is_advertised() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    // A model the fleet serves but the key may not use.
+    let other = Sim::start(&[
+        "--ttft-ms",
+        "1",
+        "--itl-ms",
+        "0",
+        "--model",
+        "another-model",
+    ]);
     let digest: String = kvroute::digest(b"h2-secret")
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -218,7 +227,7 @@ async fn h2_streams_get_the_same_access_control_and_the_stream_cap_is_advertised
         "  h2c: true\n  limits:\n    h2_max_concurrent_streams: 7\n  access:\n    keys:\n      \
          - sha256: \"{digest}\"\n        tenant: t\n        models: [\"{MODEL}\"]\n"
     );
-    let k = Kvroute::start(&[sim.addr], &extra);
+    let k = Kvroute::start(&[sim.addr, other.addr], &extra);
     let c = reqwest::Client::builder()
         .http2_prior_knowledge()
         .timeout(Duration::from_secs(10))

@@ -38,6 +38,11 @@ pub struct BackendConfig {
     /// Optional DCGM exporter (`ip:port`, `GET /metrics`) for this backend's GPU.
     #[serde(default)]
     pub dcgm_addr: Option<String>,
+    /// Models this backend serves (base models and LoRA adapters, by the name requests use;
+    /// `"*"`: any name). Empty: what its engine's `GET /v1/models` lists, or every model until
+    /// that is known.
+    #[serde(default)]
+    pub models: Vec<String>,
     /// Reach this engine over TLS (requests, health checks and metrics scrapes); absent:
     /// plaintext HTTP/1.1.
     #[serde(default)]
@@ -117,6 +122,12 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
         }
         if let Some(d) = &b.dcgm_addr {
             parse_addr(&format!("kvroute.backends[{i}].dcgm_addr"), d)?;
+        }
+        if b.models.iter().any(|m| m.trim().is_empty()) {
+            return Err(err(
+                format!("kvroute.backends[{i}].models"),
+                "model names must not be empty",
+            ));
         }
         if let Some(t) = &b.tls {
             if t.sni.trim().is_empty() {

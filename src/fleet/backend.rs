@@ -5,12 +5,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use arc_swap::ArcSwapOption;
 use pingora::prelude::HttpPeer;
 use pingora_load_balancing::Backend;
 
 use super::learn::{
     DecodeCounters, DecodeLearner, PrefillCounters, PrefillEstimate, PrefillLearner,
 };
+use super::models::{ModelEntry, Serves};
 use super::outlier::Outlier;
 use super::telemetry::Slot;
 use super::upstream::{http_peer, UpstreamTls};
@@ -45,6 +47,8 @@ pub(super) struct Live {
     /// End of the current ejection in ms since [`epoch`]: read on every placement without the
     /// outlier lock, which only responses take.
     pub(super) ejected_until_ms: AtomicU64,
+    /// What the engine's `GET /v1/models` last listed (`None` until it answered one).
+    pub(super) discovered_models: ArcSwapOption<Vec<ModelEntry>>,
 }
 
 /// A fixed origin for timestamps stored in atomics.
@@ -72,6 +76,7 @@ impl Live {
             decoding: AtomicU64::new(0),
             outlier: Mutex::new(Outlier::default()),
             ejected_until_ms: AtomicU64::new(0),
+            discovered_models: ArcSwapOption::empty(),
         }
     }
 }
@@ -97,6 +102,8 @@ pub struct BackendState {
     pub(super) lb_backend: Backend,
     /// `backends[].tls`: reached over TLS.
     pub tls: Option<Arc<UpstreamTls>>,
+    /// `backends[].models` (`None` when the config lists none).
+    pub configured_models: Option<Arc<Vec<ModelEntry>>>,
 }
 
 impl BackendState {
@@ -115,6 +122,35 @@ impl BackendState {
 
     pub fn decoding(&self) -> u64 {
         self.live.decoding.load(Ordering::Relaxed)
+    }
+
+    /// The models this backend is known to serve: configured, else discovered.
+    pub fn models(&self) -> Option<Arc<Vec<ModelEntry>>> {
+        self.configured_models
+            .clone()
+            .or_else(|| self.live.discovered_models.load_full())
+    }
+
+    /// Whether a request for `model` may be placed here.
+    pub fn serves(&self, model: &str) -> bool {
+        match self.models() {
+            Some(l) => Serves::Listed(&l).model(model),
+            None => Serves::Anything.model(model),
+        }
+    }
+
+    /// Record what the engine's `/v1/models` listed; whether it changed.
+    pub(super) fn discover_models(&self, list: Vec<ModelEntry>) -> bool {
+        let same = self
+            .live
+            .discovered_models
+            .load()
+            .as_deref()
+            .is_some_and(|old| *old == list);
+        if !same {
+            self.live.discovered_models.store(Some(Arc::new(list)));
+        }
+        !same
     }
 
     pub fn telemetry(&self) -> &Slot {

@@ -8,6 +8,7 @@ mod generation;
 mod health;
 pub(crate) mod learn;
 mod metrics;
+pub mod models;
 pub(crate) mod outlier;
 mod roster;
 mod scrape;

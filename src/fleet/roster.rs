@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use super::backend::{since_epoch_ms, BackendState, InflightGuard, Live};
 use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
+use super::models::{ModelEntry, Pool, PoolCache, ANY_MODEL};
 use super::outlier::{self, Outcome};
 use super::telemetry::EngineStats;
 use super::upstream::UpstreamTls;
@@ -34,6 +35,8 @@ struct Shared {
     membership: Membership,
     /// Which backends the health checker reaches over TLS.
     tls_targets: TlsTargets,
+    /// Bumped whenever an engine lists other models: model pools are rebuilt.
+    models_version: AtomicU64,
     beliefs: Mutex<Beliefs>,
 }
 
@@ -48,6 +51,7 @@ pub struct Fleet {
     /// has not yet said is assumed at least this fast, so that it gets the traffic it needs to
     /// say. Without it, a backend configured far too slow would never be sent a request.
     explore_rate: AtomicU64,
+    pools: PoolCache,
 }
 
 /// A backend as parsed before anything is changed: address, DCGM exporter, Pingora's
@@ -104,6 +108,7 @@ impl Fleet {
             lb: Arc::new(lb),
             membership,
             tls_targets,
+            models_version: AtomicU64::new(0),
             beliefs: Mutex::new(Beliefs {
                 index: PrefixIndex::new(&[]),
                 owner: Vec::new(),
@@ -209,6 +214,17 @@ impl Fleet {
                     live,
                     lb_backend,
                     tls,
+                    configured_models: (!b.models.is_empty()).then(|| {
+                        Arc::new(
+                            b.models
+                                .iter()
+                                .map(|m| ModelEntry {
+                                    id: m.clone(),
+                                    parent: None,
+                                })
+                                .collect(),
+                        )
+                    }),
                 }));
             }
         }
@@ -233,6 +249,7 @@ impl Fleet {
             shared,
             tickets: AtomicU64::new(0),
             explore_rate: AtomicU64::new(0),
+            pools: PoolCache::default(),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
         })
@@ -248,6 +265,60 @@ impl Fleet {
 
     pub fn ring(&self) -> &Ring {
         &self.ring
+    }
+
+    /// The backends requests for `model` are placed among (empty: no backend serves it).
+    pub fn pool(&self, model: &str) -> Arc<Pool> {
+        let version = self.shared.models_version.load(Ordering::Acquire);
+        self.pools.get(model, version, || {
+            let members: Vec<usize> = (0..self.backends.len())
+                .filter(|&i| self.backends[i].serves(model))
+                .collect();
+            let ring = (members.len() != self.backends.len()).then(|| {
+                Ring::new(
+                    &members
+                        .iter()
+                        .map(|&i| (self.backends[i].addr, self.backends[i].weight))
+                        .collect::<Vec<_>>(),
+                )
+            });
+            Pool { members, ring }
+        })
+    }
+
+    /// Backend `i`'s engine listed `models`: a change rebuilds the pools of every generation.
+    pub fn discover_models(&self, i: usize, models: Vec<ModelEntry>) {
+        if let Some(b) = self.backends.get(i) {
+            if b.discover_models(models) {
+                log::info!(
+                    "backend {} serves {:?}",
+                    b.name,
+                    b.models()
+                        .map(|l| l.iter().map(|m| m.id.clone()).collect::<Vec<_>>())
+                        .unwrap_or_default()
+                );
+                self.shared.models_version.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// The models healthy backends are known to serve (configured or discovered), and whether
+    /// some healthy backend's models are not known yet.
+    pub fn served_models(&self) -> (Vec<ModelEntry>, bool) {
+        let mut out = Vec::new();
+        let mut unknown = false;
+        for (i, b) in self.backends.iter().enumerate() {
+            if !self.healthy(i) {
+                continue;
+            }
+            match b.models() {
+                Some(l) => out.extend(l.iter().filter(|m| m.id != ANY_MODEL).cloned()),
+                None => unknown = true,
+            }
+        }
+        out.sort();
+        out.dedup_by(|a, b| a.id == b.id);
+        (out, unknown)
     }
 
     pub fn healthy(&self, i: usize) -> bool {

@@ -1,5 +1,6 @@
 //! The engine telemetry scrape loop: each backend's `/metrics` (and DCGM exporter) over
-//! Pingora's HTTP connector, parsed by `telemetry` into the backend's slot.
+//! Pingora's HTTP connector, parsed by `telemetry` into the backend's slot, and its
+//! `/v1/models`, which says which models it serves.
 
 use pingora::connectors::http::Connector;
 use pingora::http::RequestHeader;
@@ -9,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::generation::Current;
+use super::models::parse_model_list;
 use super::telemetry::{parse_dcgm, parse_engine};
 use super::upstream::http_peer;
 
@@ -91,6 +93,17 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
         for (i, b) in backends.iter().enumerate() {
             let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
             tasks.spawn(async move {
+                // What the engine serves, unless the config pins it: a model that disappears
+                // from the list stops being routed here. A failed fetch keeps the last list.
+                if b.configured_models.is_none() {
+                    match fetch(&connector, b.peer(), "/v1/models", timeout).await {
+                        Ok(t) => match parse_model_list(&t) {
+                            Some(list) => fleet.discover_models(i, list),
+                            None => log::debug!("models {}: not an OpenAI model list", b.name),
+                        },
+                        Err(e) => log::debug!("models {}: {e}", b.name),
+                    }
+                }
                 let text = match fetch(&connector, b.peer(), &b.metrics_path, timeout).await {
                     Ok(t) => t,
                     Err(e) => {

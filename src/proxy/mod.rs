@@ -27,6 +27,7 @@ mod ctx;
 mod failures;
 mod finish;
 mod metrics;
+mod models;
 mod placement;
 
 pub use ctx::Ctx;
@@ -103,6 +104,36 @@ async fn reject(
     Ok(true)
 }
 
+impl Router {
+    /// `GET /v1/models[/{id}]` from what the fleet serves (`Ok(true)`: answered); anything else
+    /// passes through (`Ok(false)`).
+    async fn answer_models(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        let path = session.req_header().uri.path();
+        let id = match path.strip_prefix("/v1/models") {
+            Some("") => None,
+            Some(rest) => match rest.strip_prefix('/') {
+                Some(id) if !id.is_empty() => Some(id.to_string()),
+                _ => return Ok(false),
+            },
+            None => return Ok(false),
+        };
+        let generation = ctx.generation.clone();
+        let key = match (&ctx.quota.caller, &generation.config.access) {
+            (Some(c), Some(acl)) => acl.keys.get(c.index),
+            _ => None,
+        };
+        let visible = |m: &str| key.is_none_or(|k| access::check_model(k, m).is_ok());
+        match models::answer(&generation.fleet, id.as_deref(), visible) {
+            None => Ok(false),
+            Some(Ok(body)) => {
+                models::send(session, body).await?;
+                Ok(true)
+            }
+            Some(Err(e)) => reject(session, ctx, e, true).await,
+        }
+    }
+}
+
 #[async_trait]
 impl ProxyHttp for Router {
     type CTX = Ctx;
@@ -158,7 +189,7 @@ impl ProxyHttp for Router {
             }
         }
         let Route::Inference(endpoint) = route else {
-            return Ok(false);
+            return self.answer_models(session, ctx).await;
         };
         match session
             .req_header()

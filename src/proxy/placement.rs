@@ -30,18 +30,31 @@ impl Placer<'_> {
         };
         let cfg = &generation.config;
         let params = Params::from_config(&cfg.routing, cfg.limits.backend_max_inflight);
-        let loads = fleet.loads();
-        let matched = if params.policy == PolicyKind::KvAware {
+        let mut loads = fleet.loads();
+        let mut matched = if params.policy == PolicyKind::KvAware {
             fleet.matches(&profile.prefix_blocks)
         } else {
             Vec::new()
         };
+        // The model's own pool: its backends, their ring, their load bound.
+        let pool = fleet.pool(&profile.model);
+        let mut tried = ctx.attempts.tried.clone();
+        if pool.ring.is_some() {
+            loads = pool.members.iter().map(|&i| loads[i]).collect();
+            if !matched.is_empty() {
+                matched = pool.members.iter().map(|&i| matched[i]).collect();
+            }
+            tried = tried.iter().filter_map(|&i| pool.local(i)).collect();
+        }
         let snap = Snapshot {
             backends: &loads,
-            ring: fleet.ring(),
+            ring: pool.ring.as_ref().unwrap_or(fleet.ring()),
             matched: &matched,
         };
-        let d = placement::choose(&params, profile, &snap, &ctx.attempts.tried, fleet.ticket())?;
+        let mut d = placement::choose(&params, profile, &snap, &tried, fleet.ticket())?;
+        if pool.ring.is_some() {
+            d.backend = pool.members[d.backend];
+        }
         log::debug!(
             "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,
@@ -86,6 +99,9 @@ impl Placer<'_> {
         if !cfg.models.is_empty() && !cfg.models.contains(&p.model) {
             return Err(ApiError::model_not_found(&p.model));
         }
+        if ctx.generation.fleet.pool(&p.model).members.is_empty() {
+            return Err(ApiError::model_not_found(&p.model));
+        }
         let (Some(caller), Some(acl)) = (&ctx.quota.caller, &cfg.access) else {
             return Ok(());
         };
@@ -108,13 +124,16 @@ impl Placer<'_> {
         Ok(())
     }
 
-    /// Every eligible (healthy, untried) backend is at its hard cap.
+    /// Every eligible (healthy, untried) backend of the request's model is at its hard cap.
     pub fn saturated(&self, ctx: &Ctx) -> bool {
         let cap = ctx.generation.config.limits.backend_max_inflight;
-        let loads = ctx.generation.fleet.loads();
+        let fleet = &ctx.generation.fleet;
+        let loads = fleet.loads();
+        let pool = ctx.route.profile.as_ref().map(|p| fleet.pool(&p.model));
         let mut eligible = loads
             .iter()
             .enumerate()
+            .filter(|(i, _)| pool.as_ref().is_none_or(|p| p.local(*i).is_some()))
             .filter(|(i, b)| b.healthy && !ctx.attempts.tried.contains(i))
             .peekable();
         eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight >= cap * b.weight as u64)

@@ -1,0 +1,187 @@
+//! A fleet of several models through real processes: simulated engines serving different
+//! models (`kvbench sim --model`), kvroute learning who serves what from their `/v1/models`,
+//! placing each request only among its model's backends, answering `/v1/models` itself, and
+//! keeping one model up while another's backends are all down.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+fn sim(model: &str) -> Sim {
+    Sim::start(&["--ttft-ms", "1", "--itl-ms", "0", "--model", model])
+}
+
+async fn chat(k: &Kvroute, model: &str, text: &str) -> reqwest::Response {
+    client()
+        .post(k.url("/v1/chat/completions"))
+        .json(&chat_body(
+            model,
+            serde_json::json!([{"role": "user", "content": text}]),
+            false,
+            2,
+        ))
+        .send()
+        .await
+        .expect("request")
+}
+
+/// The model ids kvroute's `/v1/models` lists.
+fn listed(k: &Kvroute) -> BTreeSet<String> {
+    let (status, body) = http_get(k.addr, "/v1/models");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(v["object"], "list");
+    v["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .map(|m| m["id"].as_str().expect("id").to_string())
+        .collect()
+}
+
+fn wait_for_listed(k: &Kvroute, want: &[&str]) {
+    let want: BTreeSet<String> = want.iter().map(|s| s.to_string()).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = listed(k);
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/v1/models lists {got:?}, want {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The models a simulated engine was sent requests for.
+fn models_seen(s: &Sim) -> BTreeSet<String> {
+    s.requests()
+        .iter()
+        .filter_map(|r| r["model"].as_str().map(str::to_string))
+        .collect()
+}
+
+const FAST: &str = "  telemetry:\n    interval_ms: 100\n  health_check:\n    interval_ms: 100\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_model_is_placed_only_among_the_backends_that_serve_it() {
+    let mut sims = [
+        sim("model-a"),
+        sim("model-a"),
+        sim("model-b"),
+        sim("model-b"),
+    ];
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let k = Kvroute::start(&addrs, FAST);
+    wait_for_listed(&k, &["model-a", "model-b"]);
+
+    for i in 0..24 {
+        for model in ["model-a", "model-b"] {
+            let r = chat(&k, model, &format!("conversation {i}")).await;
+            assert_eq!(r.status(), 200, "{model} #{i}");
+        }
+    }
+    for (i, s) in sims.iter().enumerate() {
+        let want = if i < 2 { "model-a" } else { "model-b" };
+        let seen = models_seen(s);
+        assert_eq!(
+            seen,
+            BTreeSet::from([want.to_string()]),
+            "sim {i} serves {want} but was sent {seen:?}"
+        );
+    }
+
+    // kvroute answers /v1/models itself: the union, one entry each, and a single model by id.
+    let (status, body) = http_get(k.addr, "/v1/models/model-b");
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(
+        (v["id"].as_str(), v["object"].as_str()),
+        (Some("model-b"), Some("model"))
+    );
+    let (status, body) = http_get(k.addr, "/v1/models/model-z");
+    assert_eq!(status, 404);
+    assert_eq!(error_of(&body)["code"], "model_not_found");
+    assert!(sims.iter().all(|s| s
+        .requests()
+        .iter()
+        .all(|r| r["path"].as_str() != Some("/v1/models/model-z"))));
+
+    // A model no backend serves.
+    let r = chat(&k, "model-z", "anyone?").await;
+    assert_eq!(r.status(), 404);
+    assert_eq!(
+        error_of(&r.bytes().await.expect("body"))["code"],
+        "model_not_found"
+    );
+
+    // Every backend of model-b down: model-b is 503 with Retry-After, model-a carries on.
+    sims[2].kill();
+    sims[3].kill();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let r = loop {
+        let r = chat(&k, "model-b", "still there?").await;
+        if r.status() == 503 || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    for i in 0..6 {
+        assert_eq!(
+            chat(&k, "model-a", &format!("after {i}")).await.status(),
+            200
+        );
+    }
+    wait_for_listed(&k, &["model-a"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_models_pin_a_backend_and_survive_a_reload() {
+    let sims = [sim("model-a"), sim("model-a")];
+    // sims[0] is pinned by the config to an adapter name its engine does not list (the list
+    // of backends continues from the harness's first entry, sims[1]).
+    let yaml = |first: &str| {
+        format!(
+            "    - addr: \"{}\"\n      models: [{first}]\n{FAST}",
+            sims[0].addr
+        )
+    };
+    let k = Kvroute::start(&[sims[1].addr], &yaml("sql-lora"));
+    wait_for_listed(&k, &["model-a", "sql-lora"]);
+    for i in 0..8 {
+        assert_eq!(chat(&k, "sql-lora", &format!("q {i}")).await.status(), 200);
+        assert_eq!(chat(&k, "model-a", &format!("q {i}")).await.status(), 200);
+    }
+    assert_eq!(
+        models_seen(&sims[0]),
+        BTreeSet::from(["sql-lora".to_string()])
+    );
+    assert_eq!(
+        models_seen(&sims[1]),
+        BTreeSet::from(["model-a".to_string()])
+    );
+
+    // Moved by a reload: the first backend now serves model-a too, per the config.
+    k.write_config(&[sims[1].addr], &yaml("sql-lora, model-a"));
+    signal(k.pid(), "HUP");
+    k.metrics_when(
+        "kvroute_config_reloads_total",
+        &[("result", "success")],
+        1.0,
+    );
+    for i in 0..16 {
+        assert_eq!(
+            chat(&k, "model-a", &format!("after reload {i}"))
+                .await
+                .status(),
+            200
+        );
+    }
+    assert!(models_seen(&sims[0]).contains("model-a"));
+}
