@@ -63,6 +63,18 @@ fn served_serial(r: &reqwest::Response) -> u32 {
     serial_of(info.peer_certificate().expect("peer certificate"))
 }
 
+/// The serial of the certificate a new connection is shown.
+async fn new_connection_serial(ca: &Ca, tls: SocketAddr) -> u32 {
+    let r = tls_client(ca)
+        .build()
+        .expect("client")
+        .get(url(tls, "/v1/models"))
+        .send()
+        .await
+        .expect("request");
+    served_serial(&r)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2_streams_a_completion_as_it_is_generated_and_http1_works_too() {
     let ca = Ca::new("kvroute test CA");
@@ -250,14 +262,8 @@ async fn sighup_serves_a_renewed_certificate_while_an_open_stream_completes() {
         &[("result", "failure")],
         1.0,
     );
-    let fresh = tls_client(&ca).build().expect("client");
-    let r = fresh
-        .get(url(tls, "/v1/models"))
-        .send()
-        .await
-        .expect("request");
     assert_eq!(
-        served_serial(&r),
+        new_connection_serial(&ca, tls).await,
         100,
         "a rejected pair replaced the certificate"
     );
@@ -270,13 +276,7 @@ async fn sighup_serves_a_renewed_certificate_while_an_open_stream_completes() {
         &[("result", "success")],
         1.0,
     );
-    let fresh = tls_client(&ca).build().expect("client");
-    let r = fresh
-        .get(url(tls, "/v1/models"))
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(served_serial(&r), 200);
+    assert_eq!(new_connection_serial(&ca, tls).await, 200);
     let expiry_after = k.metric_sum("kvroute_tls_certificate_expiry_timestamp_seconds", &[]);
     assert!(
         expiry_after > expiry_before + 80_000.0,
@@ -509,14 +509,7 @@ async fn the_tls_listener_is_handed_over_on_upgrade() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The new process alone serves TLS, with the same certificate.
-    let r = tls_client(&ca)
-        .build()
-        .expect("client")
-        .get(url(tls, "/v1/models"))
-        .send()
-        .await
-        .expect("request to the new process");
-    assert_eq!(served_serial(&r), 42);
+    assert_eq!(new_connection_serial(&ca, tls).await, 42);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (ok, failures) = load.await.expect("load");
     assert!(

@@ -8,25 +8,22 @@ use pingora::apps::HttpServerApp;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::Stream;
 use pingora::proxy::{HttpProxy, ProxyHttp};
-use pingora::server::ShutdownWatch;
 use std::sync::Arc;
 
-use super::conn_limits::ConnLimits;
-use super::signals::ConnSignal;
-use super::state::EdgeState;
+use super::conn::Conn;
 
-pub(super) async fn serve<P>(
-    proxy: &Arc<HttpProxy<P>>,
-    edge: &EdgeState,
-    stream: Stream,
-    shutdown: &ShutdownWatch,
-    limits: &ConnLimits,
-    mut signal: Option<ConnSignal>,
-    peer: &str,
-) where
+pub(super) async fn serve<P>(proxy: &Arc<HttpProxy<P>>, stream: Stream, conn: Conn<'_>)
+where
     P: ProxyHttp + Send + Sync + 'static,
     P::CTX: Send + Sync,
 {
+    let Conn {
+        edge,
+        shutdown,
+        limits,
+        mut signal,
+        peer,
+    } = conn;
     let mut session = ServerSession::new_http1(stream);
     if *shutdown.borrow() {
         session.set_keepalive(None);

@@ -19,14 +19,11 @@ use pingora::protocols::http::v2::server::{default_h2_options, handshake, H2Acce
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::{Digest, Stream};
 use pingora::proxy::{HttpProxy, ProxyHttp};
-use pingora::server::ShutdownWatch;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-use super::conn_limits::ConnLimits;
-use super::signals::ConnSignal;
-use super::state::EdgeState;
+use super::conn::Conn;
 
 /// How long a closed connection's GOAWAY may take to flush.
 const GOAWAY_FLUSH: Duration = Duration::from_millis(500);
@@ -62,18 +59,18 @@ async fn idle_for(active: &mut watch::Receiver<usize>, limit: Duration) {
     }
 }
 
-pub(super) async fn serve<P>(
-    proxy: &Arc<HttpProxy<P>>,
-    edge: &EdgeState,
-    stream: Stream,
-    shutdown: &ShutdownWatch,
-    limits: &ConnLimits,
-    signal: Option<ConnSignal>,
-    peer: &str,
-) where
+pub(super) async fn serve<P>(proxy: &Arc<HttpProxy<P>>, stream: Stream, conn: Conn<'_>)
+where
     P: ProxyHttp + Send + Sync + 'static,
     P::CTX: Send + Sync,
 {
+    let Conn {
+        edge,
+        shutdown,
+        limits,
+        signal,
+        peer,
+    } = conn;
     let m = &edge.metrics;
     let digest = Arc::new(Digest {
         ssl_digest: stream.get_ssl_digest(),

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::conn_limits::ConnLimits;
+use super::conn::{Conn, ConnLimits};
 use super::state::EdgeState;
 use super::tls::{HandshakeFailure, TlsEdge};
 use super::{h1, h2};
@@ -148,29 +148,17 @@ where
         m.accepted
             .with_label_values(&[transport, if h2 { "h2" } else { "http1" }])
             .inc();
-        let signal = peer.map(|p| edge.conns.register(p));
+        let conn = Conn {
+            edge,
+            shutdown,
+            limits: &limits,
+            signal: peer.map(|p| edge.conns.register(p)),
+            peer: &peer_name,
+        };
         if h2 {
-            h2::serve(
-                &self.proxy,
-                edge,
-                stream,
-                shutdown,
-                &limits,
-                signal,
-                &peer_name,
-            )
-            .await;
+            h2::serve(&self.proxy, stream, conn).await;
         } else {
-            h1::serve(
-                &self.proxy,
-                edge,
-                stream,
-                shutdown,
-                &limits,
-                signal,
-                &peer_name,
-            )
-            .await;
+            h1::serve(&self.proxy, stream, conn).await;
         }
         None
     }

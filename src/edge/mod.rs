@@ -4,7 +4,7 @@
 //! request is placed.
 
 pub(crate) mod access;
-mod conn_limits;
+mod conn;
 mod h1;
 mod h2;
 mod listener;

@@ -1,8 +1,23 @@
-//! The limits a client connection lives by, read from the config in force when it opened.
+//! One client connection as the protocol loops (`h1`, `h2`) see it: the limits it lives by,
+//! read from the config in force when it opened, and what it shares with the listener.
 
+use pingora::server::ShutdownWatch;
 use std::time::Duration;
 
+use super::signals::ConnSignal;
+use super::state::EdgeState;
 use crate::config::Config;
+
+/// What a protocol loop serves a connection with.
+pub(super) struct Conn<'a> {
+    pub edge: &'a EdgeState,
+    pub shutdown: &'a ShutdownWatch,
+    pub limits: &'a ConnLimits,
+    /// The proxy's reports about this connection (`None` without a peer address).
+    pub signal: Option<ConnSignal>,
+    /// The client's address, for logs.
+    pub peer: &'a str,
+}
 
 /// A connection's limits, from the config in force when it opened. The generation itself is not
 /// held, so a long keep-alive connection pins no old fleet.
