@@ -95,6 +95,16 @@ async fn each_model_is_placed_only_among_the_backends_that_serve_it() {
         );
     }
 
+    // Metrics carry the model: each model's 24 decisions under its own label.
+    let m = k.metrics_when("kvroute_requests_total", &[("code", "200")], 48.0);
+    for model in ["model-a", "model-b"] {
+        assert_eq!(
+            metric_sum(&m, "kvroute_routing_decisions_total", &[("model", model)]),
+            24.0,
+            "{model}"
+        );
+    }
+
     // kvroute answers /v1/models itself: the union, one entry each, and a single model by id.
     let (status, body) = http_get(k.addr, "/v1/models/model-b");
     assert_eq!(status, 200);

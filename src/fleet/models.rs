@@ -77,6 +77,9 @@ pub struct Pool {
     pub members: Vec<usize>,
     /// Their ring; `None` when the pool is the whole fleet (use the fleet's ring).
     pub ring: Option<Ring>,
+    /// Some backend's configured or discovered list names the model: it may be a metric label
+    /// (any other name is `other`, so clients cannot grow the label set).
+    pub listed: bool,
 }
 
 impl Pool {
@@ -148,6 +151,7 @@ mod tests {
             move || Pool {
                 members: m,
                 ring: None,
+                listed: false,
             }
         };
         assert_eq!(cache.get("a", 1, pool(vec![0, 2])).members, vec![0, 2]);

@@ -282,7 +282,15 @@ impl Fleet {
                         .collect::<Vec<_>>(),
                 )
             });
-            Pool { members, ring }
+            let listed = self
+                .backends
+                .iter()
+                .any(|b| b.models().is_some_and(|l| l.iter().any(|m| m.id == model)));
+            Pool {
+                members,
+                ring,
+                listed,
+            }
         })
     }
 

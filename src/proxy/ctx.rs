@@ -40,6 +40,9 @@ pub(super) struct Route {
     pub strip_usage: bool,
     /// How the prompt's tokens were estimated, settled by the engine's `usage`.
     pub tokens: Option<TokenEstimate>,
+    /// The `model` label of this request's metrics: its model if configured or listed by an
+    /// engine, else `other`.
+    pub model_label: Option<String>,
 }
 
 /// Where the request went and how each attempt ended.
@@ -96,6 +99,11 @@ impl Ctx {
             error: None,
             _active: active,
         }
+    }
+
+    /// The `model` label of this request's metrics (`none` before its body was parsed).
+    pub(super) fn model_label(&self) -> &str {
+        self.route.model_label.as_deref().unwrap_or("none")
     }
 
     pub(super) fn backend_name(&self) -> &str {

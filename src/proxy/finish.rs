@@ -43,7 +43,7 @@ pub(super) fn end_request(
     }
     if let (true, Some(t), 200) = (streamed, ttft, status) {
         m.ttft
-            .with_label_values(&[&backend])
+            .with_label_values(&[&backend, ctx.model_label()])
             .observe(t.as_secs_f64());
     }
     // The engine now also holds the reply's KV: the next turn's prefix.
@@ -90,10 +90,10 @@ pub(super) fn end_request(
     }
     if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
         m.prompt_tokens
-            .with_label_values(&[&backend])
+            .with_label_values(&[&backend, ctx.model_label()])
             .inc_by(u.prompt_tokens);
         m.cached_prompt_tokens
-            .with_label_values(&[&backend])
+            .with_label_values(&[&backend, ctx.model_label()])
             .inc_by(u.cached_tokens);
     }
     // Counted last: a scrape that sees the request counted sees its histograms too.

@@ -1,10 +1,10 @@
 //! The request path's families: what happened to each request, how it was placed, retried and
 //! answered.
 
-use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Registry};
 
 use crate::metrics::{
-    counter, counter_vec, estimate_ratio_vec, microseconds, ratio_vec, seconds_vec,
+    counter, counter_vec, estimate_ratio_vec, int_gauge_vec, microseconds, ratio_vec, seconds_vec,
 };
 
 pub struct ProxyMetrics {
@@ -22,6 +22,7 @@ pub struct ProxyMetrics {
     pub(super) cut_streams: IntCounterVec,
     pub(super) first_byte_ratio: HistogramVec,
     pub(super) token_estimate_ratio: HistogramVec,
+    pub(super) queued_by_model: IntGaugeVec,
 }
 
 impl ProxyMetrics {
@@ -42,14 +43,15 @@ impl ProxyMetrics {
             ttft: seconds_vec(
                 r,
                 "kvroute_time_to_first_token_seconds",
-                "Time from request start to the first response body byte of a streamed response.",
-                &["backend"],
+                "Time from request start to the first response body byte of a streamed response, \
+                 by backend and model.",
+                &["backend", "model"],
             )?,
             decisions: counter_vec(
                 r,
                 "kvroute_routing_decisions_total",
-                "Placement decisions by policy and reason (affinity, spill, failover, ...).",
-                &["policy", "reason"],
+                "Placement decisions by policy, reason (affinity, spill, failover, ...) and model.",
+                &["policy", "reason", "model"],
             )?,
             decision_time: microseconds(
                 r,
@@ -64,14 +66,16 @@ impl ProxyMetrics {
             prompt_tokens: counter_vec(
                 r,
                 "kvroute_prompt_tokens_total",
-                "Prompt tokens of answered requests, as the engine reported them in usage.",
-                &["backend"],
+                "Prompt tokens of answered requests, as the engine reported them in usage, by \
+                 backend and model.",
+                &["backend", "model"],
             )?,
             cached_prompt_tokens: counter_vec(
                 r,
                 "kvroute_cached_prompt_tokens_total",
-                "Prompt tokens the engine reported as served from its prefix cache.",
-                &["backend"],
+                "Prompt tokens the engine reported as served from its prefix cache, by backend and \
+                 model.",
+                &["backend", "model"],
             )?,
             upstream_failures: counter_vec(
                 r,
@@ -111,6 +115,13 @@ impl ProxyMetrics {
                  count inline, counted_offthread: BPE count on a blocking thread, sized: from the \
                  prompt's bytes), before this request's correction.",
                 &["method"],
+            )?,
+            queued_by_model: int_gauge_vec(
+                r,
+                "kvroute_model_queue_depth",
+                "Requests waiting in the router queue, by model (configured or listed by an \
+                 engine; any other name is `other`).",
+                &["model"],
             )?,
         })
     }

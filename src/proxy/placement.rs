@@ -1,6 +1,7 @@
 //! Placement glue: the snapshot for the policy, recording a decision, the hard cap and the
 //! router queue, and admission of a request for its caller (model, quotas).
 
+use prometheus::IntGauge;
 use std::time::Instant;
 
 use super::ctx::Ctx;
@@ -9,6 +10,22 @@ use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
 use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
 use crate::request::RequestProfile;
+
+/// One request counted in its model's queue depth while it waits.
+struct Waiting(IntGauge);
+
+impl Waiting {
+    fn new(g: IntGauge) -> Waiting {
+        g.inc();
+        Waiting(g)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
 
 /// Places one request on the fleet its context pinned.
 pub(super) struct Placer<'a> {
@@ -82,7 +99,7 @@ impl Placer<'_> {
         let policy = ctx.generation.config.routing.policy;
         self.metrics
             .decisions
-            .with_label_values(&[policy.as_str(), d.reason.as_str()])
+            .with_label_values(&[policy.as_str(), d.reason.as_str(), ctx.model_label()])
             .inc();
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
             ctx.generation.fleet.record(d.backend, &p.prefix_blocks);
@@ -99,7 +116,14 @@ impl Placer<'_> {
         if !cfg.models.is_empty() && !cfg.models.contains(&p.model) {
             return Err(ApiError::model_not_found(&p.model));
         }
-        if ctx.generation.fleet.pool(&p.model).members.is_empty() {
+        let pool = ctx.generation.fleet.pool(&p.model);
+        let known = pool.listed || cfg.models.contains(&p.model);
+        ctx.route.model_label = Some(if known {
+            p.model.clone()
+        } else {
+            "other".into()
+        });
+        if pool.members.is_empty() {
             return Err(ApiError::model_not_found(&p.model));
         }
         let (Some(caller), Some(acl)) = (&ctx.quota.caller, &cfg.access) else {
@@ -141,6 +165,11 @@ impl Placer<'_> {
 
     /// Wait in the router queue while every eligible backend is at its hard cap.
     pub async fn queue_for_capacity(&self, ctx: &Ctx) -> Result<(), ApiError> {
+        let _waiting = Waiting::new(
+            self.metrics
+                .queued_by_model
+                .with_label_values(&[ctx.model_label()]),
+        );
         self.edge
             .queue
             .wait_for_capacity(
