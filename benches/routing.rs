@@ -1,5 +1,6 @@
 //! Placement cost on the request path: body parse + canonical prompt + block hashing + session
-//! key + ring walk + bound check, for 1 KB and 100 KB chat bodies.
+//! key + ring walk + bound check, for 1 KB and 100 KB chat bodies; kv_aware's whole decision,
+//! on one model's fleet and on one model's pool of a 4-model fleet.
 //!
 //! `cargo bench --bench routing`
 
@@ -162,6 +163,35 @@ fn kv_aware(c: &mut Criterion) {
             black_box(placement::choose(&params, &p, &snap, &[], 0))
         })
     });
+    // The same on a fleet of 4 models x 16 backends: the decision runs on one model's pool
+    // (its part of the snapshot, its own ring) and maps back to fleet indices.
+    let addrs: Vec<(SocketAddr, u32)> = (0..n)
+        .map(|i| (SocketAddr::from(([10, 0, 0, i as u8], 8000)), 1))
+        .collect();
+    let members: Vec<usize> = (32..48).collect();
+    let pool = placement::Pool {
+        ring: Some(Ring::new(
+            &members.iter().map(|&i| addrs[i]).collect::<Vec<_>>(),
+        )),
+        members,
+        listed: true,
+    };
+    c.bench_function(
+        "kv_aware_decision_4models/100000B_64backends_1Mblocks",
+        |bench| {
+            bench.iter(|| {
+                let p = request::profile(Endpoint::Chat, black_box(&b), None, DEFAULT_BLOCK_BYTES)
+                    .unwrap();
+                index.longest_matches(&p.prefix_blocks, &mut matched);
+                let snap = Snapshot {
+                    backends: &loads,
+                    ring: &ring,
+                    matched: &matched,
+                };
+                black_box(placement::choose_in(&params, &p, &snap, &pool, &[], 0))
+            })
+        },
+    );
 }
 
 criterion_group!(benches, routing, kv_aware);

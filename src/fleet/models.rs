@@ -11,7 +11,7 @@ use serde::Deserialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::placement::Ring;
+use crate::placement::Pool;
 
 /// A configured model list holding this serves every model (llama.cpp and SGLang answer any
 /// model name, so clients of such a fleet may send names the engine never lists).
@@ -68,24 +68,6 @@ impl Serves<'_> {
             Serves::Listed(l) => l.iter().any(|m| m.id == model || m.id == ANY_MODEL),
             Serves::Anything => true,
         }
-    }
-}
-
-/// The backends one model is placed among.
-pub struct Pool {
-    /// Fleet indices, ascending.
-    pub members: Vec<usize>,
-    /// Their ring; `None` when the pool is the whole fleet (use the fleet's ring).
-    pub ring: Option<Ring>,
-    /// Some backend's configured or discovered list names the model: it may be a metric label
-    /// (any other name is `other`, so clients cannot grow the label set).
-    pub listed: bool,
-}
-
-impl Pool {
-    /// Pool-local index of fleet index `i`.
-    pub fn local(&self, i: usize) -> Option<usize> {
-        self.members.binary_search(&i).ok()
     }
 }
 

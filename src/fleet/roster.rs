@@ -14,13 +14,13 @@ use std::time::{Duration, Instant};
 use super::backend::{since_epoch_ms, BackendState, InflightGuard, Live};
 use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
-use super::models::{ModelEntry, Pool, PoolCache, ANY_MODEL};
+use super::models::{ModelEntry, PoolCache, ANY_MODEL};
 use super::outlier::{self, Outcome};
 use super::telemetry::EngineStats;
 use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::placement::index::MAX_BACKENDS;
-use crate::placement::{BackendLoad, PrefixIndex, Ring};
+use crate::placement::{BackendLoad, Pool, PrefixIndex, Ring};
 
 /// The prefix index and which backend owns each of its slots. Owners are checked on every
 /// write, so a request placed by an older fleet cannot teach a reassigned slot.

@@ -11,6 +11,7 @@ mod decision;
 pub(crate) mod index;
 mod kv_aware;
 mod least_load;
+mod pool;
 mod ring;
 mod round_robin;
 mod session_hash;
@@ -20,6 +21,7 @@ pub use crate::config::PolicyKind;
 pub use decision::{Decision, Params, Reason};
 pub use index::PrefixIndex;
 pub use kv_aware::Terms;
+pub use pool::{choose_in, Pool};
 pub use ring::{capacity, Ring};
 pub use snapshot::{BackendLoad, Snapshot};
 

@@ -47,31 +47,27 @@ impl Placer<'_> {
         };
         let cfg = &generation.config;
         let params = Params::from_config(&cfg.routing, cfg.limits.backend_max_inflight);
-        let mut loads = fleet.loads();
-        let mut matched = if params.policy == PolicyKind::KvAware {
+        let loads = fleet.loads();
+        let matched = if params.policy == PolicyKind::KvAware {
             fleet.matches(&profile.prefix_blocks)
         } else {
             Vec::new()
         };
-        // The model's own pool: its backends, their ring, their load bound.
-        let pool = fleet.pool(&profile.model);
-        let mut tried = ctx.attempts.tried.clone();
-        if pool.ring.is_some() {
-            loads = pool.members.iter().map(|&i| loads[i]).collect();
-            if !matched.is_empty() {
-                matched = pool.members.iter().map(|&i| matched[i]).collect();
-            }
-            tried = tried.iter().filter_map(|&i| pool.local(i)).collect();
-        }
         let snap = Snapshot {
             backends: &loads,
-            ring: pool.ring.as_ref().unwrap_or(fleet.ring()),
+            ring: fleet.ring(),
             matched: &matched,
         };
-        let mut d = placement::choose(&params, profile, &snap, &tried, fleet.ticket())?;
-        if pool.ring.is_some() {
-            d.backend = pool.members[d.backend];
-        }
+        // Among the model's own pool: its backends, their ring, their load bound.
+        let pool = fleet.pool(&profile.model);
+        let d = placement::choose_in(
+            &params,
+            profile,
+            &snap,
+            &pool,
+            &ctx.attempts.tried,
+            fleet.ticket(),
+        )?;
         log::debug!(
             "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,

@@ -1,0 +1,117 @@
+//! A model's pool: the backends its requests are placed among, with a ring of their own. The
+//! decision runs on the pool's part of the fleet snapshot, so its load bound and candidates are
+//! the pool's; the chosen backend comes back as a fleet index.
+
+use super::decision::{Decision, Params};
+use super::ring::Ring;
+use super::snapshot::Snapshot;
+use crate::request::RequestProfile;
+
+/// The backends one model is placed among.
+pub struct Pool {
+    /// Fleet indices, ascending.
+    pub members: Vec<usize>,
+    /// Their ring; `None` when the pool is the whole fleet (use the fleet's ring).
+    pub ring: Option<Ring>,
+    /// Some backend's configured or discovered list names the model: it may be a metric label
+    /// (any other name is `other`, so clients cannot grow the label set).
+    pub listed: bool,
+}
+
+impl Pool {
+    /// Pool-local index of fleet index `i`.
+    pub fn local(&self, i: usize) -> Option<usize> {
+        self.members.binary_search(&i).ok()
+    }
+}
+
+/// [`super::choose`] among `pool`'s backends of the whole-fleet `snap`; `excluded` and the
+/// result are fleet indices.
+pub fn choose_in(
+    params: &Params,
+    profile: &RequestProfile,
+    snap: &Snapshot,
+    pool: &Pool,
+    excluded: &[usize],
+    ticket: u64,
+) -> Option<Decision> {
+    let Some(ring) = &pool.ring else {
+        return super::choose(params, profile, snap, excluded, ticket);
+    };
+    let loads: Vec<_> = pool.members.iter().map(|&i| snap.backends[i]).collect();
+    let matched: Vec<u32> = if snap.matched.is_empty() {
+        Vec::new()
+    } else {
+        pool.members.iter().map(|&i| snap.matched[i]).collect()
+    };
+    let excluded: Vec<usize> = excluded.iter().filter_map(|&i| pool.local(i)).collect();
+    let sub = Snapshot {
+        backends: &loads,
+        ring,
+        matched: &matched,
+    };
+    let mut d = super::choose(params, profile, &sub, &excluded, ticket)?;
+    d.backend = pool.members[d.backend];
+    Some(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{BackendLoad, PolicyKind};
+    use crate::request::{Endpoint, SessionSource};
+    use std::net::SocketAddr;
+
+    fn addr(i: usize) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 9000 + i as u16))
+    }
+
+    #[test]
+    fn decisions_stay_in_the_pool_and_map_back_to_fleet_indices() {
+        let n = 6;
+        let all: Vec<_> = (0..n).map(|i| (addr(i), 1)).collect();
+        let fleet_ring = Ring::new(&all);
+        let members = vec![1, 3, 4];
+        let pool = Pool {
+            ring: Some(Ring::new(
+                &members.iter().map(|&i| (addr(i), 1)).collect::<Vec<_>>(),
+            )),
+            members,
+            listed: true,
+        };
+        let loads = vec![BackendLoad::idle(); n];
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &fleet_ring,
+            matched: &[],
+        };
+        for policy in [
+            PolicyKind::RoundRobin,
+            PolicyKind::BoundedHash,
+            PolicyKind::KvAware,
+        ] {
+            let params = Params::new(policy, 0.5, 1);
+            for key in 0..200u64 {
+                let p = RequestProfile {
+                    endpoint: Endpoint::Chat,
+                    model: "m".into(),
+                    stream: false,
+                    include_usage: false,
+                    has_stream_options: false,
+                    session_key: key.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                    session_source: SessionSource::Content,
+                    prefix_blocks: vec![],
+                    prompt_bytes: 0,
+                    est_prompt_tokens: 0,
+                    est_output_tokens: 0,
+                };
+                let d = choose_in(&params, &p, &snap, &pool, &[3], key).unwrap();
+                assert!(
+                    [1, 4].contains(&d.backend),
+                    "{policy:?} chose {}",
+                    d.backend
+                );
+            }
+        }
+    }
+}
