@@ -175,6 +175,7 @@ fn kv_aware(c: &mut Criterion) {
         )),
         members,
         listed: true,
+        adapter: false,
     };
     c.bench_function(
         "kv_aware_decision_4models/100000B_64backends_1Mblocks",

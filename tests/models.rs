@@ -27,16 +27,18 @@ async fn chat(k: &Kvroute, model: &str, text: &str) -> reqwest::Response {
         .expect("request")
 }
 
-/// The model ids kvroute's `/v1/models` lists.
+/// The model ids kvroute's `/v1/models` lists when kvroute answers it itself (before it knows
+/// any engine's models, it passes the request to one).
 fn listed(k: &Kvroute) -> BTreeSet<String> {
     let (status, body) = http_get(k.addr, "/v1/models");
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
     assert_eq!(v["object"], "list");
-    v["data"]
-        .as_array()
-        .expect("data")
-        .iter()
+    let data = v["data"].as_array().expect("data");
+    if !data.iter().all(|m| m["owned_by"] == "kvroute") {
+        return BTreeSet::new();
+    }
+    data.iter()
         .map(|m| m["id"].as_str().expect("id").to_string())
         .collect()
 }
@@ -194,4 +196,61 @@ async fn configured_models_pin_a_backend_and_survive_a_reload() {
         );
     }
     assert!(models_seen(&sims[0]).contains("model-a"));
+}
+
+/// Adapter loads so far on a simulated engine (`kvbench_lora_loads_total`).
+fn adapter_loads(s: &Sim) -> f64 {
+    let (status, body) = http_get(s.addr, "/metrics");
+    assert_eq!(status, 200);
+    metric_sum(
+        &String::from_utf8_lossy(&body),
+        "kvbench_lora_loads_total",
+        &[],
+    )
+}
+
+/// Adapter loads on two engines (3 adapters, 2 slots each) for 24 requests cycling through the
+/// adapters, routed by `policy`.
+async fn loads_under(policy: &str) -> f64 {
+    let args = [
+        "--ttft-ms",
+        "1",
+        "--itl-ms",
+        "0",
+        "--model",
+        "base-8b",
+        "--lora-adapters",
+        "sql,chat,code",
+        "--max-loras",
+        "2",
+        "--lora-load-ms",
+        "50",
+    ];
+    let sims = [Sim::start(&args), Sim::start(&args)];
+    let k = Kvroute::start(
+        &[sims[0].addr, sims[1].addr],
+        &format!("{FAST}  routing:\n    policy: {policy}\n"),
+    );
+    wait_for_listed(&k, &["base-8b", "chat", "code", "sql"]);
+    let (_, body) = http_get(k.addr, "/v1/models/sql");
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(v["parent"], "base-8b", "{v}");
+    for i in 0..24 {
+        let adapter = ["sql", "chat", "code"][i % 3];
+        let r = chat(&k, adapter, &format!("{policy} request {i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    adapter_loads(&sims[0]) + adapter_loads(&sims[1])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_aware_keeps_each_adapter_where_it_is_loaded() {
+    // Round robin sends each engine every adapter in turn: with 3 adapters cycling through 2
+    // slots, nearly every request loads one. kv_aware prices a load and keeps each adapter on
+    // an engine that has it.
+    let rr = loads_under("round_robin").await;
+    let kv = loads_under("kv_aware").await;
+    eprintln!("adapter loads for 24 requests: round_robin {rr}, kv_aware {kv}");
+    assert!(rr >= 18.0, "round robin loaded only {rr} times");
+    assert!(kv <= 6.0, "kv_aware loaded {kv} times");
 }

@@ -61,6 +61,9 @@ pub struct RoutingConfig {
     /// kv_aware: a backend whose engine reports more KV cache in use than this takes new
     /// requests only when no other can.
     pub kv_usage_ceiling: f64,
+    /// kv_aware: what loading a LoRA adapter costs a request on a backend that does not have
+    /// it loaded, in milliseconds (added to its predicted TTFT).
+    pub lora_load_ms: u64,
     /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
     /// only when it saves at least this many prompt tokens.
     pub min_prefix_saving_tokens: u64,
@@ -118,6 +121,7 @@ impl Default for RoutingConfig {
             decode_stall_weight: 0.02,
             duplicate_prefill_weight: 1.0,
             kv_usage_ceiling: 0.9,
+            lora_load_ms: 200,
             min_prefix_saving_tokens: 1024,
             learn_prefill_rate: true,
             count_tokens_max_bytes: 8192,
@@ -201,6 +205,12 @@ impl RoutingConfig {
         }
         if !(self.kv_usage_ceiling > 0.0 && self.kv_usage_ceiling <= 1.0) {
             return Err(err("kvroute.routing.kv_usage_ceiling", "must be in (0, 1]"));
+        }
+        if self.lora_load_ms > 600_000 {
+            return Err(err(
+                "kvroute.routing.lora_load_ms",
+                "must be at most 600000 (ten minutes)",
+            ));
         }
         Ok(())
     }

@@ -1,5 +1,6 @@
 //! One backend's identity and live state, and the charge a request holds on it.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -49,7 +50,15 @@ pub(super) struct Live {
     pub(super) ejected_until_ms: AtomicU64,
     /// What the engine's `GET /v1/models` last listed (`None` until it answered one).
     pub(super) discovered_models: ArcSwapOption<Vec<ModelEntry>>,
+    /// LoRA adapters kvroute sent here, least recently first: the engine's LRU as kvroute
+    /// believes it, at most `max_loras` long.
+    pub(super) sent_adapters: Mutex<VecDeque<String>>,
+    /// Adapters the engine holds at once, as it reports (`max_lora`); 0 until reported.
+    pub(super) max_loras: AtomicU64,
 }
+
+/// Adapters an engine is assumed to hold until it says: vLLM's default `--max-loras`.
+const DEFAULT_MAX_LORAS: u64 = 1;
 
 /// A fixed origin for timestamps stored in atomics.
 fn epoch() -> Instant {
@@ -77,6 +86,8 @@ impl Live {
             outlier: Mutex::new(Outlier::default()),
             ejected_until_ms: AtomicU64::new(0),
             discovered_models: ArcSwapOption::empty(),
+            sent_adapters: Mutex::new(VecDeque::new()),
+            max_loras: AtomicU64::new(0),
         }
     }
 }
@@ -137,6 +148,33 @@ impl BackendState {
             Some(l) => Serves::Listed(&l).model(model),
             None => Serves::Anything.model(model),
         }
+    }
+
+    /// A request for LoRA adapter `model` was sent here: the engine loads it, evicting its
+    /// least recently used adapter when full.
+    pub fn sent_adapter(&self, model: &str) {
+        let cap = match self.live.max_loras.load(Ordering::Relaxed) {
+            0 => DEFAULT_MAX_LORAS,
+            m => m,
+        } as usize;
+        if let Ok(mut v) = self.live.sent_adapters.lock() {
+            v.retain(|a| a != model);
+            while v.len() >= cap {
+                v.pop_front();
+            }
+            v.push_back(model.to_string());
+        }
+    }
+
+    pub(super) fn sent_adapter_recently(&self, model: &str) -> bool {
+        self.live
+            .sent_adapters
+            .lock()
+            .is_ok_and(|v| v.iter().any(|a| a == model))
+    }
+
+    pub(super) fn set_max_loras(&self, m: usize) {
+        self.live.max_loras.store(m as u64, Ordering::Relaxed);
     }
 
     /// Record what the engine's `/v1/models` listed; whether it changed.

@@ -134,6 +134,7 @@ mod tests {
                 members: m,
                 ring: None,
                 listed: false,
+                adapter: false,
             }
         };
         assert_eq!(cache.get("a", 1, pool(vec![0, 2])).members, vec![0, 2]);

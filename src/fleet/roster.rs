@@ -16,7 +16,7 @@ use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
 use super::models::{ModelEntry, PoolCache, ANY_MODEL};
 use super::outlier::{self, Outcome};
-use super::telemetry::EngineStats;
+use super::telemetry::{EngineStats, LoraInfo};
 use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::placement::index::MAX_BACKENDS;
@@ -282,16 +282,34 @@ impl Fleet {
                         .collect::<Vec<_>>(),
                 )
             });
-            let listed = self
+            let entries: Vec<ModelEntry> = self
                 .backends
                 .iter()
-                .any(|b| b.models().is_some_and(|l| l.iter().any(|m| m.id == model)));
+                .filter_map(|b| b.models())
+                .flat_map(|l| {
+                    l.iter()
+                        .filter(|m| m.id == model)
+                        .cloned()
+                        .collect::<Vec<_>>()
+                })
+                .collect();
             Pool {
                 members,
                 ring,
-                listed,
+                listed: !entries.is_empty(),
+                adapter: entries.iter().any(|m| m.parent.is_some()),
             }
         })
+    }
+
+    /// Whether LoRA adapter `model` is loaded on backend `i`: its engine's fresh telemetry has
+    /// it running, or it is among the last `max_loras` adapters kvroute sent there (the engine
+    /// loaded it then and evicts the least recently used).
+    pub fn adapter_loaded(&self, i: usize, model: &str) -> bool {
+        let Some(b) = self.backends.get(i) else {
+            return false;
+        };
+        b.telemetry().adapter_running(self.stale_after, model) || b.sent_adapter_recently(model)
     }
 
     /// Backend `i`'s engine listed `models`: a change rebuilds the pools of every generation.
@@ -358,6 +376,7 @@ impl Fleet {
                         (r, w) => Some((r.unwrap_or(0.0) + w.unwrap_or(0.0)).max(0.0) as u64),
                     }),
                     kv_usage: engine.and_then(|e| e.kv_usage),
+                    adapter_load_s: 0.0,
                 }
             })
             .collect()
@@ -426,9 +445,15 @@ impl Fleet {
         }
     }
 
+    #[cfg(test)]
+    fn observe(&self, i: usize, stats: EngineStats) {
+        self.observe_scrape(i, stats, None);
+    }
+
     /// A telemetry scrape of backend `i`: its prefill counters teach its rate, and a reported
     /// KV size bounds its index unless one is configured.
-    pub fn observe(&self, i: usize, stats: EngineStats) {
+    /// `lora`: what its engine says of its LoRA adapters.
+    pub fn observe_scrape(&self, i: usize, stats: EngineStats, lora: Option<LoraInfo>) {
         let Some(b) = self.backends.get(i) else {
             return;
         };
@@ -459,7 +484,10 @@ impl Fleet {
                 }
             }
         }
-        b.telemetry().store(stats);
+        if let Some(m) = lora.as_ref().and_then(|l| l.max_loras) {
+            b.set_max_loras(m);
+        }
+        b.telemetry().store(stats, lora);
     }
 
     pub fn stale_after(&self) -> Duration {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::generation::Current;
 use super::models::parse_model_list;
-use super::telemetry::{parse_dcgm, parse_engine};
+use super::telemetry::{parse_dcgm, parse_engine, parse_lora};
 use super::upstream::http_peer;
 
 /// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
@@ -112,13 +112,14 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
                     }
                 };
                 let mut stats = parse_engine(b.engine, &text);
+                let lora = parse_lora(b.engine, &text);
                 if let Some(dcgm) = b.dcgm {
                     match fetch(&connector, http_peer(dcgm, None), "/metrics", timeout).await {
                         Ok(t) => parse_dcgm(&t, &mut stats),
                         Err(e) => log::debug!("dcgm {}: {e}", b.name),
                     }
                 }
-                fleet.observe(i, stats);
+                fleet.observe_scrape(i, stats, lora);
             });
         }
         while tasks.join_next().await.is_some() {}

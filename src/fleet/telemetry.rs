@@ -37,6 +37,8 @@ pub struct EngineStats {
 /// A scrape and when it was taken.
 pub struct Sample {
     pub stats: EngineStats,
+    /// What the engine says of its LoRA adapters ([`parse_lora`]).
+    pub lora: Option<LoraInfo>,
     pub at: Instant,
 }
 
@@ -58,11 +60,22 @@ impl Slot {
         self.0.load().as_ref().map(|s| s.at.elapsed())
     }
 
-    pub fn store(&self, stats: EngineStats) {
+    pub fn store(&self, stats: EngineStats, lora: Option<LoraInfo>) {
         self.0.store(Some(Arc::new(Sample {
             stats,
+            lora,
             at: Instant::now(),
         })));
+    }
+
+    /// Whether the fresh sample has LoRA adapter `model` running.
+    pub fn adapter_running(&self, stale_after: Duration, model: &str) -> bool {
+        self.0
+            .load()
+            .as_ref()
+            .filter(|s| s.at.elapsed() <= stale_after)
+            .and_then(|s| s.lora.as_ref())
+            .is_some_and(|l| l.running.iter().any(|a| a == model))
     }
 }
 
@@ -82,10 +95,67 @@ fn samples(text: &str) -> impl Iterator<Item = (&str, &str, f64)> {
 }
 
 fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    labels.split(',').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    let mut rest = labels;
+    loop {
+        let (k, after) = rest.split_once('=')?;
+        let after = after.trim_start();
+        // A quoted value may hold commas (vLLM's adapter lists) and escaped quotes.
+        let (v, tail) = match after.strip_prefix('"') {
+            Some(q) => {
+                let bytes = q.as_bytes();
+                let mut i = 0;
+                let end = loop {
+                    match bytes.get(i)? {
+                        b'\\' => i += 2,
+                        b'"' => break i,
+                        _ => i += 1,
+                    }
+                };
+                (&q[..end], &q[end + 1..])
+            }
+            None => after.split_once(',').unwrap_or((after, "")),
+        };
+        if k.trim() == key {
+            return Some(v.trim());
+        }
+        rest = tail.trim_start().strip_prefix(',').unwrap_or(tail);
+        if rest.trim().is_empty() {
+            return None;
+        }
+    }
+}
+
+/// The LoRA adapters vLLM's `lora_requests_info` says have requests running. vLLM emits a new
+/// series whenever the set changes, its value the time it was set: the latest is current.
+pub fn parse_lora(kind: EngineKind, text: &str) -> Option<LoraInfo> {
+    if kind != EngineKind::Vllm {
+        return None;
+    }
+    let mut latest: Option<(f64, &str)> = None;
+    for (name, labels, v) in samples(text) {
+        if name == "vllm:lora_requests_info" && latest.is_none_or(|(at, _)| v > at) {
+            latest = Some((v, labels));
+        }
+    }
+    latest.map(|(_, labels)| LoraInfo {
+        running: label(labels, "running_lora_adapters")
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect(),
+        max_loras: label(labels, "max_lora").and_then(|m| m.parse().ok()),
     })
+}
+
+/// What vLLM says of its LoRA adapters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraInfo {
+    /// Adapters with requests running: loaded on the GPU now.
+    pub running: Vec<String>,
+    /// Adapters it holds at once (`--max-loras`).
+    pub max_loras: Option<usize>,
 }
 
 /// Parse an engine's `/metrics` text. Values of a metric are summed over its label sets
@@ -216,6 +286,22 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
     }
 
     #[test]
+    fn vllm_lora_adapters_from_the_latest_sample() {
+        let text = format!(
+            "{VLLM}vllm:lora_requests_info{{max_lora=\"2\",running_lora_adapters=\"old\",waiting_lora_adapters=\"\"}} 1.7e9\n\
+             vllm:lora_requests_info{{max_lora=\"2\",running_lora_adapters=\"sql, chat\",waiting_lora_adapters=\"x\"}} 1.8e9\n"
+        );
+        assert_eq!(
+            parse_lora(EngineKind::Vllm, &text),
+            Some(LoraInfo {
+                running: vec!["sql".to_string(), "chat".to_string()],
+                max_loras: Some(2),
+            })
+        );
+        assert_eq!(parse_lora(EngineKind::Vllm, VLLM), None);
+    }
+
+    #[test]
     fn prefill_counters_and_kv_size_per_engine() {
         // vLLM counts every prompt token; the computed ones are those not hit in the cache.
         let text = format!(
@@ -330,10 +416,13 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
     fn stale_samples_are_not_fresh() {
         let slot = Slot::default();
         assert!(slot.fresh(Duration::from_secs(1)).is_none());
-        slot.store(EngineStats {
-            running: Some(1.0),
-            ..Default::default()
-        });
+        slot.store(
+            EngineStats {
+                running: Some(1.0),
+                ..Default::default()
+            },
+            None,
+        );
         assert!(slot.fresh(Duration::from_secs(1)).is_some());
         assert!(slot.fresh(Duration::ZERO).is_none());
     }

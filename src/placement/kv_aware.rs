@@ -12,7 +12,7 @@
 //! admissible  = healthy, untried, and
 //!               work(b) < ceil((1 + epsilon) * (W + cost(b)) * w(b) / sum w) + slack + saved(b)
 //! dup(b)      = min(P, max_c m(c) * B) - min(P, m(b) * B)    (a prefix held elsewhere, recomputed)
-//! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b) + step(b)
+//! est_ttft(b) = (queued_prefill(b) + uncached(b)) / prefill_rate(b) + step(b) + adapter(b)
 //! score(b)    = est_ttft(b) + decode_stall_weight * decoding(b) * uncached(b) / prefill_rate(b)
 //!               + duplicate_prefill_weight * dup(b) / prefill_rate(b)
 //!               - [b is the key's owner] * min_prefix_saving_tokens / prefill_rate(b)
@@ -112,7 +112,8 @@ pub(super) fn choose(
         );
         let rate = b.prefill_rate.max(1.0);
         let prefill_s = uncached as f64 / rate;
-        let est_ttft_s = b.queued_prefill as f64 / rate + prefill_s + b.decode_step_s;
+        let est_ttft_s =
+            b.queued_prefill as f64 / rate + prefill_s + b.decode_step_s + b.adapter_load_s;
         let dup = best_match.min(prompt).saturating_sub(m) as f64 / rate;
         Terms {
             backend: i,

@@ -16,6 +16,8 @@ pub struct Pool {
     /// Some backend's configured or discovered list names the model: it may be a metric label
     /// (any other name is `other`, so clients cannot grow the label set).
     pub listed: bool,
+    /// The model is a LoRA adapter (listed with a `parent`).
+    pub adapter: bool,
 }
 
 impl Pool {
@@ -78,6 +80,7 @@ mod tests {
             )),
             members,
             listed: true,
+            adapter: false,
         };
         let loads = vec![BackendLoad::idle(); n];
         let snap = Snapshot {

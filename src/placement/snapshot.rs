@@ -21,6 +21,9 @@ pub struct BackendLoad {
     pub engine_load: Option<u64>,
     /// KV cache in use as the engine reports it, 0..1 (fresh telemetry only).
     pub kv_usage: Option<f64>,
+    /// Seconds this request would wait here for its LoRA adapter to load (0: loaded, or not
+    /// an adapter). Request-specific: set per decision.
+    pub adapter_load_s: f64,
 }
 
 impl BackendLoad {
@@ -36,6 +39,7 @@ impl BackendLoad {
             decode_step_s: 0.0,
             engine_load: None,
             kv_usage: None,
+            adapter_load_s: 0.0,
         }
     }
 }

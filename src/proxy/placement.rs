@@ -47,7 +47,18 @@ impl Placer<'_> {
         };
         let cfg = &generation.config;
         let params = Params::from_config(&cfg.routing, cfg.limits.backend_max_inflight);
-        let loads = fleet.loads();
+        let mut loads = fleet.loads();
+        // Among the model's own pool: its backends, their ring, their load bound.
+        let pool = fleet.pool(&profile.model);
+        if pool.adapter {
+            // Where the adapter is not loaded, the request waits for it to load.
+            let load_s = cfg.routing.lora_load_ms as f64 / 1000.0;
+            for &i in &pool.members {
+                if !fleet.adapter_loaded(i, &profile.model) {
+                    loads[i].adapter_load_s = load_s;
+                }
+            }
+        }
         let matched = if params.policy == PolicyKind::KvAware {
             fleet.matches(&profile.prefix_blocks)
         } else {
@@ -58,8 +69,6 @@ impl Placer<'_> {
             ring: fleet.ring(),
             matched: &matched,
         };
-        // Among the model's own pool: its backends, their ring, their load bound.
-        let pool = fleet.pool(&profile.model);
         let d = placement::choose_in(
             &params,
             profile,
@@ -97,6 +106,12 @@ impl Placer<'_> {
             .decisions
             .with_label_values(&[policy.as_str(), d.reason.as_str(), ctx.model_label()])
             .inc();
+        if let Some(p) = ctx.route.profile.as_ref() {
+            let fleet = &ctx.generation.fleet;
+            if fleet.pool(&p.model).adapter {
+                fleet.backends()[d.backend].sent_adapter(&p.model);
+            }
+        }
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
             ctx.generation.fleet.record(d.backend, &p.prefix_blocks);
             self.metrics

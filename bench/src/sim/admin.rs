@@ -23,24 +23,40 @@ pub async fn health(State(s): State<Arc<ServerState>>) -> Response {
 }
 
 pub async fn models(State(s): State<Arc<ServerState>>) -> Json<serde_json::Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.config.model,
+    let mut data = vec![json!({
+        "id": s.config.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kvbench",
+        "root": s.config.model,
+        "parent": null,
+        "max_model_len": 131072,
+    })];
+    // As vLLM lists LoRA adapters: each with its base model as `parent`.
+    for a in &s.config.lora.adapters {
+        data.push(json!({
+            "id": a,
             "object": "model",
             "created": 0,
             "owned_by": "kvbench",
-            "root": s.config.model,
+            "root": a,
+            "parent": s.config.model,
             "max_model_len": 131072,
-        }],
-    }))
+        }));
+    }
+    Json(json!({"object": "list", "data": data}))
 }
 
 pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
     let cfg = &s.config;
     let blocks = cfg.num_gpu_blocks();
     let snapshot = s.stats.snapshot(blocks);
-    let text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
+    let mut text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
+    if !cfg.lora.adapters.is_empty() {
+        if let Ok(lora) = s.lora.lock() {
+            text.push_str(&metrics::render_lora(&cfg.lora, &lora));
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::config::{scaled, Engine, SimConfig};
 use super::error::SimError;
 use super::faults::{check_rate, Faults};
+use super::lora::LoraConfig;
 use super::profile::{fleet_profiles, Profile, ProfileName};
 use super::tokenizer::PromptTokenizer;
 
@@ -67,6 +68,16 @@ pub struct SimArgs {
     /// ceil(bytes / 4): usage, prefill and prefix-cache blocks all follow its count.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// LoRA adapters (comma-separated names) each server can load on top of --model; requests
+    /// name one in `model`.
+    #[arg(long, value_delimiter = ',')]
+    pub lora_adapters: Vec<String>,
+    /// Adapters loaded at once (vLLM's --max-loras); one more evicts the least recently used.
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// Model milliseconds one adapter load adds to a request's time to first token.
+    #[arg(long, default_value_t = 200.0)]
+    pub lora_load_ms: f64,
 }
 
 /// What `run` needs: one config and one address per server. The configs differ only in
@@ -95,6 +106,7 @@ impl SimArgs {
             ("--ttft-ms", ttft_ms),
             ("--itl-ms", itl_ms),
             ("--slow-start-ms", self.slow_start_ms),
+            ("--lora-load-ms", self.lora_load_ms),
         ] {
             if !(ms.is_finite() && ms >= 0.0) {
                 return Err(SimError::new(format!("{name} must be >= 0, got {ms}")));
@@ -110,6 +122,18 @@ impl SimArgs {
         check_rate("--hang-rate", self.hang_rate).map_err(SimError::new)?;
         if self.kv_tokens.is_some_and(|t| t < 16) {
             return Err(SimError::new("--kv-tokens must be at least 16 (one block)"));
+        }
+        if self.max_loras == 0 {
+            return Err(SimError::new("--max-loras must be at least 1"));
+        }
+        if self
+            .lora_adapters
+            .iter()
+            .any(|a| a.is_empty() || *a == self.model)
+        {
+            return Err(SimError::new(
+                "--lora-adapters: names must be non-empty and differ from --model",
+            ));
         }
         let listen = self.listen_addrs(host, fleet.len())?;
         let tokenizer = match &self.tokenizer {
@@ -132,6 +156,11 @@ impl SimArgs {
             profile: Profile::get(ProfileName::H100Llama8b),
             fixed_timing: fixed,
             tokenizer: Arc::new(tokenizer),
+            lora: LoraConfig {
+                adapters: self.lora_adapters.clone(),
+                max_loras: self.max_loras,
+                load: scaled(self.lora_load_ms, self.time_scale),
+            },
         };
         let configs = fleet
             .iter()

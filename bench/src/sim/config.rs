@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::faults::Faults;
+use super::lora::LoraConfig;
 use super::profile::{Profile, ProfileName};
 use super::tokenizer::PromptTokenizer;
 
@@ -37,6 +38,8 @@ pub struct SimConfig {
     pub fixed_timing: bool,
     /// What counts prompt tokens (`--tokenizer`), loaded once for every server.
     pub tokenizer: Arc<PromptTokenizer>,
+    /// LoRA adapters this server can load (`--lora-adapters`), on top of `model`.
+    pub lora: LoraConfig,
 }
 
 impl SimConfig {
@@ -54,6 +57,7 @@ impl SimConfig {
             profile: Profile::get(ProfileName::H100Llama8b),
             fixed_timing: true,
             tokenizer: Arc::default(),
+            lora: LoraConfig::default(),
         }
     }
 

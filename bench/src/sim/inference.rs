@@ -18,6 +18,7 @@ use super::admission::{admit, Admitted};
 use super::engine_answer;
 use super::generate::{completion_text, reply_hashes, token_text, Schedule};
 use super::kvcache::BLOCK_TOKENS;
+use super::lora::AdapterUse;
 use super::openai::Endpoint;
 use super::reqlog::Entry;
 use super::response::{Answer, Usage};
@@ -69,7 +70,14 @@ async fn handle(
     let entry = Entry::arrival(endpoint.path(), session, body.len(), hash.clone());
     let seq = s.log().push(entry);
     let mut res = match admit(&s, seq, endpoint, &body).await {
-        Ok(admitted) => serve(s.clone(), admitted, arrived).await,
+        Ok(admitted) => {
+            // An adapter not loaded is loaded first: its load time is part of the TTFT.
+            let (_adapter, wait) = AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model);
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+            serve(s.clone(), admitted, arrived).await
+        }
         Err(e) => e.into_response(),
     };
     let status = res.status().as_u16();

@@ -12,9 +12,28 @@
 use std::fmt::Write;
 
 use super::config::Engine;
+use super::lora::{LoraConfig, LoraSlots};
 use super::stats::{Histogram, Snapshot};
 
 /// Prometheus text exposition (version 0.0.4) in `engine`'s metric names.
+/// vLLM's LoRA gauge (`vllm:lora_requests_info`: its value the time of the sample, its labels
+/// the adapters with requests running and waiting, and `max_lora`), and the simulator's own
+/// count of adapter loads.
+pub fn render_lora(cfg: &LoraConfig, slots: &LoraSlots) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    format!(
+        "# TYPE vllm:lora_requests_info gauge\n\
+         vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"\"}} {now}\n\
+         # TYPE kvbench_lora_loads_total counter\n\
+         kvbench_lora_loads_total {}\n",
+        cfg.max_loras,
+        escape_label(&slots.running_list()),
+        slots.loads()
+    )
+}
+
 pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) -> String {
     let label = format!("model_name=\"{}\"", escape_label(model));
     let mut t = Text::default();

@@ -57,6 +57,7 @@ mod generate;
 mod inference;
 mod kvcache;
 mod kvpool;
+mod lora;
 mod metrics;
 mod openai;
 mod profile;

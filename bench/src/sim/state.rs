@@ -13,6 +13,7 @@ use super::config::SimConfig;
 use super::engine::EngineHandle;
 use super::faults::Faults;
 use super::kvcache::KvCache;
+use super::lora::LoraSlots;
 use super::reqlog::{RequestLog, LOG_CAPACITY};
 use super::stats::Stats;
 
@@ -31,6 +32,8 @@ pub struct ServerState {
     /// Rendered once, not per answer: `server` adds them to every response.
     pub index_header: HeaderValue,
     pub addr_header: HeaderValue,
+    /// The LoRA adapters loaded now (`config.lora`).
+    pub lora: Mutex<LoraSlots>,
 }
 
 impl ServerState {
@@ -51,6 +54,7 @@ impl ServerState {
             started: Instant::now(),
             index_header: HeaderValue::from(index),
             addr_header: header_value(&addr.to_string()),
+            lora: Mutex::new(LoraSlots::default()),
             config,
         }
     }
