@@ -504,3 +504,56 @@ async fn stream_usage_is_counted_and_shown_only_when_asked() {
         "cached {cached} of {prompt_tokens}"
     );
 }
+
+#[test]
+fn failure_families_are_exported_at_zero_from_start() {
+    // An alert on `increase(...) > 0` sees the first event only if the series exists before.
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "");
+    let text = kv.metrics();
+    let backend = sims[0].addr.to_string();
+    for (name, labels) in [
+        (
+            "kvroute_shed_requests_total",
+            vec![("reason", "queue_full")],
+        ),
+        (
+            "kvroute_shed_requests_total",
+            vec![("reason", "queue_timeout")],
+        ),
+        (
+            "kvroute_retries_total",
+            vec![("outcome", "budget_exhausted")],
+        ),
+        ("kvroute_config_reloads_total", vec![("result", "failure")]),
+        (
+            "kvroute_queue_wait_seconds_count",
+            vec![("outcome", "shed")],
+        ),
+        (
+            "kvroute_upstream_failures_total",
+            vec![("backend", backend.as_str()), ("kind", "connect")],
+        ),
+        (
+            "kvroute_outlier_ejections_total",
+            vec![("backend", backend.as_str())],
+        ),
+        (
+            "kvroute_cut_streams_total",
+            vec![("backend", backend.as_str())],
+        ),
+        ("kvroute_client_timeouts_total", vec![("phase", "header")]),
+    ] {
+        let line = text.lines().find(|l| {
+            l.starts_with(&format!("{name}{{"))
+                && labels
+                    .iter()
+                    .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        });
+        assert_eq!(
+            line.and_then(|l| l.rsplit(' ').next()),
+            Some("0"),
+            "{name} {labels:?} not exported at zero"
+        );
+    }
+}

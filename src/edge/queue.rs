@@ -85,7 +85,7 @@ pub struct Admission {
 
 impl Admission {
     pub fn register(r: &Registry) -> prometheus::Result<Admission> {
-        Ok(Admission {
+        let a = Admission {
             queue: Mutex::default(),
             metrics: QueueMetrics {
                 depth: int_gauge(r, "kvroute_queue_depth", "Requests waiting in the router queue.")?,
@@ -102,7 +102,15 @@ impl Admission {
                     &["reason"],
                 )?,
             },
-        })
+        };
+        // Exported from start at zero, so an alert on their increase sees the first event.
+        for reason in ["queue_full", "queue_timeout"] {
+            a.metrics.shed.with_label_values(&[reason]);
+        }
+        for outcome in ["admitted", "shed"] {
+            a.metrics.wait.with_label_values(&[outcome]);
+        }
+        Ok(a)
     }
 
     /// An arrival number, fixed once per request so re-queueing keeps its place.

@@ -27,7 +27,7 @@ pub struct ProxyMetrics {
 
 impl ProxyMetrics {
     pub fn register(r: &Registry) -> prometheus::Result<ProxyMetrics> {
-        Ok(ProxyMetrics {
+        let m = ProxyMetrics {
             requests: counter_vec(
                 r,
                 "kvroute_requests_total",
@@ -123,6 +123,20 @@ impl ProxyMetrics {
                  engine; any other name is `other`).",
                 &["model"],
             )?,
-        })
+        };
+        for outcome in ["retried", "budget_exhausted", "attempts_exhausted"] {
+            m.retries.with_label_values(&[outcome]);
+        }
+        Ok(m)
+    }
+
+    /// Export `backend`'s failure counters at zero (at start, and for a backend a reload adds),
+    /// so an alert on their increase sees the first failure.
+    pub fn init_backend(&self, backend: &str) {
+        for kind in ["connect", "io"] {
+            self.upstream_failures.with_label_values(&[backend, kind]);
+        }
+        self.ejections.with_label_values(&[backend]);
+        self.cut_streams.with_label_values(&[backend]);
     }
 }

@@ -58,7 +58,7 @@ pub struct Router {
     current: Arc<Current>,
     edge: Arc<EdgeState>,
     tokens: Arc<TokenEstimator>,
-    metrics: ProxyMetrics,
+    metrics: Arc<ProxyMetrics>,
 }
 
 impl Router {
@@ -66,8 +66,11 @@ impl Router {
         current: Arc<Current>,
         edge: Arc<EdgeState>,
         tokens: Arc<TokenEstimator>,
-        metrics: ProxyMetrics,
+        metrics: Arc<ProxyMetrics>,
     ) -> Router {
+        for b in current.load().fleet.backends() {
+            metrics.init_backend(&b.name);
+        }
         Router {
             current,
             edge,

@@ -88,7 +88,8 @@ pub fn run(mut opt: Opt) -> ! {
     let registry = Registry::new();
     let metrics_failed = |e: prometheus::Error| -> ! { fail(format!("metrics: {e}")) };
     let edge = Arc::new(EdgeState::register(&registry).unwrap_or_else(|e| metrics_failed(e)));
-    let proxy_metrics = ProxyMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
+    let proxy_metrics =
+        Arc::new(ProxyMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e)));
     let fleet_metrics = FleetMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
     let reload_metrics = ReloadMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
     let token_metrics = TokenMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
@@ -144,7 +145,12 @@ pub fn run(mut opt: Opt) -> ! {
 
     let router = Arc::new(pingora::proxy::http_proxy(
         &server.configuration,
-        Router::new(current.clone(), edge.clone(), tokens.clone(), proxy_metrics),
+        Router::new(
+            current.clone(),
+            edge.clone(),
+            tokens.clone(),
+            proxy_metrics.clone(),
+        ),
     ));
     // Both client listeners are plain TCP listeners to Pingora (the TLS one terminates TLS in
     // `edge::tls`), so `-u` hands both sockets over to the new process the same way.
@@ -211,6 +217,7 @@ pub fn run(mut opt: Opt) -> ! {
             tokens,
             metrics: reload_metrics,
             tls: tls_edge,
+            proxy_metrics,
             opt: reload_opt,
             server_conf: server.configuration.clone(),
         }),

@@ -25,6 +25,7 @@ use crate::edge::tls::{self, TlsEdge, TlsError};
 use crate::edge::EdgeState;
 use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
 use crate::metrics::{counter_vec, gauge, int_gauge};
+use crate::proxy::ProxyMetrics;
 use crate::request::TokenEstimator;
 
 /// Why a reload changed nothing.
@@ -71,7 +72,7 @@ pub(super) struct ReloadMetrics {
 
 impl ReloadMetrics {
     pub fn register(r: &Registry) -> prometheus::Result<ReloadMetrics> {
-        Ok(ReloadMetrics {
+        let m = ReloadMetrics {
             reloads: counter_vec(
                 r,
                 "kvroute_config_reloads_total",
@@ -89,7 +90,11 @@ impl ReloadMetrics {
                 "1 if the config file changes settings that only a binary upgrade applies \
                  (listeners, health checks, Pingora server keys).",
             )?,
-        })
+        };
+        for result in ["success", "failure"] {
+            m.reloads.with_label_values(&[result]);
+        }
+        Ok(m)
     }
 }
 
@@ -150,6 +155,8 @@ pub(super) struct Reloader {
     pub metrics: ReloadMetrics,
     /// The TLS listener's certificate, re-read on every reload (renewed files keep their path).
     pub tls: Option<Arc<TlsEdge>>,
+    /// Added backends' failure counters start at zero.
+    pub proxy_metrics: Arc<ProxyMetrics>,
     /// The Pingora options the process started with, to re-read the file's server keys.
     pub opt: Opt,
     pub server_conf: Arc<ServerConf>,
@@ -240,6 +247,9 @@ impl Reloader {
         let m = &self.metrics;
         match self.reload().await {
             Ok(a) => {
+                for name in &a.added {
+                    self.proxy_metrics.init_backend(name);
+                }
                 m.reloads.with_label_values(&["success"]).inc();
                 m.last_success.set(unix_now());
                 m.pending_upgrade
