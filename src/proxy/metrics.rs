@@ -127,6 +127,8 @@ impl ProxyMetrics {
         for outcome in ["retried", "budget_exhausted", "attempts_exhausted"] {
             m.retries.with_label_values(&[outcome]);
         }
+        // Every request for an unnamed model shares `other`: always a label value.
+        m.queued_by_model.with_label_values(&["other"]);
         Ok(m)
     }
 
