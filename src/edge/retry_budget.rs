@@ -31,6 +31,11 @@ impl Drop for Retrying {
 }
 
 impl RetryBudget {
+    /// Requests in flight now (from their first phase until their access-log line).
+    pub fn in_flight(&self) -> u64 {
+        self.active.load(Ordering::Relaxed)
+    }
+
     pub fn start(self: &Arc<Self>) -> Active {
         self.active.fetch_add(1, Ordering::Relaxed);
         Active(self.clone())

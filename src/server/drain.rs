@@ -1,13 +1,26 @@
 //! Notices when Pingora begins a graceful upgrade (SIGQUIT) or shutdown (SIGTERM), so `/readyz`
-//! turns not-ready while this process finishes its in-flight streams.
+//! turns not-ready while this process finishes its in-flight streams, and ends the drain when
+//! the work ends.
+//!
+//! Pingora's graceful shutdown sleeps the whole `grace_period_seconds` however little is in
+//! flight, and stops listening for signals while it does. Once the grace period begins (the
+//! listeners are closed, or handed over on upgrade), this service exits the process as soon as
+//! no request is in flight, and at once on a second SIGTERM or a SIGINT.
 
 use async_trait::async_trait;
 use pingora::server::{ExecutionPhase, ShutdownWatch};
 use pingora::services::background::BackgroundService;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::broadcast::{error::RecvError, Receiver};
 
 use crate::edge::EdgeState;
+
+/// How often the drain checks for requests still in flight.
+const DRAIN_POLL: Duration = Duration::from_millis(100);
+/// How long an open connection with nothing in flight may hold the drain.
+const IDLE_SETTLE: Duration = Duration::from_secs(2);
 
 pub(super) struct DrainWatch {
     pub edge: Arc<EdgeState>,
@@ -28,15 +41,67 @@ fn is_draining(phase: &ExecutionPhase) -> bool {
     )
 }
 
+fn exit_now(why: &str) -> ! {
+    log::info!("{why}: exiting now");
+    log::logger().flush();
+    std::process::exit(0);
+}
+
+impl DrainWatch {
+    /// The grace period has begun: exit once nothing is in flight, or on a second signal.
+    async fn end_when_idle(&self) {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            log::warn!("cannot watch signals during the drain; it lasts the grace period");
+            return;
+        };
+        let budget = &self.edge.retry_budget;
+        log::info!(
+            "drain: {} request(s) in flight; exiting when they finish",
+            budget.in_flight()
+        );
+        let open = &self.edge.open_connections;
+        let mut idle_since: Option<std::time::Instant> = None;
+        loop {
+            // Done when no request is in flight and the clients' connections have closed
+            // (Pingora wakes and closes idle keep-alive connections at shutdown); a connection
+            // that lingers with nothing in flight holds the drain for `IDLE_SETTLE` at most.
+            if budget.in_flight() == 0 {
+                let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+                if open.load(std::sync::atomic::Ordering::Relaxed) == 0
+                    || since.elapsed() >= IDLE_SETTLE
+                {
+                    exit_now("drain: no request in flight");
+                }
+            } else {
+                idle_since = None;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(DRAIN_POLL) => {}
+                _ = term.recv() => exit_now("drain: SIGTERM again, in-flight requests are cut"),
+                _ = int.recv() => exit_now("drain: SIGINT, in-flight requests are cut"),
+            }
+        }
+    }
+}
+
 #[async_trait]
 impl BackgroundService for DrainWatch {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let Some(mut phases) = self.phases.lock().ok().and_then(|mut p| p.take()) else {
             return;
         };
+        let mut watching_shutdown = true;
         loop {
             tokio::select! {
                 phase = phases.recv() => match phase {
+                    Ok(ExecutionPhase::ShutdownGracePeriod) => {
+                        self.edge.draining.start();
+                        self.end_when_idle().await;
+                        return;
+                    }
                     Ok(p) if is_draining(&p) => {
                         log::info!("draining ({p:?}): /readyz now reports not ready");
                         self.edge.draining.start();
@@ -45,9 +110,9 @@ impl BackgroundService for DrainWatch {
                     Err(RecvError::Closed) => return,
                 },
                 // Pingora's own shutdown broadcast: draining for certain from here on.
-                _ = shutdown.changed() => {
+                _ = shutdown.changed(), if watching_shutdown => {
                     self.edge.draining.start();
-                    return;
+                    watching_shutdown = false;
                 }
             }
         }

@@ -194,6 +194,11 @@ impl Kvroute {
     }
 
     /// Make `child` the process this handle owns and kills on drop; returns the previous one.
+    /// Take the process this handle owns (it is no longer killed on drop).
+    pub fn take_child(&mut self) -> Option<Child> {
+        self.child.take()
+    }
+
     pub fn replace_child(&mut self, child: Child) -> Option<Child> {
         self.child.replace(child)
     }
