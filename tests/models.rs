@@ -107,6 +107,22 @@ async fn each_model_is_placed_only_among_the_backends_that_serve_it() {
         );
     }
 
+    // The backend view says what each backend serves and where that came from.
+    let (status, body) = http_get(k.admin, "/debug/backends");
+    assert_eq!(status, 200);
+    let view: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    let backends = view["backends"].as_array().expect("backends");
+    assert_eq!(backends.len(), 4);
+    for (i, b) in backends.iter().enumerate() {
+        let want = if i < 2 { "model-a" } else { "model-b" };
+        assert_eq!(b["models"][0]["id"], want, "{b}");
+        assert_eq!(b["models_source"], "engine");
+        assert_eq!(b["ejection_left_seconds"], serde_json::Value::Null);
+    }
+    // (These prompts are shorter than one prefix block: nothing to index.)
+    assert!(backends.iter().all(|b| b["prefix_index_blocks"].is_u64()));
+    assert!(view["prefix_index"]["bytes"].is_u64(), "{view}");
+
     // kvroute answers /v1/models itself: the union, one entry each, and a single model by id.
     let (status, body) = http_get(k.addr, "/v1/models/model-b");
     assert_eq!(status, 200);

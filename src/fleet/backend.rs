@@ -200,6 +200,18 @@ impl BackendState {
         since_epoch_ms(now) < self.live.ejected_until_ms.load(Ordering::Relaxed)
     }
 
+    /// How long the current ejection has left (`None`: not ejected).
+    pub fn ejection_left(&self, now: Instant) -> Option<std::time::Duration> {
+        let until = self.live.ejected_until_ms.load(Ordering::Relaxed);
+        let now = since_epoch_ms(now);
+        (now < until).then(|| std::time::Duration::from_millis(until - now))
+    }
+
+    /// LoRA adapters the engine last reported running (fresh or not).
+    pub fn lora_running(&self) -> Option<Vec<String>> {
+        self.live.telemetry.lora_running()
+    }
+
     /// The prefill rate placement uses. Without learning, or before the engine's counters
     /// say enough: the configured rate, else the default. Then a configured rate stands while
     /// the evidence allows it (at least the proven floor, at most

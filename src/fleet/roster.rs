@@ -494,6 +494,18 @@ impl Fleet {
         self.stale_after
     }
 
+    /// Prefix-index blocks believed held by backend `i` (0 past the index's slots).
+    pub fn index_blocks_of(&self, i: usize) -> usize {
+        let Some(slot) = self.backends.get(i).and_then(|b| b.slot) else {
+            return 0;
+        };
+        self.shared
+            .beliefs
+            .lock()
+            .map(|b| b.index.blocks_of(slot))
+            .unwrap_or(0)
+    }
+
     /// Tracked (backend, block) pairs and the index's heap bytes.
     pub fn index_size(&self) -> (usize, usize) {
         self.shared

@@ -68,6 +68,14 @@ impl Slot {
         })));
     }
 
+    /// The adapters the latest sample has running.
+    pub fn lora_running(&self) -> Option<Vec<String>> {
+        self.0
+            .load()
+            .as_ref()
+            .and_then(|s| s.lora.as_ref().map(|l| l.running.clone()))
+    }
+
     /// Whether the fresh sample has LoRA adapter `model` running.
     pub fn adapter_running(&self, stale_after: Duration, model: &str) -> bool {
         self.0

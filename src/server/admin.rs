@@ -47,7 +47,7 @@ impl AdminApp {
 
 /// What kvroute believes of each backend, for an operator: health, load, and the cost model's
 /// inputs with where each came from.
-fn backends_json(fleet: &Fleet, cfg: &Config) -> Vec<u8> {
+fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
     let now = std::time::Instant::now();
     let stale = fleet.stale_after();
     let list: Vec<serde_json::Value> = fleet
@@ -60,6 +60,7 @@ fn backends_json(fleet: &Fleet, cfg: &Config) -> Vec<u8> {
                 "backend": b.name,
                 "healthy": fleet.healthy(i),
                 "ejected": b.ejected(now),
+                "ejection_left_seconds": b.ejection_left(now).map(|d| d.as_secs_f64()),
                 "weight": b.weight,
                 "inflight_requests": b.inflight(),
                 "queued_prefill_tokens": b.queued_prefill(),
@@ -83,10 +84,33 @@ fn backends_json(fleet: &Fleet, cfg: &Config) -> Vec<u8> {
                     "kv_cache_usage_ratio": e.kv_usage,
                 })),
                 "telemetry_age_seconds": b.telemetry().age().map(|a| a.as_secs_f64()),
+                "prefix_index_blocks": fleet.index_blocks_of(i),
+                "models": b.models().map(|l| l.iter().map(|m| match &m.parent {
+                    Some(p) => serde_json::json!({"id": m.id, "parent": p}),
+                    None => serde_json::json!({"id": m.id}),
+                }).collect::<Vec<_>>()),
+                "models_source": if b.configured_models.is_some() { "config" } else if b.models().is_some() { "engine" } else { "unknown: every model" },
+                "lora_adapters_running": b.lora_running(),
             })
         })
         .collect();
-    let mut body = serde_json::to_vec_pretty(&list).unwrap_or_default();
+    list
+}
+
+/// `GET /backends`: the per-backend list. `GET /debug/backends`: the same with the prefix
+/// index's totals.
+fn backends_json(fleet: &Fleet, cfg: &Config, debug: bool) -> Vec<u8> {
+    let list = backends_view(fleet, cfg);
+    let view = if debug {
+        let (blocks, bytes) = fleet.index_size();
+        serde_json::json!({
+            "prefix_index": {"blocks": blocks, "bytes": bytes},
+            "backends": list,
+        })
+    } else {
+        serde_json::Value::Array(list)
+    };
+    let mut body = serde_json::to_vec_pretty(&view).unwrap_or_default();
     body.push(b'\n');
     body
 }
@@ -103,10 +127,10 @@ impl ServeHttp for AdminApp {
                 "text/plain; version=0.0.4",
                 self.render(fleet),
             ),
-            "/backends" => reply(
+            "/backends" | "/debug/backends" => reply(
                 StatusCode::OK,
                 "application/json",
-                backends_json(fleet, &generation.config),
+                backends_json(fleet, &generation.config, path == "/debug/backends"),
             ),
             "/healthz" => reply(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.edge.draining.is_on() => reply(
