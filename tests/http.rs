@@ -557,3 +557,57 @@ fn failure_families_are_exported_at_zero_from_start() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_can_be_json() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "  log:\n    format: json\n");
+    let r = client()
+        .post(kv.url("/v1/chat/completions"))
+        .json(&chat_body(
+            MODEL,
+            serde_json::json!([{"role": "user", "content": "log me"}]),
+            true,
+            3,
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await;
+    let (status, _) = http_get(kv.addr, "/reset_prefix_cache");
+    assert_eq!(status, 404);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let entries: Vec<serde_json::Value> = loop {
+        let entries: Vec<serde_json::Value> = kv
+            .log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v.get("path").is_some())
+            .collect();
+        if entries.len() >= 2 || std::time::Instant::now() > deadline {
+            break entries;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let chat = entries
+        .iter()
+        .find(|e| e["path"] == "/v1/chat/completions")
+        .expect("a JSON line for the chat request");
+    assert_eq!(chat["status"], 200);
+    assert_eq!(chat["method"], "POST");
+    assert_eq!(chat["model"], MODEL);
+    assert_eq!(chat["backend"], sims[0].addr.to_string());
+    assert!(chat["ttft_ms"].as_f64().is_some_and(|t| t > 0.0), "{chat}");
+    assert!(chat["duration_ms"].as_f64().is_some(), "{chat}");
+    let refused = entries
+        .iter()
+        .find(|e| e["path"] == "/reset_prefix_cache")
+        .expect("a JSON line for the refused request");
+    assert_eq!(refused["status"], 404);
+    assert_eq!(refused["backend"], "none");
+    assert!(
+        !kv.log().contains("kvroute::access"),
+        "text access lines too"
+    );
+}

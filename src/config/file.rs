@@ -13,6 +13,7 @@ use super::backend::{self, BackendConfig};
 use super::error::{err, parse_addr, ConfigError};
 use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 use super::limits::{LimitsConfig, TimeoutsConfig};
+use super::log::LogConfig;
 use super::passthrough::PassthroughConfig;
 use super::routing::{PolicyKind, RoutingConfig};
 use super::tls::TlsConfig;
@@ -58,6 +59,9 @@ pub struct Config {
     /// Routes forwarded besides the inference API; everything else is 404.
     #[serde(default)]
     pub passthrough: PassthroughConfig,
+    /// The access log's format.
+    #[serde(default)]
+    pub log: LogConfig,
 }
 
 fn default_admin_listen() -> String {

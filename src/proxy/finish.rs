@@ -1,5 +1,7 @@
 //! The end of a request: accounting, learning, metrics and the access log.
 
+use super::access_log;
+use crate::config::LogFormat;
 use pingora::proxy::Session;
 use pingora::Error;
 
@@ -101,12 +103,32 @@ pub(super) fn end_request(
         .with_label_values(&[&backend, &status.to_string()])
         .inc();
     let req = session.req_header();
+    let client = session
+        .client_addr()
+        .map_or_else(|| "-".to_string(), |a| a.to_string());
+    if ctx.generation.config.log.format == LogFormat::Json {
+        let entry = serde_json::json!({
+            "ts": unix_now(),
+            "client": client,
+            "method": req.method.as_str(),
+            "path": req.uri.path(),
+            "status": status,
+            "backend": backend,
+            "model": ctx.route.profile.as_ref().map(|p| p.model.as_str()),
+            "reason": ctx.attempts.reason.map(|r| r.as_str()),
+            "attempts": ctx.attempts.count,
+            "duration_ms": elapsed.as_secs_f64() * 1000.0,
+            "ttft_ms": ttft.map(|t| t.as_secs_f64() * 1000.0),
+            "body_bytes": ctx.route.body.as_ref().map_or(0, |b| b.len()),
+            "error": e.map(|e| e.to_string()),
+        });
+        access_log::write_json(&entry, &m.access_log_dropped);
+        return;
+    }
     log::info!(
         target: "kvroute::access",
         "{} \"{} {}\" {} backend={} reason={} attempts={} dur_ms={:.1} ttft_ms={} body_bytes={}{}",
-        session
-            .client_addr()
-            .map_or_else(|| "-".to_string(), |a| a.to_string()),
+        client,
         req.method,
         req.uri.path(),
         status,
@@ -118,4 +140,10 @@ pub(super) fn end_request(
         ctx.route.body.as_ref().map_or(0, |b| b.len()),
         e.map_or_else(String::new, |e| format!(" error=\"{e}\"")),
     );
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }

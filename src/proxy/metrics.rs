@@ -23,6 +23,7 @@ pub struct ProxyMetrics {
     pub(super) first_byte_ratio: HistogramVec,
     pub(super) token_estimate_ratio: HistogramVec,
     pub(super) queued_by_model: IntGaugeVec,
+    pub(super) access_log_dropped: IntCounter,
 }
 
 impl ProxyMetrics {
@@ -115,6 +116,11 @@ impl ProxyMetrics {
                  count inline, counted_offthread: BPE count on a blocking thread, sized: from the \
                  prompt's bytes), before this request's correction.",
                 &["method"],
+            )?,
+            access_log_dropped: counter(
+                r,
+                "kvroute_access_log_dropped_total",
+                "JSON access-log lines dropped because the writer was behind (stderr too slow).",
             )?,
             queued_by_model: int_gauge_vec(
                 r,
