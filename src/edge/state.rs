@@ -76,6 +76,8 @@ impl EdgeMetrics {
 /// says not ready.
 pub struct Draining {
     flag: AtomicBool,
+    /// The drain is being cut short: streams end at their next chunk, with the SSE error event.
+    cut: AtomicBool,
     gauge: IntGauge,
 }
 
@@ -83,6 +85,7 @@ impl Draining {
     fn register(r: &Registry) -> prometheus::Result<Draining> {
         Ok(Draining {
             flag: AtomicBool::new(false),
+            cut: AtomicBool::new(false),
             gauge: int_gauge(
                 r,
                 "kvroute_draining",
@@ -98,6 +101,15 @@ impl Draining {
 
     pub fn is_on(&self) -> bool {
         self.flag.load(Ordering::Relaxed)
+    }
+
+    /// End the streams still running (a second SIGTERM or a SIGINT during the drain).
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_cut(&self) -> bool {
+        self.cut.load(Ordering::Relaxed)
     }
 }
 

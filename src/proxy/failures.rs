@@ -76,11 +76,15 @@ impl FailurePolicy<'_> {
         if status != 200 || !ctx.route.profile.as_ref().is_some_and(|p| p.stream) {
             return;
         }
-        let err = ApiError::upstream(format!(
-            "backend {} failed after the response started ({}); the output is incomplete",
-            ctx.backend_name(),
-            e.etype().as_str()
-        ));
+        let err = if self.edge.draining.is_cut() {
+            ApiError::upstream("kvroute is shutting down; the output is incomplete")
+        } else {
+            ApiError::upstream(format!(
+                "backend {} failed after the response started ({}); the output is incomplete",
+                ctx.backend_name(),
+                e.etype().as_str()
+            ))
+        };
         if let Err(werr) = session
             .write_response_body(Some(err.sse_event()), true)
             .await

@@ -420,6 +420,19 @@ impl ProxyHttp for Router {
         if let Some(tap) = ctx.tap.usage.as_mut() {
             tap.filter(body, end_of_stream);
         }
+        // The drain is cut short: end a running stream now; `fail_to_proxy` sends it the SSE
+        // error event.
+        if !end_of_stream
+            && self.edge.draining.is_cut()
+            && ctx.route.profile.as_ref().is_some_and(|p| p.stream)
+        {
+            let err = ApiError::upstream("kvroute is shutting down; the output is incomplete");
+            ctx.error = Some(err);
+            return Err(Error::explain(
+                ErrorType::InternalError,
+                "kvroute is shutting down",
+            ));
+        }
         Ok(None)
     }
 

@@ -19,6 +19,8 @@ use crate::edge::EdgeState;
 
 /// How often the drain checks for requests still in flight.
 const DRAIN_POLL: Duration = Duration::from_millis(100);
+/// How long cut streams get to send their error event before the process exits.
+const CUT_GRACE: Duration = Duration::from_millis(500);
 /// How long an open connection with nothing in flight may hold the drain.
 const IDLE_SETTLE: Duration = Duration::from_secs(2);
 
@@ -80,10 +82,27 @@ impl DrainWatch {
             }
             tokio::select! {
                 _ = tokio::time::sleep(DRAIN_POLL) => {}
-                _ = term.recv() => exit_now("drain: SIGTERM again, in-flight requests are cut"),
-                _ = int.recv() => exit_now("drain: SIGINT, in-flight requests are cut"),
+                _ = term.recv() => self.cut_and_exit("SIGTERM again").await,
+                _ = int.recv() => self.cut_and_exit("SIGINT").await,
             }
         }
+    }
+}
+
+impl DrainWatch {
+    /// End the streams still running (each gets the SSE error event at its next chunk), give
+    /// them `CUT_GRACE` to go, and exit.
+    async fn cut_and_exit(&self, why: &str) -> ! {
+        log::warn!(
+            "drain: {why}: cutting {} request(s) in flight",
+            self.edge.retry_budget.in_flight()
+        );
+        self.edge.draining.cut();
+        let deadline = tokio::time::Instant::now() + CUT_GRACE;
+        while self.edge.retry_budget.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        exit_now(&format!("drain: {why}"))
     }
 }
 
