@@ -153,10 +153,7 @@ impl BackendState {
     /// A request for LoRA adapter `model` was sent here: the engine loads it, evicting its
     /// least recently used adapter when full.
     pub fn sent_adapter(&self, model: &str) {
-        let cap = match self.live.max_loras.load(Ordering::Relaxed) {
-            0 => DEFAULT_MAX_LORAS,
-            m => m,
-        } as usize;
+        let cap = self.max_loras() as usize;
         if let Ok(mut v) = self.live.sent_adapters.lock() {
             v.retain(|a| a != model);
             while v.len() >= cap {
@@ -171,6 +168,22 @@ impl BackendState {
             .sent_adapters
             .lock()
             .is_ok_and(|v| v.iter().any(|a| a == model))
+    }
+
+    /// Adapters the engine holds at once: as reported, else vLLM's default.
+    pub fn max_loras(&self) -> u64 {
+        match self.live.max_loras.load(Ordering::Relaxed) {
+            0 => DEFAULT_MAX_LORAS,
+            m => m,
+        }
+    }
+
+    /// Whether loading one more adapter here evicts one kvroute believes loaded.
+    pub(super) fn adapter_slots_full(&self) -> bool {
+        self.live
+            .sent_adapters
+            .lock()
+            .is_ok_and(|v| v.len() as u64 >= self.max_loras())
     }
 
     pub(super) fn set_max_loras(&self, m: usize) {

@@ -302,6 +302,19 @@ impl Fleet {
         })
     }
 
+    /// What serving LoRA adapter `model` on backend `i` adds to a request's time to first
+    /// token, given one load takes `load_s`: nothing where it is loaded, one load where a slot
+    /// is free, and two where the load evicts an adapter kvroute believes loaded (its next
+    /// request then loads it again somewhere).
+    pub fn adapter_cost(&self, i: usize, model: &str, load_s: f64) -> f64 {
+        match self.backends.get(i) {
+            None => load_s,
+            Some(_) if self.adapter_loaded(i, model) => 0.0,
+            Some(b) if b.adapter_slots_full() => 2.0 * load_s,
+            Some(_) => load_s,
+        }
+    }
+
     /// Whether LoRA adapter `model` is loaded on backend `i`: its engine's fresh telemetry has
     /// it running, or it is among the last `max_loras` adapters kvroute sent there (the engine
     /// loaded it then and evicts the least recently used).

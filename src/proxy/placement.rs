@@ -51,12 +51,11 @@ impl Placer<'_> {
         // Among the model's own pool: its backends, their ring, their load bound.
         let pool = fleet.pool(&profile.model);
         if pool.adapter {
-            // Where the adapter is not loaded, the request waits for it to load.
+            // Where the adapter is not loaded, the request waits for it to load (and may evict
+            // another, which then loads again elsewhere).
             let load_s = cfg.routing.lora_load_ms as f64 / 1000.0;
             for &i in &pool.members {
-                if !fleet.adapter_loaded(i, &profile.model) {
-                    loads[i].adapter_load_s = load_s;
-                }
+                loads[i].adapter_load_s = fleet.adapter_cost(i, &profile.model, load_s);
             }
         }
         let matched = if params.policy == PolicyKind::KvAware {

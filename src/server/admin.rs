@@ -91,6 +91,7 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                 }).collect::<Vec<_>>()),
                 "models_source": if b.configured_models.is_some() { "config" } else if b.models().is_some() { "engine" } else { "unknown: every model" },
                 "lora_adapters_running": b.lora_running(),
+                "lora_max_adapters": b.max_loras(),
             })
         })
         .collect();
