@@ -286,3 +286,49 @@ async fn kv_aware_keeps_each_adapter_where_it_is_loaded() {
     assert!(rr >= 18.0, "round robin loaded only {rr} times");
     assert!(kv <= 4.0, "kv_aware loaded {kv} times");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_removes_a_model_keeps_the_others_index() {
+    let a = sim("model-a");
+    let b = sim("model-b");
+    let k = Kvroute::start(&[a.addr, b.addr], FAST);
+    wait_for_listed(&k, &["model-a", "model-b"]);
+    // Prompts long enough to fill prefix blocks.
+    let long = "a system prompt that is long enough to fill several prefix blocks. ".repeat(40);
+    for i in 0..4 {
+        let r = chat(&k, "model-a", &format!("{long} question {i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    let blocks_of = |k: &Kvroute, addr: std::net::SocketAddr| -> u64 {
+        let (_, body) = http_get(k.admin, "/debug/backends");
+        let view: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        view["backends"]
+            .as_array()
+            .expect("backends")
+            .iter()
+            .find(|x| x["backend"] == addr.to_string())
+            .map_or(0, |x| x["prefix_index_blocks"].as_u64().expect("blocks"))
+    };
+    let before = blocks_of(&k, a.addr);
+    assert!(before > 0, "nothing indexed for model-a");
+
+    // model-b's backend leaves the fleet; model-a's keeps its index.
+    k.write_config(&[a.addr], FAST);
+    signal(k.pid(), "HUP");
+    k.metrics_when(
+        "kvroute_config_reloads_total",
+        &[("result", "success")],
+        1.0,
+    );
+    wait_for_listed(&k, &["model-a"]);
+    assert_eq!(blocks_of(&k, a.addr), before);
+    let r = chat(&k, "model-b", "gone?").await;
+    assert_eq!(r.status(), 404);
+    // The next turn still finds its prefix: the engine reports it cached.
+    let r = chat(&k, "model-a", &format!("{long} question 0")).await;
+    let v: serde_json::Value = r.json().await.expect("json");
+    assert!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "{v}"
+    );
+}
