@@ -13,7 +13,7 @@ use pingora_load_balancing::Backend;
 use super::learn::{
     DecodeCounters, DecodeLearner, PrefillCounters, PrefillEstimate, PrefillLearner,
 };
-use super::models::{ModelEntry, Serves};
+use super::models::{lists, ModelEntry};
 use super::outlier::Outlier;
 use super::telemetry::Slot;
 use super::upstream::{http_peer, UpstreamTls};
@@ -144,10 +144,8 @@ impl BackendState {
 
     /// Whether a request for `model` may be placed here.
     pub fn serves(&self, model: &str) -> bool {
-        match self.models() {
-            Some(l) => Serves::Listed(&l).model(model),
-            None => Serves::Anything.model(model),
-        }
+        // Nothing known yet: every model, as before models were tracked.
+        self.models().is_none_or(|l| lists(&l, model))
     }
 
     /// A request for LoRA adapter `model` was sent here: the engine loads it, evicting its

@@ -54,21 +54,9 @@ pub fn parse_model_list(body: &str) -> Option<Vec<ModelEntry>> {
     Some(out)
 }
 
-/// What one backend is known to serve.
-pub enum Serves<'a> {
-    /// Configured or discovered.
-    Listed(&'a [ModelEntry]),
-    /// Nothing known: every model.
-    Anything,
-}
-
-impl Serves<'_> {
-    pub fn model(&self, model: &str) -> bool {
-        match self {
-            Serves::Listed(l) => l.iter().any(|m| m.id == model || m.id == ANY_MODEL),
-            Serves::Anything => true,
-        }
-    }
+/// Whether `list` (configured or discovered) names `model`, or serves any name.
+pub fn lists(list: &[ModelEntry], model: &str) -> bool {
+    list.iter().any(|m| m.id == model || m.id == ANY_MODEL)
 }
 
 /// Pools built so far, valid while the membership they were built from stands.
@@ -114,14 +102,13 @@ mod tests {
             l[1].parent.as_deref(),
             Some("meta-llama/Llama-3.1-8B-Instruct")
         );
-        assert!(Serves::Listed(&l).model("sql-lora"));
-        assert!(!Serves::Listed(&l).model("other"));
-        assert!(Serves::Anything.model("other"));
+        assert!(lists(&l, "sql-lora"));
+        assert!(!lists(&l, "other"));
         let any = [ModelEntry {
             id: ANY_MODEL.into(),
             parent: None,
         }];
-        assert!(Serves::Listed(&any).model("whatever-the-client-says"));
+        assert!(lists(&any, "whatever-the-client-says"));
         assert_eq!(parse_model_list("<html>"), None);
         assert_eq!(parse_model_list(r#"{"data":[]}"#), Some(vec![]));
     }

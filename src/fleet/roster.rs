@@ -318,7 +318,7 @@ impl Fleet {
     /// Whether LoRA adapter `model` is loaded on backend `i`: its engine's fresh telemetry has
     /// it running, or it is among the last `max_loras` adapters kvroute sent there (the engine
     /// loaded it then and evicts the least recently used).
-    pub fn adapter_loaded(&self, i: usize, model: &str) -> bool {
+    fn adapter_loaded(&self, i: usize, model: &str) -> bool {
         let Some(b) = self.backends.get(i) else {
             return false;
         };

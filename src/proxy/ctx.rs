@@ -8,6 +8,7 @@ use crate::edge::retry_budget::{Active, Retrying};
 use crate::edge::Caller;
 use crate::error::ApiError;
 use crate::fleet::{Generation, InflightGuard};
+use crate::placement::Pool;
 use crate::placement::Reason;
 use crate::request::usage::UsageTap;
 use crate::request::{RequestProfile, TokenEstimate};
@@ -43,6 +44,8 @@ pub(super) struct Route {
     /// The `model` label of this request's metrics: its model if configured or listed by an
     /// engine, else `other`.
     pub model_label: Option<String>,
+    /// The backends of the request's model, looked up once at admission.
+    pub pool: Option<Arc<Pool>>,
 }
 
 /// Where the request went and how each attempt ended.

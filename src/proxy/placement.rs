@@ -49,7 +49,11 @@ impl Placer<'_> {
         let params = Params::from_config(&cfg.routing, cfg.limits.backend_max_inflight);
         let mut loads = fleet.loads();
         // Among the model's own pool: its backends, their ring, their load bound.
-        let pool = fleet.pool(&profile.model);
+        let pool = ctx
+            .route
+            .pool
+            .clone()
+            .unwrap_or_else(|| fleet.pool(&profile.model));
         if pool.adapter {
             // Where the adapter is not loaded, the request waits for it to load (and may evict
             // another, which then loads again elsewhere).
@@ -105,10 +109,9 @@ impl Placer<'_> {
             .decisions
             .with_label_values(&[policy.as_str(), d.reason.as_str(), ctx.model_label()])
             .inc();
-        if let Some(p) = ctx.route.profile.as_ref() {
-            let fleet = &ctx.generation.fleet;
-            if fleet.pool(&p.model).adapter {
-                fleet.backends()[d.backend].sent_adapter(&p.model);
+        if let (Some(p), Some(pool)) = (ctx.route.profile.as_ref(), ctx.route.pool.as_ref()) {
+            if pool.adapter {
+                ctx.generation.fleet.backends()[d.backend].sent_adapter(&p.model);
             }
         }
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
@@ -133,7 +136,9 @@ impl Placer<'_> {
         } else {
             "other".into()
         });
-        if pool.members.is_empty() {
+        let served = !pool.members.is_empty();
+        ctx.route.pool = Some(pool);
+        if !served {
             return Err(ApiError::model_not_found(&p.model));
         }
         let (Some(caller), Some(acl)) = (&ctx.quota.caller, &cfg.access) else {
@@ -161,13 +166,12 @@ impl Placer<'_> {
     /// Every eligible (healthy, untried) backend of the request's model is at its hard cap.
     pub fn saturated(&self, ctx: &Ctx) -> bool {
         let cap = ctx.generation.config.limits.backend_max_inflight;
-        let fleet = &ctx.generation.fleet;
-        let loads = fleet.loads();
-        let pool = ctx.route.profile.as_ref().map(|p| fleet.pool(&p.model));
+        let loads = ctx.generation.fleet.loads();
+        let pool = ctx.route.pool.as_ref();
         let mut eligible = loads
             .iter()
             .enumerate()
-            .filter(|(i, _)| pool.as_ref().is_none_or(|p| p.local(*i).is_some()))
+            .filter(|(i, _)| pool.is_none_or(|p| p.local(*i).is_some()))
             .filter(|(i, b)| b.healthy && !ctx.attempts.tried.contains(i))
             .peekable();
         eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight >= cap * b.weight as u64)
