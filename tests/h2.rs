@@ -131,7 +131,13 @@ async fn an_h2_connection_that_opens_no_stream_is_closed_at_the_header_deadline(
             Err(e) => panic!("connection still open after {:?}: {e}", started.elapsed()),
         }
     }
-    assert!(k.metric_sum("kvroute_client_timeouts_total", &[("phase", "header")]) >= 1.0);
+    assert!(
+        metric_sum(
+            &k.metrics_when("kvroute_client_timeouts_total", &[("phase", "header")], 1.0),
+            "kvroute_client_timeouts_total",
+            &[("phase", "header")]
+        ) >= 1.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
