@@ -226,8 +226,9 @@ fn adapter_loads(s: &Sim) -> f64 {
 }
 
 /// Adapter loads on two engines (3 adapters, 2 slots each) for 24 requests cycling through the
-/// adapters, routed by `policy`.
-async fn loads_under(policy: &str) -> f64 {
+/// adapters, routed by `policy`; with `pinned`, the config lists each backend's models (without
+/// saying which are adapters: the engines' lists do).
+async fn loads_under(policy: &str, pinned: bool) -> f64 {
     let args = [
         "--ttft-ms",
         "1",
@@ -243,10 +244,21 @@ async fn loads_under(policy: &str) -> f64 {
         "50",
     ];
     let sims = [Sim::start(&args), Sim::start(&args)];
-    let k = Kvroute::start(
-        &[sims[0].addr, sims[1].addr],
-        &format!("{FAST}  routing:\n    policy: {policy}\n"),
-    );
+    let routing = format!("{FAST}  routing:\n    policy: {policy}\n");
+    let k = if pinned {
+        let listed: String = sims
+            .iter()
+            .map(|s| {
+                format!(
+                    "    - addr: \"{}\"\n      models: [base-8b, sql, chat, code]\n",
+                    s.addr
+                )
+            })
+            .collect();
+        Kvroute::start(&[], &format!("{listed}{routing}"))
+    } else {
+        Kvroute::start(&[sims[0].addr, sims[1].addr], &routing)
+    };
     wait_for_listed(&k, &["base-8b", "chat", "code", "sql"]);
     // ...and until both engines have said how many adapters they hold.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -276,15 +288,71 @@ async fn loads_under(policy: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_adapter_load_time_is_learned_from_the_loads() {
+    // The engine takes 600 ms per load; the config says nothing (200 ms by default).
+    let args = [
+        "--ttft-ms",
+        "1",
+        "--itl-ms",
+        "0",
+        "--model",
+        "base-8b",
+        "--lora-adapters",
+        "sql,chat",
+        "--max-loras",
+        "1",
+        "--lora-load-ms",
+        "600",
+    ];
+    let s = Sim::start(&args);
+    let k = Kvroute::start(
+        &[s.addr],
+        &format!("{FAST}  routing:\n    policy: kv_aware\n"),
+    );
+    wait_for_listed(&k, &["base-8b", "chat", "sql"]);
+    // One slot, two adapters taking turns: every request loads.
+    for i in 0..6 {
+        let model = ["sql", "chat"][i % 2];
+        let messages = serde_json::json!([{"role": "user", "content": format!("turn {i}")}]);
+        // Streamed: the first byte shows the load.
+        let r = client()
+            .post(k.url("/v1/chat/completions"))
+            .json(&chat_body(model, messages, true, 2))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 200);
+        r.bytes().await.expect("body");
+    }
+    assert_eq!(adapter_loads(&s), 6.0);
+    let (_, body) = http_get(k.admin, "/debug/backends");
+    let view: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    let learned = view["backends"][0]["lora_load_seconds_learned"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("nothing learned: {view}"));
+    assert!(
+        (0.55..0.8).contains(&learned),
+        "learned {learned} s: {view}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_aware_keeps_each_adapter_where_it_is_loaded() {
     // Round robin sends each engine every adapter in turn: with 3 adapters cycling through 2
     // slots, nearly every request loads one. kv_aware prices a load and keeps each adapter on
     // an engine that has it.
-    let rr = loads_under("round_robin").await;
-    let kv = loads_under("kv_aware").await;
-    eprintln!("adapter loads for 24 requests: round_robin {rr}, kv_aware {kv}");
+    let rr = loads_under("round_robin", false).await;
+    let kv = loads_under("kv_aware", false).await;
+    let kv_pinned = loads_under("kv_aware", true).await;
+    eprintln!(
+        "adapter loads for 24 requests: round_robin {rr}, kv_aware {kv}, pinned models {kv_pinned}"
+    );
     assert!(rr >= 18.0, "round robin loaded only {rr} times");
     assert!(kv <= 4.0, "kv_aware loaded {kv} times");
+    assert!(
+        kv_pinned <= 4.0,
+        "kv_aware with pinned models loaded {kv_pinned} times"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -62,7 +62,8 @@ pub struct RoutingConfig {
     /// requests only when no other can.
     pub kv_usage_ceiling: f64,
     /// kv_aware: what loading a LoRA adapter costs a request on a backend that does not have
-    /// it loaded, in milliseconds (added to its predicted TTFT).
+    /// it loaded, in milliseconds (added to its predicted TTFT), until loads there have shown
+    /// the real time.
     pub lora_load_ms: u64,
     /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
     /// only when it saves at least this many prompt tokens.

@@ -1,6 +1,5 @@
 //! One backend's identity and live state, and the charge a request holds on it.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -10,6 +9,7 @@ use arc_swap::ArcSwapOption;
 use pingora::prelude::HttpPeer;
 use pingora_load_balancing::Backend;
 
+use super::adapters::{AdapterBelief, AdapterHold, AdapterSlot, LoadTimes, Reported};
 use super::learn::{
     DecodeCounters, DecodeLearner, PrefillCounters, PrefillEstimate, PrefillLearner,
 };
@@ -50,9 +50,10 @@ pub(super) struct Live {
     pub(super) ejected_until_ms: AtomicU64,
     /// What the engine's `GET /v1/models` last listed (`None` until it answered one).
     pub(super) discovered_models: ArcSwapOption<Vec<ModelEntry>>,
-    /// LoRA adapters kvroute sent here, least recently first: the engine's LRU as kvroute
-    /// believes it, at most `max_loras` long.
-    pub(super) sent_adapters: Mutex<VecDeque<String>>,
+    /// LoRA adapters loaded here and held by kvroute's requests, as kvroute believes.
+    pub(super) adapters: Arc<Mutex<AdapterBelief>>,
+    /// How long adapter loads took here, as requests showed.
+    pub(super) adapter_loads: Mutex<LoadTimes>,
     /// Adapters the engine holds at once, as it reports (`max_lora`); 0 until reported.
     pub(super) max_loras: AtomicU64,
 }
@@ -86,7 +87,8 @@ impl Live {
             outlier: Mutex::new(Outlier::default()),
             ejected_until_ms: AtomicU64::new(0),
             discovered_models: ArcSwapOption::empty(),
-            sent_adapters: Mutex::new(VecDeque::new()),
+            adapters: Arc::default(),
+            adapter_loads: Mutex::default(),
             max_loras: AtomicU64::new(0),
         }
     }
@@ -135,11 +137,34 @@ impl BackendState {
         self.live.decoding.load(Ordering::Relaxed)
     }
 
-    /// The models this backend is known to serve: configured, else discovered.
+    /// The models this backend is known to serve: configured, else discovered. A configured
+    /// list names models without their base: the engine's own list says which are adapters.
     pub fn models(&self) -> Option<Arc<Vec<ModelEntry>>> {
-        self.configured_models
-            .clone()
-            .or_else(|| self.live.discovered_models.load_full())
+        let discovered = self.live.discovered_models.load_full();
+        let Some(configured) = &self.configured_models else {
+            return discovered;
+        };
+        let parent_of = |id: &str| {
+            discovered
+                .as_deref()?
+                .iter()
+                .find(|d| d.id == id)
+                .and_then(|d| d.parent.clone())
+        };
+        if !configured
+            .iter()
+            .any(|m| m.parent.is_none() && parent_of(&m.id).is_some())
+        {
+            return Some(configured.clone());
+        }
+        let merged = configured
+            .iter()
+            .map(|m| ModelEntry {
+                id: m.id.clone(),
+                parent: m.parent.clone().or_else(|| parent_of(&m.id)),
+            })
+            .collect();
+        Some(Arc::new(merged))
     }
 
     /// Whether a request for `model` may be placed here.
@@ -148,24 +173,41 @@ impl BackendState {
         self.models().is_none_or(|l| lists(&l, model))
     }
 
-    /// A request for LoRA adapter `model` was sent here: the engine loads it, evicting its
-    /// least recently used adapter when full.
-    pub fn sent_adapter(&self, model: &str) {
+    /// A request for LoRA adapter `model` is sent here: the engine loads it (evicting its
+    /// least recently used idle adapter when full), and it holds a slot until the hold drops.
+    pub fn hold_adapter(&self, model: &str) -> AdapterHold {
+        AdapterHold::new(self.live.adapters.clone(), model, self.max_loras() as usize)
+    }
+
+    /// Where a request for adapter `model` would stand here, given the adapters the engine
+    /// last reported running.
+    pub(super) fn adapter_slot(&self, model: &str, reported: Option<Reported>) -> AdapterSlot {
         let cap = self.max_loras() as usize;
-        if let Ok(mut v) = self.live.sent_adapters.lock() {
-            v.retain(|a| a != model);
-            while v.len() >= cap {
-                v.pop_front();
-            }
-            v.push_back(model.to_string());
+        match self.live.adapters.lock() {
+            Ok(b) => b.slot(model, cap, reported),
+            Err(_) => AdapterSlot::Free,
         }
     }
 
-    pub(super) fn sent_adapter_recently(&self, model: &str) -> bool {
+    /// A request that loaded its adapter here took `seconds` longer than predicted without.
+    pub fn observe_adapter_load(&self, seconds: f64) {
+        if let Ok(mut t) = self.live.adapter_loads.lock() {
+            t.observe(seconds);
+        }
+    }
+
+    /// How long an adapter load takes here, as recent loads showed (`None` until enough).
+    pub fn learned_adapter_load_s(&self) -> Option<f64> {
+        self.live.adapter_loads.lock().ok()?.estimate()
+    }
+
+    /// The adapters kvroute believes loaded here, least recently used first.
+    pub fn loaded_adapters(&self) -> Vec<String> {
         self.live
-            .sent_adapters
+            .adapters
             .lock()
-            .is_ok_and(|v| v.iter().any(|a| a == model))
+            .map(|b| b.loaded())
+            .unwrap_or_default()
     }
 
     /// Adapters the engine holds at once: as reported, else vLLM's default.
@@ -174,14 +216,6 @@ impl BackendState {
             0 => DEFAULT_MAX_LORAS,
             m => m,
         }
-    }
-
-    /// Whether loading one more adapter here evicts one kvroute believes loaded.
-    pub(super) fn adapter_slots_full(&self) -> bool {
-        self.live
-            .sent_adapters
-            .lock()
-            .is_ok_and(|v| v.len() as u64 >= self.max_loras())
     }
 
     pub(super) fn set_max_loras(&self, m: usize) {

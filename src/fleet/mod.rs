@@ -2,6 +2,7 @@
 //! outlier ejection and engine telemetry, and the [`Generation`] (config + fleet) published as
 //! one on reload.
 
+pub mod adapters;
 mod backend;
 mod error;
 mod generation;

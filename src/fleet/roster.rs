@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::adapters::{AdapterSlot, Reported};
 use super::backend::{since_epoch_ms, BackendState, InflightGuard, Live};
 use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
@@ -302,40 +303,33 @@ impl Fleet {
         })
     }
 
-    /// What serving LoRA adapter `model` on backend `i` adds to a request's time to first
-    /// token, given one load takes `load_s`: nothing where it is loaded, one load where a slot
-    /// is free, and two where the load evicts an adapter kvroute believes loaded (its next
-    /// request then loads it again somewhere).
-    pub fn adapter_cost(&self, i: usize, model: &str, load_s: f64) -> f64 {
-        match self.backends.get(i) {
-            None => load_s,
-            Some(_) if self.adapter_loaded(i, model) => 0.0,
-            Some(b) if b.adapter_slots_full() => 2.0 * load_s,
-            Some(_) => load_s,
-        }
-    }
-
-    /// Whether LoRA adapter `model` is loaded on backend `i`: its engine's fresh telemetry has
-    /// it running, or it is among the last `max_loras` adapters kvroute sent there (the engine
-    /// loaded it then and evicts the least recently used).
-    fn adapter_loaded(&self, i: usize, model: &str) -> bool {
+    /// Where a request for LoRA adapter `model` stands on backend `i`, and what that adds to
+    /// its time to first token there: one load takes what recent loads there showed, else
+    /// `configured_s`.
+    pub fn adapter_cost(&self, i: usize, model: &str, configured_s: f64) -> (AdapterSlot, f64) {
         let Some(b) = self.backends.get(i) else {
-            return false;
+            return (AdapterSlot::Free, configured_s);
         };
-        b.telemetry().adapter_running(self.stale_after, model) || b.sent_adapter_recently(model)
+        let sample = b.telemetry().adapters_running(self.stale_after);
+        let reported = sample
+            .as_ref()
+            .map(|(running, at)| Reported { running, at: *at });
+        let slot = b.adapter_slot(model, reported);
+        let load_s = b.learned_adapter_load_s().unwrap_or(configured_s);
+        (slot, slot.cost_s(load_s))
     }
 
     /// Backend `i`'s engine listed `models`: a change rebuilds the pools of every generation.
     pub fn discover_models(&self, i: usize, models: Vec<ModelEntry>) {
         if let Some(b) = self.backends.get(i) {
+            let ids: Vec<String> = models.iter().map(|m| m.id.clone()).collect();
             if b.discover_models(models) {
-                log::info!(
-                    "backend {} serves {:?}",
-                    b.name,
-                    b.models()
-                        .map(|l| l.iter().map(|m| m.id.clone()).collect::<Vec<_>>())
-                        .unwrap_or_default()
-                );
+                let pinned = if b.configured_models.is_some() {
+                    " (its configured list is what routing uses)"
+                } else {
+                    ""
+                };
+                log::info!("backend {}: engine lists {ids:?}{pinned}", b.name);
                 self.shared.models_version.fetch_add(1, Ordering::AcqRel);
             }
         }

@@ -93,16 +93,15 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
         for (i, b) in backends.iter().enumerate() {
             let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
             tasks.spawn(async move {
-                // What the engine serves, unless the config pins it: a model that disappears
-                // from the list stops being routed here. A failed fetch keeps the last list.
-                if b.configured_models.is_none() {
-                    match fetch(&connector, b.peer(), "/v1/models", timeout).await {
-                        Ok(t) => match parse_model_list(&t) {
-                            Some(list) => fleet.discover_models(i, list),
-                            None => log::debug!("models {}: not an OpenAI model list", b.name),
-                        },
-                        Err(e) => log::debug!("models {}: {e}", b.name),
-                    }
+                // What the engine serves: routed by unless the config pins it (a model that
+                // disappears from the list stops being routed here), and where it does, still
+                // the word on which models are LoRA adapters. A failed fetch keeps the last list.
+                match fetch(&connector, b.peer(), "/v1/models", timeout).await {
+                    Ok(t) => match parse_model_list(&t) {
+                        Some(list) => fleet.discover_models(i, list),
+                        None => log::debug!("models {}: not an OpenAI model list", b.name),
+                    },
+                    Err(e) => log::debug!("models {}: {e}", b.name),
                 }
                 let text = match fetch(&connector, b.peer(), &b.metrics_path, timeout).await {
                     Ok(t) => t,

@@ -76,14 +76,12 @@ impl Slot {
             .and_then(|s| s.lora.as_ref().map(|l| l.running.clone()))
     }
 
-    /// Whether the fresh sample has LoRA adapter `model` running.
-    pub fn adapter_running(&self, stale_after: Duration, model: &str) -> bool {
-        self.0
-            .load()
-            .as_ref()
-            .filter(|s| s.at.elapsed() <= stale_after)
-            .and_then(|s| s.lora.as_ref())
-            .is_some_and(|l| l.running.iter().any(|a| a == model))
+    /// The adapters a fresh sample has running, and when it was taken (`None` when stale or
+    /// not reported).
+    pub fn adapters_running(&self, stale_after: Duration) -> Option<(Vec<String>, Instant)> {
+        let g = self.0.load();
+        let s = g.as_ref().filter(|s| s.at.elapsed() <= stale_after)?;
+        s.lora.as_ref().map(|l| (l.running.clone(), s.at))
     }
 }
 

@@ -82,10 +82,12 @@ pub(super) fn choose(
     };
     let (mut total_work, mut total_weight) = (0.0f64, 0u64);
     let mut best_match = 0u64;
+    let mut adapter_missing = false;
     for i in (0..n).filter(|&i| eligible(i)) {
         total_work += work(i);
         total_weight += snap.backends[i].weight as u64;
         best_match = best_match.max(matched(i));
+        adapter_missing |= snap.backends[i].adapter_load_s > 0.0;
     }
     let prompt = profile.est_prompt_tokens;
     let heavy = prompt.saturating_sub(best_match) > params.heavy_prefill_tokens;
@@ -161,7 +163,10 @@ pub(super) fn choose(
                 && t.matched_tokens >= owner_match + params.min_prefix_saving_tokens;
             let in_ring_window = ring_taken < params.candidates;
             ring_taken += 1;
-            if !(in_ring_window || long_match || heavy) {
+            // A LoRA adapter's request may go wherever its adapter is loaded: otherwise every
+            // new conversation would load it on its own key's owners.
+            let adapter_loaded = adapter_missing && snap.backends[i].adapter_load_s == 0.0;
+            if !(in_ring_window || long_match || heavy || adapter_loaded) {
                 continue;
             }
             if best.is_none_or(|b| t.score < b.score) {
@@ -274,6 +279,25 @@ mod tests {
         assert_eq!((d.backend, d.reason), (holder, Reason::CachedPrefix));
         assert_eq!(d.predicted_cached_tokens, 9_600);
         assert!((d.est_ttft_s - 400.0 / 25_000.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_adapter_goes_where_it_is_loaded_even_off_the_ring_window() {
+        let r = ring(4);
+        let key = 11;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        for l in loads.iter_mut() {
+            l.adapter_load_s = 0.2;
+        }
+        // Loaded only on the last ring position, outside the candidate window.
+        loads[order[3]].adapter_load_s = 0.0;
+        let d = pick(&loads, &r, &[0; 4], &req(key, 1000));
+        assert_eq!(d.backend, order[3]);
+        // Loaded nowhere: the key's owner, as for any request.
+        loads[order[3]].adapter_load_s = 0.2;
+        let d = pick(&loads, &r, &[0; 4], &req(key, 1000));
+        assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
     }
 
     #[test]

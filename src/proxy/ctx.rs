@@ -7,6 +7,7 @@ use std::time::Instant;
 use crate::edge::retry_budget::{Active, Retrying};
 use crate::edge::Caller;
 use crate::error::ApiError;
+use crate::fleet::adapters::AdapterHold;
 use crate::fleet::{Generation, InflightGuard};
 use crate::placement::Pool;
 use crate::placement::Reason;
@@ -68,11 +69,16 @@ pub(super) struct Attempts {
 #[derive(Default)]
 pub(super) struct Charge {
     pub guard: Option<InflightGuard>,
+    /// The LoRA adapter slot the request holds on its backend.
+    pub adapter: Option<AdapterHold>,
     /// Estimated uncached prompt tokens charged to the chosen backend.
     pub prefill: u64,
     /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
     pub dispatched: Option<Instant>,
     pub est_ttft_s: f64,
+    /// The part of `est_ttft_s` that was the adapter's, when the chosen backend had to load
+    /// it: the first byte then shows how long the load took.
+    pub adapter_load_s: Option<f64>,
 }
 
 /// What the response showed.

@@ -42,6 +42,13 @@ pub(super) fn end_request(
                 .with_label_values(&[&backend])
                 .observe(first.duration_since(sent).as_secs_f64() / ctx.charge.est_ttft_s);
         }
+        // What the adapter load took: the first byte's wait beyond the prediction without it.
+        if let (Some(cost), Some(i)) = (ctx.charge.adapter_load_s, ctx.attempts.backend) {
+            let took = first.duration_since(sent).as_secs_f64() - (ctx.charge.est_ttft_s - cost);
+            if let Some(b) = fleet.backends().get(i) {
+                b.observe_adapter_load(took);
+            }
+        }
     }
     if let (true, Some(t), 200) = (streamed, ttft, status) {
         m.ttft

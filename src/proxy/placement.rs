@@ -8,6 +8,7 @@ use super::ctx::Ctx;
 use super::metrics::ProxyMetrics;
 use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
+use crate::fleet::adapters::AdapterSlot;
 use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
 use crate::request::RequestProfile;
 
@@ -54,12 +55,16 @@ impl Placer<'_> {
             .pool
             .clone()
             .unwrap_or_else(|| fleet.pool(&profile.model));
+        let mut slots = Vec::new();
         if pool.adapter {
             // Where the adapter is not loaded, the request waits for it to load (and may evict
-            // another, which then loads again elsewhere).
+            // another, which then loads again elsewhere, or wait for a slot).
             let load_s = cfg.routing.lora_load_ms as f64 / 1000.0;
+            slots = vec![None; loads.len()];
             for &i in &pool.members {
-                loads[i].adapter_load_s = fleet.adapter_cost(i, &profile.model, load_s);
+                let (slot, cost) = fleet.adapter_cost(i, &profile.model, load_s);
+                loads[i].adapter_load_s = cost;
+                slots[i] = Some(slot);
             }
         }
         let matched = if params.policy == PolicyKind::KvAware {
@@ -98,12 +103,20 @@ impl Placer<'_> {
         ctx.charge.prefill = profile
             .est_prompt_tokens
             .saturating_sub(d.predicted_cached_tokens);
+        // Only kv_aware predicts a TTFT for the load time to be read against.
+        let slot = slots.get(d.backend).copied().flatten();
+        ctx.charge.adapter_load_s = match (params.policy, slot) {
+            (PolicyKind::KvAware, Some(AdapterSlot::Free | AdapterSlot::EvictsIdle)) => {
+                Some(loads[d.backend].adapter_load_s)
+            }
+            _ => None,
+        };
         Some((d.backend, Some(d)))
     }
 
     /// A placement went through: count it and, for kv_aware, believe the backend now holds
     /// the prompt's blocks.
-    pub fn record(&self, ctx: &Ctx, d: &Decision) {
+    pub fn record(&self, ctx: &mut Ctx, d: &Decision) {
         let policy = ctx.generation.config.routing.policy;
         self.metrics
             .decisions
@@ -111,7 +124,9 @@ impl Placer<'_> {
             .inc();
         if let (Some(p), Some(pool)) = (ctx.route.profile.as_ref(), ctx.route.pool.as_ref()) {
             if pool.adapter {
-                ctx.generation.fleet.backends()[d.backend].sent_adapter(&p.model);
+                // Replacing a retried attempt's hold releases it.
+                ctx.charge.adapter =
+                    Some(ctx.generation.fleet.backends()[d.backend].hold_adapter(&p.model));
             }
         }
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {

@@ -92,6 +92,8 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                 "models_source": if b.configured_models.is_some() { "config" } else if b.models().is_some() { "engine" } else { "unknown: every model" },
                 "lora_adapters_running": b.lora_running(),
                 "lora_max_adapters": b.max_loras(),
+                "lora_adapters_believed_loaded": b.loaded_adapters(),
+                "lora_load_seconds_learned": b.learned_adapter_load_s(),
             })
         })
         .collect();

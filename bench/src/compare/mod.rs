@@ -8,6 +8,7 @@
 //! instead of kvroute (`sglang-router/cache_aware`, see `peer`).
 
 mod estimates;
+mod models;
 mod peer;
 mod policy;
 mod procs;
@@ -23,8 +24,9 @@ use crate::replay::stats::Summary;
 use crate::replay::{charts, runner, ReplayArgs};
 use crate::sim::{fleet_profiles, ProfileName, PromptTokenizer};
 use estimates::Estimates;
-use policy::PeerRouter;
+use models::{Audit, ModelGroup};
 pub use policy::PolicyRun;
+use policy::{Member, PeerRouter};
 use procs::{Router, SimFleet};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -81,6 +83,20 @@ pub struct CompareArgs {
     /// A mixed fleet, `NAME:COUNT,NAME:COUNT` (as `kvbench sim --profiles`).
     #[arg(long, conflicts_with = "profile")]
     pub profiles: Option<String>,
+    /// A fleet of several models, `NAME:SERVERS[:ADAPTER+ADAPTER...],...`: one simulator per
+    /// group, each server pinned to its group's base model and LoRA adapters in kvroute's
+    /// config. The `multi_model` workload ranks the models' popularity in this order.
+    #[arg(long, conflicts_with = "profiles")]
+    pub models: Option<String>,
+    /// --models: adapters a server holds at once (`kvbench sim --max-loras`).
+    #[arg(long, default_value_t = 2)]
+    pub max_loras: usize,
+    /// --models: model milliseconds one adapter load takes (`kvbench sim --lora-load-ms`).
+    #[arg(long, default_value_t = 200.0)]
+    pub lora_load_ms: f64,
+    /// multi_model: Zipf exponent of the models' popularity.
+    #[arg(long, default_value_t = 1.0)]
+    pub model_zipf: f64,
     /// Simulator KV pool per server, tokens (default: the profile's).
     #[arg(long)]
     pub kv_tokens: Option<u64>,
@@ -123,6 +139,8 @@ struct Section {
     estimates: Vec<(String, Estimates)>,
     /// Ladder rate steps, labelled `policy, step`.
     steps: Vec<(String, Summary)>,
+    /// With --models: what the simulators saw, per run.
+    audits: Vec<(String, Audit)>,
 }
 
 /// Lets a comparison build `ReplayArgs` from strings, so a run gets exactly the CLI defaults.
@@ -132,9 +150,20 @@ struct ReplayCli {
     args: ReplayArgs,
 }
 
+/// The model groups of --models, if given.
+fn groups(args: &CompareArgs) -> Result<Option<Vec<ModelGroup>>, String> {
+    args.models.as_deref().map(models::parse_spec).transpose()
+}
+
 /// The profile of each server, in fleet order.
 fn fleet(args: &CompareArgs) -> Result<Vec<ProfileName>, String> {
-    let default = args.profiles.is_none().then_some(8);
+    let grouped = groups(args)?.map(|g| g.iter().map(|g| g.servers as usize).sum::<usize>());
+    if let (Some(total), Some(n)) = (grouped, args.servers) {
+        if total != n as usize {
+            return Err(format!("--servers {n}, but --models lists {total}"));
+        }
+    }
+    let default = args.profiles.is_none().then_some(grouped.unwrap_or(8));
     let servers = args.servers.map(|n| n as usize).or(default);
     fleet_profiles(servers, args.profile, args.profiles.as_deref())
 }
@@ -161,6 +190,10 @@ fn check_policies(policies: &[PolicyRun]) -> Result<(), String> {
 
 pub async fn run(args: CompareArgs) -> Result<(), String> {
     let fleet = fleet(&args)?;
+    let groups = groups(&args)?;
+    if groups.is_none() && args.workloads.contains(&WorkloadKind::MultiModel) {
+        return Err("--workloads multi_model needs --models".into());
+    }
     check_policies(&args.policies)?;
     if let Some(path) = &args.sim_tokenizer {
         // Here rather than in every simulator's log.
@@ -175,12 +208,25 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
         let mut rows: Vec<(String, Summary)> = Vec::new();
         let mut steps: Vec<(String, Summary)> = Vec::new();
         let mut estimates = Vec::new();
+        let mut audits = Vec::new();
         for policy in &args.policies {
             let label = &policy.label;
             eprintln!("== {} / {label}", workload.name());
-            let (report, est) = run_one(&exe, &args, &fleet, workload, policy, &out).await?;
+            let (report, est, audit) = run_one(
+                &exe,
+                &args,
+                &fleet,
+                groups.as_deref(),
+                workload,
+                policy,
+                &out,
+            )
+            .await?;
             if let Some(est) = est {
                 estimates.push((label.clone(), est));
+            }
+            if let Some(a) = audit {
+                audits.push((label.clone(), a));
             }
             steps.extend(
                 report
@@ -198,6 +244,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
             runs: rows,
             estimates,
             steps,
+            audits,
         });
     }
     let md = render(&args, &fleet, peers.as_deref(), &sections);
@@ -210,6 +257,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
                 "runs": s.runs,
                 "steps": s.steps,
                 "prompt_token_estimates": s.estimates,
+                "model_audits": s.audits,
             })
         })
         .collect();
@@ -256,33 +304,70 @@ fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
     sim_args
 }
 
+/// The simulators of one run (one per model group, else one) and their servers in fleet
+/// order.
+async fn start_fleets(
+    exe: &Path,
+    args: &CompareArgs,
+    profiles: &[ProfileName],
+    groups: Option<&[ModelGroup]>,
+    dir: &Path,
+) -> Result<(Vec<SimFleet>, Vec<Member>), String> {
+    let base = sim_args(args, profiles);
+    let plan: Vec<(usize, Vec<String>, Vec<String>)> = match groups {
+        None => vec![(profiles.len(), base, Vec::new())],
+        Some(gs) => gs
+            .iter()
+            .map(|g| {
+                let mut a = base.clone();
+                a.extend(models::sim_args(g, args.max_loras, args.lora_load_ms));
+                (g.servers as usize, a, g.served())
+            })
+            .collect(),
+    };
+    let (mut fleets, mut members) = (Vec::new(), Vec::<Member>::new());
+    for (i, (servers, sim_args, served)) in plan.iter().enumerate() {
+        let log = match plan.len() {
+            1 => dir.join("sim.log"),
+            _ => dir.join(format!("sim-{i}.log")),
+        };
+        let n = u32::try_from(*servers).map_err(|_| "too many servers")?;
+        let fleet = SimFleet::start(exe, n, sim_args, &log).await?;
+        if fleet.addrs.len() != *servers {
+            return Err(format!(
+                "kvbench sim announced {} servers, expected {servers}",
+                fleet.addrs.len(),
+            ));
+        }
+        // The simulator announces servers in index order, and server i has the i-th profile.
+        for &addr in &fleet.addrs {
+            let profile = profiles
+                .get(members.len())
+                .copied()
+                .ok_or("more servers than profiles")?;
+            members.push(Member {
+                addr,
+                profile,
+                models: served.clone(),
+            });
+        }
+        fleets.push(fleet);
+    }
+    Ok((fleets, members))
+}
+
 async fn run_one(
     exe: &Path,
     args: &CompareArgs,
     profiles: &[ProfileName],
+    groups: Option<&[ModelGroup]>,
     workload: WorkloadKind,
     policy: &PolicyRun,
     out: &Path,
-) -> Result<(Report, Option<Estimates>), String> {
+) -> Result<(Report, Option<Estimates>, Option<Audit>), String> {
     let dir = out.join(workload.name()).join(policy.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let servers = u32::try_from(profiles.len()).map_err(|_| "too many servers")?;
-    let sim_args = sim_args(args, profiles);
-    let fleet = SimFleet::start(exe, servers, &sim_args, &dir.join("sim.log")).await?;
-    if fleet.addrs.len() != profiles.len() {
-        return Err(format!(
-            "kvbench sim announced {} servers, expected {}",
-            fleet.addrs.len(),
-            profiles.len()
-        ));
-    }
-    // The simulator announces servers in index order, and server i has the i-th profile.
-    let backends: Vec<_> = fleet
-        .addrs
-        .iter()
-        .copied()
-        .zip(profiles.iter().copied())
-        .collect();
+    let (fleets, backends) = start_fleets(exe, args, profiles, groups, &dir).await?;
     let router = Router::start(exe, &backends, policy, &dir, &args.peer_venv).await?;
     let mut cli: Vec<String> = vec!["replay".into()];
     let mut push = |k: &str, v: String| {
@@ -309,13 +394,19 @@ async fn run_one(
         push("--groups", args.groups.to_string());
         push("--system-tokens", args.system_tokens.to_string());
     }
-    for a in &fleet.addrs {
-        push("--metrics-url", format!("http://{a}/metrics"));
+    for m in &backends {
+        push("--metrics-url", format!("http://{}/metrics", m.addr));
+    }
+    if let Some(gs) = groups {
+        push("--model", gs[0].name.clone());
+        push("--models", models::popularity(gs).join(","));
+        push("--model-zipf", args.model_zipf.to_string());
     }
     if args.session_header {
         cli.push("--session-header".into());
     }
-    if let (WorkloadKind::Sharegpt, Some(f)) = (workload, &args.sharegpt_file) {
+    let chat = matches!(workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel);
+    if let (true, Some(f)) = (chat, &args.sharegpt_file) {
         cli.push("--file".into());
         cli.push(f.display().to_string());
     }
@@ -339,7 +430,17 @@ async fn run_one(
         None => None,
     };
     router.stop(&dir).await;
-    drop(fleet);
+    let audit = match groups {
+        Some(_) => {
+            let served: Vec<_> = backends
+                .iter()
+                .map(|m| (m.addr, m.models.clone()))
+                .collect();
+            Some(models::audit(&served).await?)
+        }
+        None => None,
+    };
+    drop(fleets);
     replayed?;
     // Keep the summary; per-request records of every run would bloat the committed results.
     let path = dir.join("report.json");
@@ -369,7 +470,7 @@ async fn run_one(
         serde_json::to_string_pretty(&report).unwrap_or_default(),
     )
     .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok((report, est))
+    Ok((report, est, audit))
 }
 
 /// kvroute's prompt-token estimates over the measured window: its histogram now, less the
@@ -413,13 +514,25 @@ fn command_line() -> String {
 }
 
 fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
-    let servers = match &args.profiles {
-        Some(spec) => format!("{} simulated servers (`{spec}`)", fleet.len()),
-        None => {
-            let name = fleet.first().copied().unwrap_or(ProfileName::H100Llama8b);
-            format!("{} simulated `{}` servers", fleet.len(), name.as_str())
-        }
-    };
+    let servers =
+        match (&args.profiles, &args.models) {
+            (Some(spec), _) => format!("{} simulated servers (`{spec}`)", fleet.len()),
+            (None, Some(spec)) => {
+                format!(
+            "{} simulated `{}` servers serving models `{spec}` (max-loras {}, an adapter load \
+             {} ms), model popularity Zipf({})",
+            fleet.len(),
+            fleet.first().copied().unwrap_or(ProfileName::H100Llama8b).as_str(),
+            args.max_loras,
+            args.lora_load_ms,
+            args.model_zipf
+        )
+            }
+            (None, None) => {
+                let name = fleet.first().copied().unwrap_or(ProfileName::H100Llama8b);
+                format!("{} simulated `{}` servers", fleet.len(), name.as_str())
+            }
+        };
     let mut s = format!(
         "{servers}, time scale {} (times below are model time), {} s of sending per run, TTFT SLO {} ms, {}",
         args.time_scale,
@@ -462,10 +575,14 @@ fn render(
         runs,
         estimates,
         steps,
+        audits,
     } in sections
     {
         let _ = writeln!(md, "## {}\n", w.name());
         md.push_str(&report::markdown_table(runs));
+        if !audits.is_empty() {
+            md.push_str(&audit_table(runs, audits));
+        }
         if !estimates.is_empty() {
             let _ = writeln!(
                 md,
@@ -486,6 +603,34 @@ fn render(
             "\n![TTFT CDF]({0}/ttft_cdf.svg) (per-run charts: `{0}/<policy>/`, with `/` in \
              the policy entry written `__`)\n",
             w.name()
+        );
+    }
+    md
+}
+
+/// Adapter loads and misrouted requests per run, from the simulators, with the hit rate
+/// against the oracle's.
+fn audit_table(runs: &[(String, Summary)], audits: &[(String, Audit)]) -> String {
+    let mut md = String::from(
+        "\nFrom the simulators (every request each server received; `misrouted`: for a model \
+         that server does not serve):\n\n\
+         | policy | requests received | adapter loads | loads / 1000 requests | misrouted | hit rate / oracle |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for (label, a) in audits {
+        let per_k = match a.logged {
+            0 => "n/a".to_string(),
+            n => format!("{:.1}", a.adapter_loads as f64 * 1000.0 / n as f64),
+        };
+        let vs_oracle = runs
+            .iter()
+            .find(|(l, _)| l == label)
+            .and_then(|(_, s)| Some(s.cache_hit_rate? / s.oracle_hit_rate.filter(|o| *o > 0.0)?))
+            .map_or("n/a".to_string(), |r| format!("{r:.3}"));
+        let _ = writeln!(
+            md,
+            "| {label} | {} | {} | {per_k} | {} | {vs_oracle} |",
+            a.logged, a.adapter_loads, a.misrouted
         );
     }
     md

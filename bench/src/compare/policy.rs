@@ -221,12 +221,21 @@ fn parse_rates(value: &str) -> Result<Rates, String> {
 
 /// kvroute's config for one run: `run`'s policy and options in front of `backends` (address
 /// and profile, in fleet order), with pid file, upgrade socket and so on under `dir`.
+/// One simulated server as the router is told of it.
+#[derive(Debug, Clone)]
+pub struct Member {
+    pub addr: SocketAddr,
+    pub profile: ProfileName,
+    /// Pinned in kvroute's config (`backends[].models`); empty: every model.
+    pub models: Vec<String>,
+}
+
 pub fn kvroute_yaml(
     dir: &Path,
     listen: SocketAddr,
     admin: SocketAddr,
     run: &PolicyRun,
-    backends: &[(SocketAddr, ProfileName)],
+    backends: &[Member],
 ) -> String {
     let mut yaml = format!(
         "version: 1\nthreads: 2\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/kvroute.sock\n\
@@ -242,10 +251,14 @@ pub fn kvroute_yaml(
         let _ = writeln!(yaml, "    {key}: {value}");
     }
     yaml.push_str("  backends:\n");
-    for &(addr, profile) in backends {
-        let _ = writeln!(yaml, "    - addr: \"{addr}\"");
-        if let Some(rate) = run.rate_for(profile) {
+    for m in backends {
+        let _ = writeln!(yaml, "    - addr: \"{}\"", m.addr);
+        if let Some(rate) = run.rate_for(m.profile) {
             let _ = writeln!(yaml, "      prefill_tokens_per_s: {rate}");
+        }
+        if !m.models.is_empty() {
+            let quoted: Vec<String> = m.models.iter().map(|x| format!("{x:?}")).collect();
+            let _ = writeln!(yaml, "      models: [{}]", quoted.join(", "));
         }
     }
     yaml
@@ -256,12 +269,16 @@ mod tests {
     use super::*;
     use serde_yaml::Value;
 
-    fn backends() -> Vec<(SocketAddr, ProfileName)> {
-        let addr = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+    fn backends() -> Vec<Member> {
+        let m = |p: u16, profile, models: &[&str]| Member {
+            addr: SocketAddr::from(([127, 0, 0, 1], p)),
+            profile,
+            models: models.iter().map(|s| s.to_string()).collect(),
+        };
         vec![
-            (addr(9000), ProfileName::H100Llama8b),
-            (addr(9001), ProfileName::H100Llama8b),
-            (addr(9002), ProfileName::L40sLlama8b),
+            m(9000, ProfileName::H100Llama8b, &[]),
+            m(9001, ProfileName::H100Llama8b, &[]),
+            m(9002, ProfileName::L40sLlama8b, &[]),
         ]
     }
 
@@ -282,6 +299,25 @@ mod tests {
         list.iter()
             .map(|b| b.get("prefill_tokens_per_s").map(|r| r.as_f64().unwrap()))
             .collect()
+    }
+
+    #[test]
+    fn pinned_models_are_listed_per_backend() {
+        let mut b = backends();
+        b[1].models = vec!["b".into(), "b-lora-1".into()];
+        let run = PolicyRun::parse("kv_aware").unwrap();
+        let addr = SocketAddr::from(([127, 0, 0, 1], 8080));
+        let yaml = kvroute_yaml(Path::new("/tmp/r"), addr, addr, &run, &b);
+        let v: Value = serde_yaml::from_str(&yaml).unwrap();
+        let list = v["kvroute"]["backends"].as_sequence().unwrap();
+        assert!(list[0].get("models").is_none());
+        let models: Vec<&str> = list[1]["models"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|m| m.as_str().unwrap())
+            .collect();
+        assert_eq!(models, ["b", "b-lora-1"]);
     }
 
     #[test]

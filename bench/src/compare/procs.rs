@@ -11,8 +11,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use super::peer::PeerProcess;
-use super::policy::{kvroute_yaml, PolicyRun};
-use crate::sim::ProfileName;
+use super::policy::{kvroute_yaml, Member, PolicyRun};
 
 pub struct SimFleet {
     _child: Child,
@@ -73,7 +72,7 @@ impl Router {
     /// `backends`; config, command and log go to `dir`.
     pub async fn start(
         exe: &Path,
-        backends: &[(SocketAddr, ProfileName)],
+        backends: &[Member],
         run: &PolicyRun,
         dir: &Path,
         peer_venv: &Path,
@@ -83,7 +82,7 @@ impl Router {
                 .await
                 .map(Router::Kvroute);
         };
-        let workers: Vec<SocketAddr> = backends.iter().map(|&(a, _)| a).collect();
+        let workers: Vec<SocketAddr> = backends.iter().map(|m| m.addr).collect();
         let (listen, prometheus) = (free_addr()?, free_addr()?);
         PeerProcess::start(peer_venv, run, peer, &workers, listen, prometheus, dir)
             .await
@@ -136,7 +135,7 @@ impl Proxy {
     /// order); config and log go to `dir`.
     pub async fn start(
         exe: &Path,
-        backends: &[(SocketAddr, ProfileName)],
+        backends: &[Member],
         run: &PolicyRun,
         dir: &Path,
     ) -> Result<Proxy, String> {

@@ -20,6 +20,9 @@ pub enum WorkloadKind {
     Ladder,
     /// Single-turn prompts from `--file` (aiperf's `single_turn` JSONL), closed loop.
     Prompts,
+    /// ShareGPT chat over several models (`--models`), Zipf popularity, closed loop.
+    #[value(name = "multi_model", alias = "multi-model")]
+    MultiModel,
 }
 
 impl WorkloadKind {
@@ -31,6 +34,7 @@ impl WorkloadKind {
             Self::HeavyMix => "heavy_mix",
             Self::Ladder => "ladder",
             Self::Prompts => "prompts",
+            Self::MultiModel => "multi_model",
         }
     }
 
@@ -38,7 +42,7 @@ impl WorkloadKind {
     /// `.gz` appended; the repository ships the gzipped form.
     fn default_file(self) -> Option<&'static str> {
         match self {
-            Self::Sharegpt => {
+            Self::Sharegpt | Self::MultiModel => {
                 Some("data/traces/sharegpt/sharegpt_v3_first2000_aiperf_multiturn.jsonl")
             }
             Self::Mooncake => Some("data/traces/mooncake/synthetic_trace.jsonl"),
@@ -88,6 +92,13 @@ pub struct ReplayArgs {
     pub warmup_s: f64,
     #[arg(long, default_value = "sim-llama-8b")]
     pub model: String,
+    /// multi_model: the models conversations are for, hottest first (base models and LoRA
+    /// adapters alike).
+    #[arg(long, value_delimiter = ',')]
+    pub models: Vec<String>,
+    /// multi_model: Zipf exponent of the models' popularity (0 is uniform).
+    #[arg(long, default_value_t = 1.0)]
+    pub model_zipf: f64,
     /// Send the workload's session id as `x-session-id`.
     #[arg(long)]
     pub session_header: bool,
@@ -156,6 +167,9 @@ impl ReplayArgs {
         }
         if self.model.is_empty() {
             return Err("--model must not be empty".into());
+        }
+        if self.workload == WorkloadKind::MultiModel && self.models.is_empty() {
+            return Err("--workload multi_model needs --models".into());
         }
         if self.workload == WorkloadKind::Prompts && self.file.is_none() {
             return Err("--workload prompts needs --file".into());

@@ -54,6 +54,7 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest) -> Outcome {
         send_ms: ms(ctx.start, sent),
         step: req.step,
         session: req.session,
+        model: req.model,
         status: p.status,
         error: result.err(),
         ttft_ms: p.first.map(|f| ms(sent, f)),
@@ -75,7 +76,7 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest) -> Outcome {
 
 async fn exchange(ctx: &Ctx, req: &ChatRequest, p: &mut Progress) -> Result<(), String> {
     let body = json!({
-        "model": ctx.model,
+        "model": req.model.as_deref().unwrap_or(&ctx.model),
         "messages": req.messages,
         "max_tokens": req.max_tokens,
         "ignore_eos": true,

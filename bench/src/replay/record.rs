@@ -24,6 +24,8 @@ pub struct ChatRequest {
     pub max_tokens: u32,
     /// Sent as `x-session-id` only with `--session-header`.
     pub session: Option<String>,
+    /// The model to name, when not `--model`.
+    pub model: Option<String>,
     /// Ladder rate step, for per-step summaries.
     pub step: Option<usize>,
     /// Oracle accounting, in workload-specific units (blocks, bytes or tokens): the part of
@@ -41,6 +43,9 @@ pub struct RequestRecord {
     pub step: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
+    /// The model the request named, when not `--model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     pub status: Option<u16>,
     pub error: Option<String>,
     pub ttft_ms: Option<f64>,

@@ -19,6 +19,7 @@ use super::stats::{summarize, Summary};
 use super::target::loopback_url;
 use super::workloads::ladder::LadderSchedule;
 use super::workloads::mooncake::{self, MooncakeSchedule};
+use super::workloads::multi_model;
 use super::workloads::prompts;
 use super::workloads::sharegpt::{self, Chat, Conversation};
 use super::workloads::OpenLoop;
@@ -59,6 +60,12 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     let plan = match (args.workload, &file) {
         (WorkloadKind::Ladder, _) => Plan::Open(Box::new(LadderSchedule::new(args.ladder()))),
         (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(sharegpt::load(f)?),
+        (WorkloadKind::MultiModel, Some(f)) => Plan::Closed(multi_model::assign(
+            sharegpt::load(f)?,
+            &args.models,
+            args.model_zipf,
+            args.seed,
+        )?),
         (WorkloadKind::Prompts, Some(f)) => {
             Plan::Queue(prompts::requests(prompts::load(f)?, args.max_output_tokens))
         }
@@ -166,8 +173,9 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "grace_s": args.grace_s,
         "slo_ttft_ms": args.slo_ttft_ms,
         "model": args.model,
+        "models": (args.workload == WorkloadKind::MultiModel).then_some((&args.models, args.model_zipf)),
         "session_header": args.session_header,
-        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::Prompts)
+        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts)
             .then_some(args.conversations),
         "ladder": (args.workload == WorkloadKind::Ladder).then(|| args.ladder()),
         "metrics_urls": args.metrics_urls,

@@ -53,7 +53,7 @@ pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
     let snapshot = s.stats.snapshot(blocks);
     let mut text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
     if !cfg.lora.adapters.is_empty() {
-        if let Ok(lora) = s.lora.lock() {
+        if let Ok(lora) = s.lora.slots.lock() {
             text.push_str(&metrics::render_lora(&cfg.lora, &lora));
         }
     }

@@ -11,6 +11,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::StreamExt as _;
 use tokio::time::{sleep_until, Instant};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -72,11 +73,16 @@ async fn handle(
     let mut res = match admit(&s, seq, endpoint, &body).await {
         Ok(admitted) => {
             // An adapter not loaded is loaded first: its load time is part of the TTFT.
-            let (_adapter, wait) = AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model);
+            let (adapter, wait) =
+                AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model).await;
             if !wait.is_zero() {
                 tokio::time::sleep(wait).await;
             }
-            serve(s.clone(), admitted, arrived).await
+            let res = serve(s.clone(), admitted, arrived).await;
+            match adapter {
+                Some(a) => held_until_body_ends(res, a),
+                None => res,
+            }
         }
         Err(e) => e.into_response(),
     };
@@ -86,6 +92,18 @@ async fn handle(
     headers.insert(BODY_HASH_HEADER, header_value(&hash));
     headers.insert(BODY_LEN_HEADER, HeaderValue::from(body.len()));
     res
+}
+
+/// A streamed answer is still running when the handler returns: `guard` is released when its
+/// body ends or the client goes away.
+fn held_until_body_ends<G: Send + Sync + 'static>(res: Response, guard: G) -> Response {
+    res.map(|body| {
+        let stream = body.into_data_stream().map(move |chunk| {
+            let _held = &guard;
+            chunk
+        });
+        axum::body::Body::from_stream(stream)
+    })
 }
 
 async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {

@@ -25,11 +25,12 @@ pub fn render_lora(cfg: &LoraConfig, slots: &LoraSlots) -> String {
         .map_or(0.0, |d| d.as_secs_f64());
     format!(
         "# TYPE vllm:lora_requests_info gauge\n\
-         vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"\"}} {now}\n\
+         vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}\n\
          # TYPE kvbench_lora_loads_total counter\n\
          kvbench_lora_loads_total {}\n",
         cfg.max_loras,
         escape_label(&slots.running_list()),
+        escape_label(&slots.waiting_list()),
         slots.loads()
     )
 }

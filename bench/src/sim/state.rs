@@ -13,7 +13,7 @@ use super::config::SimConfig;
 use super::engine::EngineHandle;
 use super::faults::Faults;
 use super::kvcache::KvCache;
-use super::lora::LoraSlots;
+use super::lora::Lora;
 use super::reqlog::{RequestLog, LOG_CAPACITY};
 use super::stats::Stats;
 
@@ -33,7 +33,7 @@ pub struct ServerState {
     pub index_header: HeaderValue,
     pub addr_header: HeaderValue,
     /// The LoRA adapters loaded now (`config.lora`).
-    pub lora: Mutex<LoraSlots>,
+    pub lora: Arc<Lora>,
 }
 
 impl ServerState {
@@ -54,7 +54,7 @@ impl ServerState {
             started: Instant::now(),
             index_header: HeaderValue::from(index),
             addr_header: header_value(&addr.to_string()),
-            lora: Mutex::new(LoraSlots::default()),
+            lora: Arc::default(),
             config,
         }
     }

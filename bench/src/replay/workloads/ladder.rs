@@ -121,6 +121,7 @@ impl OpenLoop for LadderSchedule {
         Some(Scheduled {
             at: Duration::from_secs_f64(a.at_s),
             req: ChatRequest {
+                model: None,
                 messages: vec![
                     Message::new("system", self.prompts[a.group as usize].clone()),
                     Message::new("user", question),

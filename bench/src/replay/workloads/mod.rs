@@ -11,6 +11,7 @@ use super::record::ChatRequest;
 
 pub mod ladder;
 pub mod mooncake;
+pub mod multi_model;
 pub mod prompts;
 pub mod sharegpt;
 

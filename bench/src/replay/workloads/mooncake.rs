@@ -99,6 +99,7 @@ impl OpenLoop for MooncakeSchedule {
         Some(Scheduled {
             at: Duration::from_secs_f64(at_s),
             req: ChatRequest {
+                model: None,
                 messages: vec![Message::new("user", prompt(rec))],
                 max_tokens: rec.output_length.clamp(1, u32::MAX as u64) as u32,
                 session: rec.session_id.clone(),

@@ -47,6 +47,7 @@ pub fn requests(prompts: Vec<Prompt>, default_max_tokens: u32) -> Vec<ChatReques
                 .output_length
                 .map_or(default_max_tokens, |n| n.clamp(1, u32::MAX as u64) as u32);
             ChatRequest {
+                model: None,
                 messages: vec![Message::new("user", p.text)],
                 max_tokens,
                 session: Some(format!("prompt-{i}")),

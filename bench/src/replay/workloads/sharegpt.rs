@@ -25,6 +25,9 @@ pub struct Turn {
 pub struct Conversation {
     pub session_id: String,
     pub turns: Vec<Turn>,
+    /// The model every turn names (`multi_model`); None sends `--model`.
+    #[serde(skip)]
+    pub model: Option<String>,
 }
 
 pub fn load(path: &Path) -> Result<Vec<Conversation>, String> {
@@ -71,6 +74,7 @@ impl Chat {
             messages: self.history.clone(),
             max_tokens: turn.output_length.clamp(1, self.max_tokens_cap as u64) as u32,
             session: Some(self.conv.session_id.clone()),
+            model: self.conv.model.clone(),
             step: None,
             oracle_hit: hit,
             oracle_total: total,
@@ -123,6 +127,7 @@ mod tests {
                     output_length: 3,
                 },
             ],
+            model: None,
         }
     }
 
