@@ -25,9 +25,9 @@ use crate::replay::{charts, runner, ReplayArgs};
 use crate::sim::{fleet_profiles, ProfileName, PromptTokenizer};
 use estimates::Estimates;
 use models::{Audit, ModelGroup};
+use policy::PeerRouter;
 pub use policy::PolicyRun;
-use policy::{Member, PeerRouter};
-use procs::{Router, SimFleet};
+use procs::Router;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct CompareArgs {
@@ -304,58 +304,6 @@ fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
     sim_args
 }
 
-/// The simulators of one run (one per model group, else one) and their servers in fleet
-/// order.
-async fn start_fleets(
-    exe: &Path,
-    args: &CompareArgs,
-    profiles: &[ProfileName],
-    groups: Option<&[ModelGroup]>,
-    dir: &Path,
-) -> Result<(Vec<SimFleet>, Vec<Member>), String> {
-    let base = sim_args(args, profiles);
-    let plan: Vec<(usize, Vec<String>, Vec<String>)> = match groups {
-        None => vec![(profiles.len(), base, Vec::new())],
-        Some(gs) => gs
-            .iter()
-            .map(|g| {
-                let mut a = base.clone();
-                a.extend(models::sim_args(g, args.max_loras, args.lora_load_ms));
-                (g.servers as usize, a, g.served())
-            })
-            .collect(),
-    };
-    let (mut fleets, mut members) = (Vec::new(), Vec::<Member>::new());
-    for (i, (servers, sim_args, served)) in plan.iter().enumerate() {
-        let log = match plan.len() {
-            1 => dir.join("sim.log"),
-            _ => dir.join(format!("sim-{i}.log")),
-        };
-        let n = u32::try_from(*servers).map_err(|_| "too many servers")?;
-        let fleet = SimFleet::start(exe, n, sim_args, &log).await?;
-        if fleet.addrs.len() != *servers {
-            return Err(format!(
-                "kvbench sim announced {} servers, expected {servers}",
-                fleet.addrs.len(),
-            ));
-        }
-        // The simulator announces servers in index order, and server i has the i-th profile.
-        for &addr in &fleet.addrs {
-            let profile = profiles
-                .get(members.len())
-                .copied()
-                .ok_or("more servers than profiles")?;
-            members.push(Member {
-                addr,
-                profile,
-                models: served.clone(),
-            });
-        }
-        fleets.push(fleet);
-    }
-    Ok((fleets, members))
-}
-
 async fn run_one(
     exe: &Path,
     args: &CompareArgs,
@@ -367,7 +315,19 @@ async fn run_one(
 ) -> Result<(Report, Option<Estimates>, Option<Audit>), String> {
     let dir = out.join(workload.name()).join(policy.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let (fleets, backends) = start_fleets(exe, args, profiles, groups, &dir).await?;
+    let base = sim_args(args, profiles);
+    let group_args = groups.map(|gs| {
+        gs.iter()
+            .map(|g| {
+                (
+                    g.clone(),
+                    models::sim_args(g, args.max_loras, args.lora_load_ms),
+                )
+            })
+            .collect::<Vec<_>>()
+    });
+    let (fleets, backends) =
+        procs::start_fleets(exe, &base, profiles, group_args.as_deref(), &dir).await?;
     let router = Router::start(exe, &backends, policy, &dir, &args.peer_venv).await?;
     let mut cli: Vec<String> = vec!["replay".into()];
     let mut push = |k: &str, v: String| {
@@ -581,7 +541,7 @@ fn render(
         let _ = writeln!(md, "## {}\n", w.name());
         md.push_str(&report::markdown_table(runs));
         if !audits.is_empty() {
-            md.push_str(&audit_table(runs, audits));
+            md.push_str(&models::audit_table(runs, audits));
         }
         if !estimates.is_empty() {
             let _ = writeln!(
@@ -603,34 +563,6 @@ fn render(
             "\n![TTFT CDF]({0}/ttft_cdf.svg) (per-run charts: `{0}/<policy>/`, with `/` in \
              the policy entry written `__`)\n",
             w.name()
-        );
-    }
-    md
-}
-
-/// Adapter loads and misrouted requests per run, from the simulators, with the hit rate
-/// against the oracle's.
-fn audit_table(runs: &[(String, Summary)], audits: &[(String, Audit)]) -> String {
-    let mut md = String::from(
-        "\nFrom the simulators (every request each server received; `misrouted`: for a model \
-         that server does not serve):\n\n\
-         | policy | requests received | adapter loads | loads / 1000 requests | misrouted | hit rate / oracle |\n\
-         |---|---|---|---|---|---|\n",
-    );
-    for (label, a) in audits {
-        let per_k = match a.logged {
-            0 => "n/a".to_string(),
-            n => format!("{:.1}", a.adapter_loads as f64 * 1000.0 / n as f64),
-        };
-        let vs_oracle = runs
-            .iter()
-            .find(|(l, _)| l == label)
-            .and_then(|(_, s)| Some(s.cache_hit_rate? / s.oracle_hit_rate.filter(|o| *o > 0.0)?))
-            .map_or("n/a".to_string(), |r| format!("{r:.3}"));
-        let _ = writeln!(
-            md,
-            "| {label} | {} | {} | {per_k} | {} | {vs_oracle} |",
-            a.logged, a.adapter_loads, a.misrouted
         );
     }
     md

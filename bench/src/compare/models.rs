@@ -5,7 +5,11 @@
 
 use std::net::SocketAddr;
 
+use std::fmt::Write as _;
+
 use serde::Deserialize;
+
+use crate::replay::stats::Summary;
 
 /// Servers serving one base model and, on top of it, LoRA adapters.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,6 +144,34 @@ async fn get(client: &reqwest::Client, url: &str) -> Result<String, String> {
         return Err(format!("status {}", r.status()));
     }
     r.text().await.map_err(|e| e.to_string())
+}
+
+/// Adapter loads and misrouted requests per run, from the simulators, with the hit rate
+/// against the oracle's.
+pub fn audit_table(runs: &[(String, Summary)], audits: &[(String, Audit)]) -> String {
+    let mut md = String::from(
+        "\nFrom the simulators (every request each server received; `misrouted`: for a model \
+         that server does not serve):\n\n\
+         | policy | requests received | adapter loads | loads / 1000 requests | misrouted | hit rate / oracle |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for (label, a) in audits {
+        let per_k = match a.logged {
+            0 => "n/a".to_string(),
+            n => format!("{:.1}", a.adapter_loads as f64 * 1000.0 / n as f64),
+        };
+        let vs_oracle = runs
+            .iter()
+            .find(|(l, _)| l == label)
+            .and_then(|(_, s)| Some(s.cache_hit_rate? / s.oracle_hit_rate.filter(|o| *o > 0.0)?))
+            .map_or("n/a".to_string(), |r| format!("{r:.3}"));
+        let _ = writeln!(
+            md,
+            "| {label} | {} | {} | {per_k} | {} | {vs_oracle} |",
+            a.logged, a.adapter_loads, a.misrouted
+        );
+    }
+    md
 }
 
 #[cfg(test)]

@@ -10,8 +10,62 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use super::models::ModelGroup;
 use super::peer::PeerProcess;
 use super::policy::{kvroute_yaml, Member, PolicyRun};
+use crate::sim::ProfileName;
+
+/// The simulators of one run (one per model group, else one) and their servers in fleet
+/// order.
+/// `base` is every simulator's arguments; each model group adds its own.
+pub async fn start_fleets(
+    exe: &Path,
+    base: &[String],
+    profiles: &[ProfileName],
+    groups: Option<&[(ModelGroup, Vec<String>)]>,
+    dir: &Path,
+) -> Result<(Vec<SimFleet>, Vec<Member>), String> {
+    let plan: Vec<(usize, Vec<String>, Vec<String>)> = match groups {
+        None => vec![(profiles.len(), base.to_vec(), Vec::new())],
+        Some(gs) => gs
+            .iter()
+            .map(|(g, extra)| {
+                let mut a = base.to_vec();
+                a.extend(extra.iter().cloned());
+                (g.servers as usize, a, g.served())
+            })
+            .collect(),
+    };
+    let (mut fleets, mut members) = (Vec::new(), Vec::<Member>::new());
+    for (i, (servers, sim_args, served)) in plan.iter().enumerate() {
+        let log = match plan.len() {
+            1 => dir.join("sim.log"),
+            _ => dir.join(format!("sim-{i}.log")),
+        };
+        let n = u32::try_from(*servers).map_err(|_| "too many servers")?;
+        let fleet = SimFleet::start(exe, n, sim_args, &log).await?;
+        if fleet.addrs.len() != *servers {
+            return Err(format!(
+                "kvbench sim announced {} servers, expected {servers}",
+                fleet.addrs.len(),
+            ));
+        }
+        // The simulator announces servers in index order, and server i has the i-th profile.
+        for &addr in &fleet.addrs {
+            let profile = profiles
+                .get(members.len())
+                .copied()
+                .ok_or("more servers than profiles")?;
+            members.push(Member {
+                addr,
+                profile,
+                models: served.clone(),
+            });
+        }
+        fleets.push(fleet);
+    }
+    Ok((fleets, members))
+}
 
 pub struct SimFleet {
     _child: Child,
