@@ -25,6 +25,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
             PolicyRun::parse("round_robin")?,
             PolicyRun::parse(default_policy)?,
         ],
+        replicas: vec![1],
         workloads: vec![WorkloadKind::Sharegpt],
         servers: Some(4),
         time_scale: 2.0,

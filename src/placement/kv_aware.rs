@@ -90,6 +90,7 @@ pub(super) fn choose(
         adapter_missing |= snap.backends[i].adapter_load_s > 0.0;
     }
     let prompt = profile.est_prompt_tokens;
+    let history_elsewhere = best_match == 0 && profile.has_history;
     let heavy = prompt.saturating_sub(best_match) > params.heavy_prefill_tokens;
     // Leaving the key's owner for a cached prefix must save real prefill: otherwise every
     // conversation that shares a short system prompt would follow its first holder.
@@ -155,8 +156,14 @@ pub(super) fn choose(
                 owner_admissible = true;
                 // Affinity has future value (the conversation's next turns): another backend
                 // must beat the owner by the prefill of `min_prefix_saving_tokens`.
-                t.score -=
-                    params.min_prefix_saving_tokens as f64 / snap.backends[i].prefill_rate.max(1.0);
+                let rate = snap.backends[i].prefill_rate.max(1.0);
+                t.score -= params.min_prefix_saving_tokens as f64 / rate;
+                // A conversation with history but no holder known was placed by another
+                // replica (or before a restart), most likely at its owner: priced as if cached
+                // there.
+                if history_elsewhere {
+                    t.score -= t.uncached as f64 / rate;
+                }
             }
             let long_match = best_match > 0
                 && t.matched_tokens * 2 >= best_match
@@ -235,6 +242,7 @@ mod tests {
             has_stream_options: false,
             session_key: key,
             session_source: SessionSource::Content,
+            has_history: false,
             prefix_blocks: vec![],
             prompt_bytes: prompt as usize * 4,
             est_prompt_tokens: prompt,
@@ -298,6 +306,30 @@ mod tests {
         loads[order[3]].adapter_load_s = 0.2;
         let d = pick(&loads, &r, &[0; 4], &req(key, 1000));
         assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+    }
+
+    #[test]
+    fn history_with_no_holder_known_goes_to_the_owner_though_busier() {
+        let r = ring(4);
+        let key = 7;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        // The owner has 0.1 s of prefill queued: a fresh 4,000-token chat (0.16 s of prefill)
+        // goes to the idle second candidate...
+        loads[order[0]].queued_prefill = 2_500;
+        loads[order[0]].inflight = 1;
+        let fresh = req(key, 4_000);
+        assert_ne!(pick(&loads, &r, &[0; 4], &fresh).backend, order[0]);
+        // ...but one with earlier replies that this kvroute never saw was most likely placed
+        // at the owner by another replica.
+        let mut later_turn = req(key, 4_000);
+        later_turn.has_history = true;
+        let d = pick(&loads, &r, &[0; 4], &later_turn);
+        assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+        // Where this kvroute knows a holder, that knowledge wins as before.
+        let mut matched = [0u32; 4];
+        matched[order[1]] = 40;
+        assert_eq!(pick(&loads, &r, &matched, &later_turn).backend, order[1]);
     }
 
     #[test]

@@ -79,6 +79,7 @@ mod tests {
             has_stream_options: false,
             session_key: key,
             session_source: SessionSource::Content,
+            has_history: false,
             prefix_blocks: vec![],
             prompt_bytes: 0,
             est_prompt_tokens: 0,

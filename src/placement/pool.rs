@@ -103,6 +103,7 @@ mod tests {
                     has_stream_options: false,
                     session_key: key.wrapping_mul(0x9E37_79B9_7F4A_7C15),
                     session_source: SessionSource::Content,
+                    has_history: false,
                     prefix_blocks: vec![],
                     prompt_bytes: 0,
                     est_prompt_tokens: 0,

@@ -56,6 +56,9 @@ pub struct RequestProfile {
     pub has_stream_options: bool,
     pub session_key: u64,
     pub session_source: SessionSource,
+    /// A chat that carries earlier replies: its start was sent before, by this kvroute or
+    /// another.
+    pub has_history: bool,
     /// Chained hashes of the canonical prompt's full blocks.
     pub prefix_blocks: Vec<u64>,
     pub prompt_bytes: usize,
@@ -72,6 +75,13 @@ const DEFAULT_OUTPUT_TOKENS: u64 = 256;
 /// Completions prompts have no conversation structure; without an explicit key their affinity
 /// key is the first bytes of the prompt (prompts that grow by appending keep it).
 const COMPLETIONS_KEY_BYTES: usize = 1024;
+
+/// A chat's content key covers its canonical start up to the first user message, but at most
+/// this much: requests whose first message opens with the same long text (a shared document or
+/// instructions) then share an owner on the ring, so every replica, and a restarted kvroute,
+/// sends such a prefix where the others did without knowing it is cached there. About
+/// `routing.min_prefix_saving_tokens`' default of prompt, the prefix worth following.
+const CHAT_KEY_MAX_BYTES: usize = 4096;
 
 #[derive(Deserialize)]
 struct Body<'a> {
@@ -166,6 +176,8 @@ struct Part<'a> {
 struct Canon {
     blocks: BlockHasher,
     session: Option<Xxh3>,
+    /// Bytes the session hash has taken (at most [`CHAT_KEY_MAX_BYTES`]).
+    session_bytes: usize,
     bytes: usize,
     token_ids: u64,
     /// The canonical text itself, kept for token counting while it fits `text_limit`.
@@ -180,6 +192,7 @@ impl Canon {
         Canon {
             blocks,
             session: Some(Xxh3::new()),
+            session_bytes: 0,
             bytes: 0,
             token_ids: 0,
             text: (text_limit > 0).then(|| Vec::with_capacity(body_len.min(text_limit))),
@@ -198,7 +211,11 @@ impl Canon {
             }
         }
         if let Some(s) = self.session.as_mut() {
-            s.update(data);
+            let take = data
+                .len()
+                .min(CHAT_KEY_MAX_BYTES.saturating_sub(self.session_bytes));
+            s.update(&data[..take]);
+            self.session_bytes += take;
         }
     }
 
@@ -307,6 +324,7 @@ fn build(
         canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
     }
 
+    let mut has_history = false;
     let content_key = match endpoint {
         Endpoint::Chat => {
             let messages = match &parsed.messages {
@@ -315,6 +333,7 @@ fn build(
                 None => return Err(bad("missing_messages", "`messages` is required")),
             };
             let mut key = None;
+            has_history = messages.iter().any(|m| m.role == "assistant");
             for (i, m) in messages.iter().enumerate() {
                 canon.field(m.role.as_bytes());
                 write_content(&mut canon, m.content.as_ref(), i)?;
@@ -380,6 +399,7 @@ fn build(
             .unwrap_or(false),
         session_key,
         session_source,
+        has_history,
         prefix_blocks: canon.blocks.finish(),
         prompt_bytes,
         est_prompt_tokens,
@@ -536,6 +556,29 @@ mod tests {
         let a = chat(json!({"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"a"}]})).unwrap();
         let b = chat(json!({"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"b"}]})).unwrap();
         assert_ne!(a.session_key, b.session_key);
+    }
+
+    #[test]
+    fn a_long_shared_start_is_one_key_however_the_message_ends() {
+        let doc = "shared instructions and document text. ".repeat(200); // ~8 KB
+        let ask = |start: &str, q: &str| {
+            chat(json!({"model":"m","messages":[{"role":"user","content":format!("{start}{q}")}]}))
+                .unwrap()
+        };
+        // The first 4 KB decide: one owner for every request that opens with the document...
+        assert_eq!(ask(&doc, "a?").session_key, ask(&doc, "b?").session_key);
+        // ...and the rest still spread.
+        let short = "short preamble. ";
+        assert_ne!(ask(short, "a?").session_key, ask(short, "b?").session_key);
+        let other = "other instructions, other document. ".repeat(200);
+        assert_ne!(ask(&doc, "a?").session_key, ask(&other, "a?").session_key);
+        // A conversation that starts with the document keeps its key at every turn.
+        let turn2 = chat(json!({"model":"m","messages":[
+            {"role":"user","content":format!("{doc}a?")},
+            {"role":"assistant","content":"an answer"},
+            {"role":"user","content":"more?"}]}))
+        .unwrap();
+        assert_eq!(turn2.session_key, ask(&doc, "a?").session_key);
     }
 
     #[test]

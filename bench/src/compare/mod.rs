@@ -49,6 +49,11 @@ pub struct CompareArgs {
         default_value = "round_robin,least_load,session_hash,bounded_hash"
     )]
     pub policies: Vec<PolicyRun>,
+    /// Run each kvroute entry with each of these replica counts (`ENTRY/replicas=N` for N > 1):
+    /// N kvroute processes with one config in front of the one fleet, turn k of every
+    /// conversation (request k of an open-loop trace) sent to replica k mod N.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub replicas: Vec<usize>,
     #[arg(
         long,
         value_delimiter = ',',
@@ -168,6 +173,24 @@ fn fleet(args: &CompareArgs) -> Result<Vec<ProfileName>, String> {
     fleet_profiles(servers, args.profile, args.profiles.as_deref())
 }
 
+/// Every entry once per replica count (a peer only once: replicas are kvroute's).
+fn with_replicas(policies: &[PolicyRun], counts: &[usize]) -> Result<Vec<PolicyRun>, String> {
+    let mut out = Vec::new();
+    for p in policies {
+        for &n in counts {
+            match (n, p.peer) {
+                (1, _) => out.push(p.clone()),
+                (_, Some(_)) => {}
+                (n, None) => out.push(PolicyRun::parse(&format!("{}/replicas={n}", p.label))?),
+            }
+        }
+        if p.peer.is_some() && !counts.contains(&1) {
+            out.push(p.clone());
+        }
+    }
+    Ok(out)
+}
+
 /// Each run writes under its own directory, so two entries must not share one.
 fn check_policies(policies: &[PolicyRun]) -> Result<(), String> {
     if policies.is_empty() {
@@ -194,7 +217,8 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     if groups.is_none() && args.workloads.contains(&WorkloadKind::MultiModel) {
         return Err("--workloads multi_model needs --models".into());
     }
-    check_policies(&args.policies)?;
+    let policies = with_replicas(&args.policies, &args.replicas)?;
+    check_policies(&policies)?;
     if let Some(path) = &args.sim_tokenizer {
         // Here rather than in every simulator's log.
         PromptTokenizer::load(path).map_err(|e| e.replace("--tokenizer", "--sim-tokenizer"))?;
@@ -209,7 +233,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
         let mut steps: Vec<(String, Summary)> = Vec::new();
         let mut estimates = Vec::new();
         let mut audits = Vec::new();
-        for policy in &args.policies {
+        for policy in &policies {
             let label = &policy.label;
             eprintln!("== {} / {label}", workload.name());
             let (report, est, audit) = run_one(
@@ -334,7 +358,11 @@ async fn run_one(
         cli.push(k.to_string());
         cli.push(v);
     };
-    push("--target", router.url().to_string());
+    let urls = router.urls();
+    push("--target", urls[0].to_string());
+    for u in &urls[1..] {
+        push("--replica-target", u.to_string());
+    }
     push("--workload", workload.name().to_string());
     push("--out", dir.display().to_string());
     push("--time-scale", args.time_scale.to_string());
@@ -663,6 +691,34 @@ mod tests {
         let twice = parse(&["--policies", "kv_aware,kv_aware"]).unwrap();
         let err = check_policies(&twice.policies).unwrap_err();
         assert!(err.contains("share results directory"), "{err}");
+    }
+
+    #[test]
+    fn replica_counts_multiply_kvroute_entries_only() {
+        let args = parse(&[
+            "--policies",
+            "kv_aware,sglang-router/cache_aware",
+            "--replicas",
+            "1,3",
+        ])
+        .unwrap();
+        let runs = with_replicas(&args.policies, &args.replicas).unwrap();
+        let labels: Vec<(&str, usize)> = runs
+            .iter()
+            .map(|r| (r.label.as_str(), r.replicas))
+            .collect();
+        assert_eq!(
+            labels,
+            [
+                ("kv_aware", 1),
+                ("kv_aware/replicas=3", 3),
+                ("sglang-router/cache_aware", 1)
+            ]
+        );
+        assert!(check_policies(&runs).is_ok());
+        let only_two = with_replicas(&args.policies, &[2]).unwrap();
+        assert_eq!(only_two.len(), 2);
+        assert!(with_replicas(&args.policies, &[9]).is_err());
     }
 
     #[tokio::test]

@@ -9,6 +9,8 @@
 //!   `F` (a deliberately wrong configuration), the others their true rate.
 //! - `learn=on|off`: `routing.learn_prefill_rate`, whether kvroute corrects configured rates
 //!   from the engines' telemetry.
+//! - `replicas=N`: N kvroute processes with this config in front of the one fleet (each
+//!   conversation's turns spread over them; see `compare --replicas`).
 //! - `routing.KEY=VALUE`: any other `kvroute.routing` setting, e.g.
 //!   `kv_aware/routing.duplicate_prefill_weight=0`, to measure one knob's effect (kvroute
 //!   checks the key and value when it starts).
@@ -23,6 +25,9 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use crate::sim::{Profile, ProfileName};
+
+/// Replicas one run may start (each is a kvroute process on this machine's cores).
+pub const MAX_REPLICAS: usize = 4;
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Rates {
@@ -44,6 +49,8 @@ pub struct PolicyRun {
     pub learn: Option<bool>,
     /// Other `kvroute.routing` settings, in the order given.
     pub routing: Vec<(String, String)>,
+    /// kvroute processes in front of the fleet (1 unless `replicas=N`).
+    pub replicas: usize,
     /// Set when the entry names a peer router: the run starts it instead of kvroute, and
     /// `policy` is the peer's policy.
     pub peer: Option<PeerRouter>,
@@ -93,6 +100,7 @@ impl PolicyRun {
             rates: Rates::Omit,
             learn: None,
             routing: Vec::new(),
+            replicas: 1,
             peer: None,
         };
         if let Some(peer) = PeerRouter::parse(policy) {
@@ -117,12 +125,12 @@ impl PolicyRun {
             run.peer = Some(peer);
             return Ok(run);
         }
-        let (mut seen_rates, mut seen_learn) = (false, false);
+        let (mut seen_rates, mut seen_learn, mut seen_replicas) = (false, false, false);
         for option in parts {
             let bad = |why: String| format!("policy entry {label:?}: {why}");
             let Some((key, value)) = option.split_once('=') else {
                 return Err(bad(format!(
-                    "option {option:?} is not KEY=VALUE (known: rates, learn)"
+                    "option {option:?} is not KEY=VALUE (known: rates, learn, replicas)"
                 )));
             };
             match key {
@@ -138,7 +146,20 @@ impl PolicyRun {
                         _ => return Err(bad(format!("learn={value:?}: expected on or off"))),
                     });
                 }
-                "rates" | "learn" => return Err(bad(format!("option {key} given twice"))),
+                "replicas" if !seen_replicas => {
+                    seen_replicas = true;
+                    run.replicas = match value.parse::<usize>() {
+                        Ok(n) if (1..=MAX_REPLICAS).contains(&n) => n,
+                        _ => {
+                            return Err(bad(format!(
+                                "replicas={value:?}: expected 1 to {MAX_REPLICAS}"
+                            )))
+                        }
+                    };
+                }
+                "rates" | "learn" | "replicas" => {
+                    return Err(bad(format!("option {key} given twice")))
+                }
                 _ if key.starts_with("routing.") => {
                     let name = &key["routing.".len()..];
                     let word = |v: &str| {
@@ -156,7 +177,7 @@ impl PolicyRun {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {key:?} (known: rates, learn, routing.KEY)"
+                        "unknown option {key:?} (known: rates, learn, replicas, routing.KEY)"
                     )))
                 }
             }
@@ -434,6 +455,9 @@ mod tests {
             ("kv_aware/", "not KEY=VALUE"),
             ("kv_aware/rates", "not KEY=VALUE"),
             ("kv_aware/speed=3", "unknown option \"speed\""),
+            ("kv_aware/replicas=0", "expected 1 to 4"),
+            ("kv_aware/replicas=9", "expected 1 to 4"),
+            ("kv_aware/replicas=2/replicas=3", "given twice"),
             ("kv_aware/rates=yes", "expected true or PROFILE*FACTOR"),
             ("kv_aware/rates=", "expected true or PROFILE*FACTOR"),
             ("kv_aware/rates=b200*2", "unknown profile"),

@@ -117,7 +117,8 @@ impl SimFleet {
 
 /// The router a run replays through.
 pub enum Router {
-    Kvroute(Proxy),
+    /// One process per replica.
+    Kvroute(Vec<Proxy>),
     Peer(PeerProcess),
 }
 
@@ -132,9 +133,17 @@ impl Router {
         peer_venv: &Path,
     ) -> Result<Router, String> {
         let Some(peer) = run.peer else {
-            return Proxy::start(exe, backends, run, dir)
-                .await
-                .map(Router::Kvroute);
+            // Replicas share nothing but the config: each has its own directory.
+            let mut replicas = Vec::with_capacity(run.replicas);
+            for i in 0..run.replicas.max(1) {
+                let own = match run.replicas {
+                    1 => dir.to_path_buf(),
+                    _ => dir.join(format!("replica-{i}")),
+                };
+                std::fs::create_dir_all(&own).map_err(|e| format!("{}: {e}", own.display()))?;
+                replicas.push(Proxy::start(exe, backends, run, &own).await?);
+            }
+            return Ok(Router::Kvroute(replicas));
         };
         let workers: Vec<SocketAddr> = backends.iter().map(|m| m.addr).collect();
         let (listen, prometheus) = (free_addr()?, free_addr()?);
@@ -143,18 +152,19 @@ impl Router {
             .map(Router::Peer)
     }
 
-    /// kvroute's admin listener (`/metrics`, `/backends`); None for a peer.
+    /// The first kvroute replica's admin listener (`/metrics`, `/backends`); None for a peer.
     pub fn admin(&self) -> Option<SocketAddr> {
         match self {
-            Router::Kvroute(p) => Some(p.admin),
+            Router::Kvroute(p) => p.first().map(|p| p.admin),
             Router::Peer(_) => None,
         }
     }
 
-    pub fn url(&self) -> &str {
+    /// The router's URL, one per replica.
+    pub fn urls(&self) -> Vec<&str> {
         match self {
-            Router::Kvroute(p) => &p.url,
-            Router::Peer(p) => &p.url,
+            Router::Kvroute(p) => p.iter().map(|p| p.url.as_str()).collect(),
+            Router::Peer(p) => vec![&p.url],
         }
     }
 
@@ -163,9 +173,16 @@ impl Router {
     /// `dir/backends.json` first.
     pub async fn stop(self, dir: &Path) {
         match self {
-            Router::Kvroute(p) => {
-                p.save_backends(&dir.join("backends.json")).await;
-                drop(p)
+            Router::Kvroute(replicas) => {
+                let n = replicas.len();
+                for (i, p) in replicas.into_iter().enumerate() {
+                    let name = match n {
+                        1 => "backends.json".to_string(),
+                        _ => format!("replica-{i}/backends.json"),
+                    };
+                    p.save_backends(&dir.join(name)).await;
+                    drop(p)
+                }
             }
             Router::Peer(p) => p.stop().await,
         }

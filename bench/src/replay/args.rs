@@ -58,6 +58,10 @@ pub struct ReplayArgs {
     /// Base URL of the OpenAI-compatible server to drive (loopback only).
     #[arg(long)]
     pub target: String,
+    /// Another replica of the router (repeatable): turn k of a conversation goes to replica
+    /// k mod N (`--target` is replica 0), and an open-loop request #k to replica k mod N.
+    #[arg(long = "replica-target")]
+    pub replica_targets: Vec<String>,
     #[arg(long, value_enum)]
     pub workload: WorkloadKind,
     /// Workload file, overriding the workload's default.

@@ -12,7 +12,8 @@ use super::stats::percentile;
 /// Everything the request tasks share.
 pub struct Ctx {
     pub client: reqwest::Client,
-    pub chat_url: String,
+    /// One chat URL per router replica (`--target`, then each `--replica-target`).
+    pub chat_urls: Vec<String>,
     pub model: String,
     pub session_header: bool,
     pub start: Instant,
@@ -38,11 +39,13 @@ struct Progress {
     usage: Option<Usage>,
 }
 
-pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest) -> Outcome {
+/// Sends `req` to replica `replica` (modulo the replicas there are).
+pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outcome {
     let sent = Instant::now();
     let mut p = Progress::default();
-    let result = match tokio::time::timeout_at(ctx.hard_deadline, exchange(ctx, &req, &mut p)).await
-    {
+    let url = &ctx.chat_urls[replica % ctx.chat_urls.len().max(1)];
+    let exchange = exchange(ctx, url, &req, &mut p);
+    let result = match tokio::time::timeout_at(ctx.hard_deadline, exchange).await {
         Ok(r) => r,
         Err(_) => Err("timeout".to_owned()),
     };
@@ -74,7 +77,7 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest) -> Outcome {
     }
 }
 
-async fn exchange(ctx: &Ctx, req: &ChatRequest, p: &mut Progress) -> Result<(), String> {
+async fn exchange(ctx: &Ctx, url: &str, req: &ChatRequest, p: &mut Progress) -> Result<(), String> {
     let body = json!({
         "model": req.model.as_deref().unwrap_or(&ctx.model),
         "messages": req.messages,
@@ -83,7 +86,7 @@ async fn exchange(ctx: &Ctx, req: &ChatRequest, p: &mut Progress) -> Result<(), 
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let mut builder = ctx.client.post(&ctx.chat_url).json(&body);
+    let mut builder = ctx.client.post(url).json(&body);
     if ctx.session_header {
         if let Some(s) = &req.session {
             builder = builder.header("x-session-id", s);

@@ -53,6 +53,9 @@ impl Shared {
 pub async fn run(args: ReplayArgs) -> Result<(), String> {
     args.check()?;
     loopback_url("--target", &args.target)?;
+    for t in &args.replica_targets {
+        loopback_url("--replica-target", t)?;
+    }
     for u in &args.metrics_urls {
         loopback_url("--metrics-url", u)?;
     }
@@ -92,7 +95,10 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     let shared = Arc::new(Shared {
         ctx: Ctx {
             client: client.clone(),
-            chat_url: format!("{}/v1/chat/completions", args.target.trim_end_matches('/')),
+            chat_urls: std::iter::once(&args.target)
+                .chain(&args.replica_targets)
+                .map(|t| format!("{}/v1/chat/completions", t.trim_end_matches('/')))
+                .collect(),
             model: args.model.clone(),
             session_header: args.session_header,
             start,
@@ -166,6 +172,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "workload": args.workload.name(),
         "file": file.as_ref().map(|f| f.display().to_string()),
         "target": args.target,
+        "replica_targets": args.replica_targets,
         "time_scale": args.time_scale,
         "trace_speedup": args.trace_speedup,
         "duration_s": duration.as_secs_f64(),
@@ -215,6 +222,8 @@ async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32
                     return;
                 };
                 let mut chat = Chat::new(conv.clone(), cap);
+                // Turn k of a conversation goes to replica k (mod the replicas).
+                let mut turn = 0;
                 while let Some(req) = chat.next_request() {
                     if TokioInstant::now() >= shared.stop_at {
                         return;
@@ -222,7 +231,8 @@ async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32
                     let Some(id) = shared.counters.try_send(shared.max_requests) else {
                         return;
                     };
-                    let out = client::send(&shared.ctx, id, req).await;
+                    let out = client::send(&shared.ctx, id, req, turn).await;
+                    turn += 1;
                     let ok = out.record.ok();
                     shared.finish(out.record);
                     if !ok {
@@ -251,7 +261,7 @@ async fn run_queue(shared: &Arc<Shared>, reqs: Vec<ChatRequest>, workers: u32) {
                 let Some(id) = shared.counters.try_send(shared.max_requests) else {
                     return;
                 };
-                let out = client::send(&shared.ctx, id, req.clone()).await;
+                let out = client::send(&shared.ctx, id, req.clone(), id as usize).await;
                 shared.finish(out.record);
             }
         });
@@ -277,7 +287,7 @@ async fn run_open(
         };
         let sh = shared.clone();
         tasks.spawn(async move {
-            let out = client::send(&sh.ctx, id, s.req).await;
+            let out = client::send(&sh.ctx, id, s.req, id as usize).await;
             sh.finish(out.record);
         });
         // Reap finished tasks so a long run does not hold every result until the end.
