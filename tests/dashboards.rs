@@ -108,6 +108,10 @@ async fn every_metric_the_dashboard_and_rules_use_is_exported() {
         std::thread::sleep(Duration::from_millis(100));
     };
     let missing: Vec<_> = used.difference(&exported).collect();
-    assert!(missing.is_empty(), "used but not exported: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "used but not exported: {missing:?}\n{}",
+        k.log()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

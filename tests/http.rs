@@ -610,4 +610,58 @@ async fn the_access_log_can_be_json() {
         !kv.log().contains("kvroute::access"),
         "text access lines too"
     );
+    // The writer never holds stderr between lines: another thread's log line (a reload's) is
+    // written, and the thread goes on (a writer that kept stderr locked stalled it for good).
+    signal(kv.pid(), "HUP");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !kv.log().contains("config reloaded") && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(kv.log().contains("config reloaded"), "{}", kv.log());
+}
+
+/// The text access log (the default) goes through the same writer: one line per request, in
+/// the logger's format.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_access_lines_are_written_in_the_loggers_format() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "");
+    let r = client()
+        .post(kv.url("/v1/chat/completions"))
+        .json(&chat_body(
+            MODEL,
+            serde_json::json!([{"role": "user", "content": "log me"}]),
+            false,
+            3,
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let line = loop {
+        let found = kv
+            .log()
+            .lines()
+            .find(|l| l.contains("kvroute::access] "))
+            .map(str::to_string);
+        if found.is_some() || std::time::Instant::now() > deadline {
+            break found;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let line = line.unwrap_or_else(|| panic!("no access line: {}", kv.log()));
+    // `[2026-12-01T12:00:00Z INFO  kvroute::access] 127.0.0.1:5 "POST /v1/chat/..." 200 ...`
+    assert!(
+        line.starts_with('[') && line.contains("Z INFO  kvroute::access] "),
+        "{line}"
+    );
+    assert!(
+        line.contains("\"POST /v1/chat/completions\" 200 backend="),
+        "{line}"
+    );
+    assert!(
+        line.contains(&format!("backend={}", sims[0].addr)),
+        "{line}"
+    );
 }

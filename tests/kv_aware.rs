@@ -368,12 +368,15 @@ async fn prefill_rates_are_learned_from_engine_counters() {
     }
 }
 
-/// Small prompts are counted with o200k_base and the count is settled against the engine's
+/// Small prompts, with counting on, are counted with o200k_base and the count is settled against the engine's
 /// `usage.prompt_tokens`; the estimate moves toward what this engine reports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_tokens_are_counted_and_corrected_by_the_engine() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
-    let kv = Kvroute::start(&[sim.addr], "");
+    let kv = Kvroute::start(
+        &[sim.addr],
+        "  routing:\n    count_tokens_max_bytes: 8192\n",
+    );
     let c = client();
     let url = kv.url("/v1/chat/completions");
     // The tables load in the background: wait until a request is counted.

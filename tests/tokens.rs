@@ -65,10 +65,24 @@ fn settled(kv: &Kvroute, method: &str, min: f64) -> f64 {
     )
 }
 
+/// Counting on, as an operator turns it on (it is off by default).
+const COUNTING: &str =
+    "  routing:\n    count_tokens_max_bytes: 8192\n    count_tokens_offthread_max_bytes: 1048576\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_nothing_is_counted_and_prompts_are_sized() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sim.addr], "");
+    ask(&kv, "hello world").await;
+    assert_eq!(settled(&kv, "sized", 1.0), 1.0);
+    assert_eq!(kv.metric_sum("kvroute_tokenizer_loaded", &[]), 0.0);
+    assert!(kv.log().contains("token counting is off"), "{}", kv.log());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_past_the_inline_limit_is_counted_off_thread() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
-    let kv = Kvroute::start(&[sim.addr], "");
+    let kv = Kvroute::start(&[sim.addr], COUNTING);
     // o200k_base loads in the background at start.
     wait_until(&kv, "the tables never loaded", || {
         kv.metric_sum("kvroute_tokenizer_loaded", &[]) == 1.0
@@ -110,7 +124,10 @@ async fn the_tables_follow_the_config_through_reloads() {
     // Counting turned on by a reload, with a rank file: it loads and counts.
     let ranks = kv.dir.join("tiny.tiktoken");
     write_rank_file(&ranks);
-    let on = format!("  routing:\n    tokenizer: {}\n", ranks.display());
+    let on = format!(
+        "  routing:\n    tokenizer: {}\n    count_tokens_max_bytes: 8192\n",
+        ranks.display()
+    );
     kv.write_config(&[sim.addr], &on);
     reload(&kv, "success", 1.0);
     assert_eq!(kv.metric_sum("kvroute_tokenizer_loaded", &[]), 1.0);
@@ -120,7 +137,10 @@ async fn the_tables_follow_the_config_through_reloads() {
     // A rank file that does not parse rejects the reload; the tables in use stay.
     let broken = kv.dir.join("broken.tiktoken");
     std::fs::write(&broken, "AA== 0\nnot-base64! 1\n").unwrap();
-    let bad = format!("  routing:\n    tokenizer: {}\n", broken.display());
+    let bad = format!(
+        "  routing:\n    tokenizer: {}\n    count_tokens_max_bytes: 8192\n",
+        broken.display()
+    );
     kv.write_config(&[sim.addr], &bad);
     reload(&kv, "failure", 1.0);
     let log = kv.log();
@@ -149,7 +169,7 @@ fn check_mode_names_the_bad_line_of_a_rank_file() {
         &conf,
         format!(
             "kvroute:\n  listen: \"127.0.0.1:18080\"\n  backends:\n    - addr: \"127.0.0.1:18001\"\n  \
-             routing:\n    tokenizer: {}\n",
+             routing:\n    tokenizer: {}\n    count_tokens_max_bytes: 8192\n",
             ranks.display()
         ),
     )
@@ -203,7 +223,8 @@ fn the_tables_load_in_a_daemon() {
             "version: 1\nthreads: 1\npid_file: {d}/kvroute.pid\nupgrade_sock: {d}/upgrade.sock\n\
              error_log: {d}/error.log\ngrace_period_seconds: 0\n\
              graceful_shutdown_timeout_seconds: 1\nkvroute:\n  listen: \"127.0.0.1:{listen}\"\n  \
-             admin_listen: \"127.0.0.1:{admin}\"\n  backends:\n    - addr: \"{sim}\"\n",
+             admin_listen: \"127.0.0.1:{admin}\"\n  backends:\n    - addr: \"{sim}\"\n  \
+             routing:\n    count_tokens_max_bytes: 8192\n",
             d = dir.display(),
             sim = sim.addr,
         ),

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
 # Proxy cost: what kvroute adds per request, next to a bare Pingora proxy (the framework's
-# floor: examples/bare_pingora.rs), nginx round robin and no proxy at all, against a backend
-# that answers at once (an nginx `return`), on loopback only.
+# floor: examples/bare_pingora.rs), nginx round robin, sglang-router (round robin, when the
+# peers' venv is installed: bench/scripts/install-peers.sh) and no proxy at all, against a
+# backend that answers at once (an nginx `return`), on loopback only.
 #
-#   bench/scripts/overhead.sh [SECONDS=10] [OUT=bench/results/overhead]
+#   bench/scripts/overhead.sh [SECONDS=8] [OUT=bench/results/overhead] [ROUNDS=3]
 #
-# Needs nginx and wrk (Debian: apt-get install nginx wrk). Builds kvroute in release mode.
-# Each case runs wrk twice: 1 connection (latency: p50/p99 with no queueing) and 32 connections
-# (throughput). The proxy under test is pinned to CPU 1 with one worker thread; wrk and the
-# backend share CPU 0, so requests/s is per proxy core. CPU seconds per 1000 requests and peak
-# RSS are read from /proc for the proxy process(es).
+# Needs nginx and wrk (Debian: apt-get install nginx wrk). Builds kvroute in release mode and
+# runs it with its default config (the default policy). Each case runs wrk twice: 1 connection
+# (latency: p50/p99 with no queueing) and 32 connections (throughput). The proxy under test is
+# pinned to CPU 1 with one worker thread; wrk and the backend share CPU 0, so requests/s is per
+# proxy core. CPU seconds per 1000 requests and peak RSS are read from /proc for the proxy
+# process(es); idle RSS is read before the first request. ROUNDS interleaved rounds (every
+# proxy in turn, then again), reported as medians; each run also records how much CPU other
+# processes on the machine used meanwhile (busy ticks in /proc/stat less the proxy's, the
+# backend's and wrk's), since single runs on a shared machine move by about 10%.
+#
+# Scaling (kvroute with `threads: 2` on two cores against `threads: 1` on one, wrk and the
+# backend on cores of their own) needs 4 cores; on a smaller machine it is skipped and said so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-SECS=${1:-10}
+SECS=${1:-8}
 OUT=${2:-bench/results/overhead}
+ROUNDS=${3:-3}
 mkdir -p "$OUT"
 for tool in nginx wrk taskset python3; do
   command -v "$tool" >/dev/null || { echo "overhead.sh: $tool not found (apt-get install nginx wrk)" >&2; exit 1; }
@@ -40,6 +49,9 @@ NGINX_RR=18310
 KV=18320
 KV_ADMIN=18321
 BARE_PORT=18330
+SGL=18340
+SGL_PROM=18341
+SGL_PY=bench/.venv-peers/bin/python
 
 JSON_BODY='{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}'
 SSE_BODY='data: {"choices":[{"delta":{"content":"o"},"index":0}]}\n\ndata: {"choices":[{"delta":{"content":"k"},"index":0}]}\n\ndata: [DONE]\n\n'
@@ -91,10 +103,10 @@ http {
 CONF
 }
 
-kv_conf() { # $1 backend port
+kv_conf() { # $1 backend port, $2 worker threads (default 1)
 cat > "$WORK/kv.yaml" <<CONF
 version: 1
-threads: 1
+threads: ${2:-1}
 pid_file: $WORK/kv.pid
 upgrade_sock: $WORK/kv.sock
 grace_period_seconds: 0
@@ -104,8 +116,6 @@ kvroute:
   admin_listen: "127.0.0.1:$KV_ADMIN"
   backends:
     - addr: "127.0.0.1:$1"
-  routing:
-    policy: bounded_hash
 CONF
 }
 
@@ -143,21 +153,41 @@ local f = io.open("{name}", "rb"); wrk.body = f:read("*all"); f:close()
 PY
 
 cpu_ticks() { local t=0; for p in "$@"; do read -r -a s < "/proc/$p/stat"; t=$((t + s[13] + s[14])); done; echo $t; }
-peak_rss_kib() { local m=0; for p in "$@"; do v=$(awk '/VmHWM/{print $2}' "/proc/$p/status"); [ "$v" -gt "$m" ] && m=$v; done; echo $m; }
+# Peak and idle RSS of a proxy are summed over its processes (nginx: master and worker).
+peak_rss_kib() { local t=0; for p in "$@"; do v=$(awk '/VmHWM/{print $2}' "/proc/$p/status"); t=$((t + v)); done; echo $t; }
+rss_kib() { local t=0; for p in "$@"; do v=$(awk '/VmRSS/{print $2}' "/proc/$p/status"); t=$((t + v)); done; echo $t; }
+# Busy ticks of the whole machine (user, nice, system, irq, softirq, steal).
+busy_ticks() { read -r _ u n s _ _ i si st _ < /proc/stat; echo $((u + n + s + i + si + st)); }
+backend_pids() { local m; m=$(cat "$WORK/backend.pid"); echo "$m $(pgrep -P "$m" | tr '\n' ' ')"; }
 
 RESULTS="$WORK/results.jsonl"
 : > "$RESULTS"
-run_case() { # $1 proxy name, $2 url port, $3 body file stem, $4.. pids to account
-  local name=$1 port=$2 stem=$3; shift 3
+declare -A IDLE_RSS
+run_case() { # $1 proxy name, $2 url port, $3 body file stem, $4 round, $5.. pids to account
+  local name=$1 port=$2 stem=$3 round=$4; shift 4
   local url="http://127.0.0.1:$port/v1/chat/completions"
+  [ $# -gt 0 ] && [ -z "${IDLE_RSS[$name]:-}" ] && IDLE_RSS[$name]=$(rss_kib "$@")
   taskset -c 0 wrk -t1 -c1 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/lat.txt"
   local before; before=$( [ $# -gt 0 ] && cpu_ticks "$@" || echo 0)
-  taskset -c 0 wrk -t1 -c32 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/thr.txt"
+  # shellcheck disable=SC2046
+  local bk_before; bk_before=$(cpu_ticks $(backend_pids))
+  local busy_before; busy_before=$(busy_ticks)
+  /usr/bin/time -f "%U %S" -o "$WORK/wrk.time" \
+    taskset -c 0 wrk -t1 -c32 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/thr.txt"
+  local busy_after; busy_after=$(busy_ticks)
+  # shellcheck disable=SC2046
+  local bk_after; bk_after=$(cpu_ticks $(backend_pids))
   local after; after=$( [ $# -gt 0 ] && cpu_ticks "$@" || echo 0)
   local rss; rss=$( [ $# -gt 0 ] && peak_rss_kib "$@" || echo 0)
-  python3 - "$name" "$stem" "$WORK/lat.txt" "$WORK/thr.txt" "$((after - before))" "$(getconf CLK_TCK)" "$rss" >> "$RESULTS" <<'PY'
+  local others=$(( (busy_after - busy_before) - (after - before) - (bk_after - bk_before) ))
+  python3 - "$name" "$stem" "$WORK/lat.txt" "$WORK/thr.txt" "$((after - before))" "$(getconf CLK_TCK)" "$rss" \
+    "$round" "${IDLE_RSS[$name]:-0}" "$others" "$WORK/wrk.time" "$SECS" >> "$RESULTS" <<'PY'
 import json, re, sys
-name, stem, lat, thr, ticks, hz, rss = sys.argv[1:]
+name, stem, lat, thr, ticks, hz, rss, rnd, idle, others, wrk_time, secs = sys.argv[1:]
+# Other processes' CPU during the throughput run, in cores: busy ticks less the proxy's, the
+# backend's and wrk's own.
+u, s = open(wrk_time).read().split()[-2:]
+other_cores = max(0.0, int(others) / int(hz) - float(u) - float(s)) / float(secs)
 def parse(path):
     t = open(path).read()
     def ms(v, unit):
@@ -180,11 +210,21 @@ print(json.dumps({
     "requests_c32": total, "non_2xx": lerr + terr,
     "cpu_s_per_1000": (cpu_s / total * 1000) if total and name != "direct" else None,
     "peak_rss_mib": int(rss) / 1024 if name != "direct" else None,
+    "idle_rss_mib": int(idle) / 1024 if name != "direct" else None,
+    "round": int(rnd), "other_cpu_cores": other_cores,
 }))
 PY
-  echo "  $name $(basename "$stem"): done" >&2
+  echo "  round $round $name $(basename "$stem"): done" >&2
 }
 
+SGL_VERSION=""
+if [ -x "$SGL_PY" ] && "$SGL_PY" -c 'import sglang_router' 2>/dev/null; then
+  SGL_VERSION=$("$SGL_PY" -c 'import importlib.metadata as m; print(m.version("sglang-router"))')
+else
+  echo "overhead.sh: sglang-router not installed ($SGL_PY); its rows are left out" >&2
+fi
+
+for round in $(seq "$ROUNDS"); do
 for mode in plain stream; do
   backend=$BACKEND_JSON; [ $mode = stream ] && backend=$BACKEND_SSE
   rr_conf $backend; kv_conf $backend
@@ -193,42 +233,101 @@ for mode in plain stream; do
   KPID=$!; PIDS+=("$KPID")
   RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$backend" 2>"$WORK/bare.err" &
   BPID=$!; PIDS+=("$BPID")
+  SPID=""
+  if [ -n "$SGL_VERSION" ]; then
+    taskset -c 1 "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $SGL \
+      --policy round_robin --worker-urls "http://127.0.0.1:$backend" --log-level warn \
+      --prometheus-host 127.0.0.1 --prometheus-port $SGL_PROM \
+      --worker-startup-check-interval 1 >"$WORK/sgl.log" 2>&1 &
+    SPID=$!; PIDS+=("$SPID")
+    wait_port $SGL
+  fi
   wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT
   sleep 0.5
+  # Idle RSS is read at the first case: let background start-up work (token tables) finish.
+  [ "$round" = 1 ] && sleep 2
   # nginx workers do not carry the config path in their command line: take the master's children.
   RRMASTER=$(cat "$WORK/rr.pid")
   RRPIDS="$RRMASTER $(pgrep -P "$RRMASTER" | tr '\n' ' ')"
   for size in 1000 100000; do
     stem="$WORK/body_${size}_${mode}"
-    run_case direct $backend "$stem"
+    run_case direct $backend "$stem" "$round"
     # shellcheck disable=SC2086
-    run_case nginx_rr $NGINX_RR "$stem" $RRPIDS
-    run_case pingora_bare $BARE_PORT "$stem" "$BPID"
-    run_case kvroute $KV "$stem" "$KPID"
+    run_case nginx_rr $NGINX_RR "$stem" "$round" $RRPIDS
+    run_case pingora_bare $BARE_PORT "$stem" "$round" "$BPID"
+    run_case kvroute $KV "$stem" "$round" "$KPID"
+    # shellcheck disable=SC2046
+    [ -n "$SPID" ] && run_case sglang_router_rr $SGL "$stem" "$round" $SPID $(pgrep -P "$SPID" | tr '\n' ' ')
   done
-  kill "$KPID" "$BPID"; wait "$KPID" "$BPID" 2>/dev/null || true
+  kill "$KPID" "$BPID" $SPID; wait "$KPID" "$BPID" $SPID 2>/dev/null || true
   kill "$(cat "$WORK/rr.pid")"; sleep 0.3
 done
+done
 
-python3 - "$RESULTS" "$OUT" "$SECS" <<'PY'
-import json, sys, os
-rows = [json.loads(l) for l in open(sys.argv[1])]
-out, secs = sys.argv[2], sys.argv[3]
-json.dump(rows, open(os.path.join(out, "overhead.json"), "w"), indent=1)
+# Scaling: one kvroute worker thread on one core, then two on two, 1 KB chat; wrk and the
+# backend keep cores of their own.
+SCALING="$WORK/scaling.txt"
+if [ "$(nproc)" -ge 4 ]; then
+  for threads in 1 2; do
+    kv_conf $BACKEND_JSON $threads
+    cores=$([ "$threads" = 1 ] && echo 1 || echo 1,2)
+    RUST_LOG=warn taskset -c "$cores" "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
+    KPID=$!; PIDS+=("$KPID"); wait_port $KV; sleep 0.5
+    taskset -c 0,3 wrk -t2 -c64 -d"${SECS}s" -s "$WORK/body_1000_plain.lua" \
+      "http://127.0.0.1:$KV/v1/chat/completions" | awk -v t="$threads" '/Requests\/sec/{print t, $2}' >> "$SCALING"
+    kill "$KPID"; wait "$KPID" 2>/dev/null || true
+  done
+else
+  echo "skipped: this machine has $(nproc) cores; the scaling case needs 4 (kvroute on 2, wrk and the backend on the other 2)" > "$SCALING"
+fi
+
+python3 - "$RESULTS" "$OUT" "$SECS" "$ROUNDS" "$SCALING" "$SGL_VERSION" <<'PY'
+import json, sys, os, statistics
+runs = [json.loads(l) for l in open(sys.argv[1])]
+out, secs, rounds, scaling, sgl = sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+keys = ["p50_ms_c1", "p99_ms_c1", "rps_c32", "p50_ms_c32", "p99_ms_c32", "cpu_s_per_1000",
+        "peak_rss_mib", "idle_rss_mib", "other_cpu_cores"]
+groups = {}
+for r in runs:
+    groups.setdefault((r["body_bytes"], r["stream"], r["proxy"]), []).append(r)
+order = ["direct", "nginx_rr", "pingora_bare", "kvroute", "sglang_router_rr"]
+rows = []
+for (size, stream, proxy), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0], order.index(kv[0][2]))):
+    row = {"proxy": proxy, "body_bytes": size, "stream": stream, "runs": len(rs),
+           "non_2xx": sum(r["non_2xx"] for r in rs)}
+    for k in keys:
+        vals = [r[k] for r in rs if r.get(k) is not None]
+        row[k] = statistics.median(vals) if vals else None
+    row["rps_c32_runs"] = [r["rps_c32"] for r in rs]
+    rows.append(row)
+json.dump({"runs": runs, "medians": rows, "scaling": open(scaling).read()}, open(os.path.join(out, "overhead.json"), "w"), indent=1)
 def f(v, d=2):
     return "n/a" if v is None else f"{v:.{d}f}"
-lines = [f"Proxy cost, loopback, wrk {secs}s per case; proxy pinned to 1 core (1 worker), wrk + backend on the other.", "",
-         "| body | stream | proxy | p50 ms (c=1) | added p50 ms | p99 ms (c=1) | req/s (c=32) | vs nginx | vs bare Pingora | p99 ms (c=32) | CPU s / 1000 req | peak RSS MiB | non-2xx |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def find(proxy, r):
+    return next((x for x in rows if x["proxy"] == proxy and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"]), None)
+others = max(r["other_cpu_cores"] for r in runs)
+lines = [f"Proxy cost, loopback, wrk {secs} s per case, medians of {rounds} interleaved rounds; proxy pinned to 1 core (1 worker), wrk + backend on the other. "
+         f"Other processes used at most {others:.2f} of a core during any throughput run (median per row below)." +
+         (f" sglang-router {sgl}." if sgl else " sglang-router not installed here."), "",
+         "| body | stream | proxy | p50 ms (c=1) | added p50 ms | p99 ms (c=1) | req/s (c=32) | req/s runs | vs nginx | vs bare Pingora | p99 ms (c=32) | CPU s / 1000 req | idle / peak RSS MiB | other CPU (cores) | non-2xx |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
-    direct = next(x for x in rows if x["proxy"] == "direct" and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"])
-    nginx = next(x for x in rows if x["proxy"] == "nginx_rr" and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"])
-    added = r["p50_ms_c1"] - direct["p50_ms_c1"] if r["proxy"] != "direct" else None
-    ratio = r["rps_c32"] / nginx["rps_c32"] if r["proxy"] != "direct" else None
-    bare = next((x for x in rows if x["proxy"] == "pingora_bare" and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"]), None)
-    vs_bare = r["rps_c32"] / bare["rps_c32"] if bare and r["proxy"] != "direct" else None
+    direct, nginx, bare = find("direct", r), find("nginx_rr", r), find("pingora_bare", r)
+    proxied = r["proxy"] != "direct"
+    added = r["p50_ms_c1"] - direct["p50_ms_c1"] if proxied else None
+    ratio = r["rps_c32"] / nginx["rps_c32"] if proxied else None
+    vs_bare = r["rps_c32"] / bare["rps_c32"] if bare and proxied else None
     size = "1 KB" if r["body_bytes"] == 1000 else "100 KB"
-    lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {f(ratio)} | {f(vs_bare)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {f(r['peak_rss_mib'],1)} | {r['non_2xx']} |")
+    rss = f"{f(r['idle_rss_mib'],1)} / {f(r['peak_rss_mib'],1)}" if proxied else "n/a"
+    each = ", ".join(f"{v:.0f}" for v in r["rps_c32_runs"])
+    lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {each} | {f(ratio)} | {f(vs_bare)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {rss} | {f(r['other_cpu_cores'])} | {r['non_2xx']} |")
+sc = open(scaling).read().strip()
+lines += ["", "Scaling (kvroute, 1 KB chat, `threads: 1` on one core against `threads: 2` on two):", ""]
+if sc.startswith("skipped"):
+    lines.append(sc)
+else:
+    v = dict(l.split() for l in sc.splitlines())
+    lines.append(f"1 thread {float(v['1']):.0f} req/s, 2 threads {float(v['2']):.0f} req/s: {float(v['2'])/float(v['1']):.2f}x")
 open(os.path.join(out, "overhead.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY

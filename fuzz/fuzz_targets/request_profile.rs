@@ -1,6 +1,7 @@
 //! The request parser and canonicaliser on arbitrary bytes: whatever a client sends, `profile`
 //! returns a profile or an error, never panics, and a profile is consistent with the input
-//! (the prefix blocks of a request with a reply start with the request's own blocks).
+//! (the prefix blocks of a request with a reply start with the request's own blocks, and the
+//! profile's own continuation gives the same blocks as parsing the body again).
 #![no_main]
 
 use kvroute::request::{self, Endpoint};
@@ -25,5 +26,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(with_reply) = request::blocks_with_reply(endpoint, body, "a reply", block) {
         assert!(with_reply.len() >= p.prefix_blocks.len());
         assert_eq!(&with_reply[..p.prefix_blocks.len()], &p.prefix_blocks[..]);
+        // The profile continues its own stream to the same blocks, without a second parse.
+        assert_eq!(p.reply_blocks("a reply"), Some(with_reply));
     }
 });

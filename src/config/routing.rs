@@ -72,7 +72,7 @@ pub struct RoutingConfig {
     /// (vLLM, llama.cpp) once they hold enough evidence; the configured rate is the prior.
     pub learn_prefill_rate: bool,
     /// Count a prompt's tokens when its canonical text is at most this many bytes, inline on
-    /// the proxy's worker thread (~0.1 ms per KB).
+    /// the proxy's worker thread (~0.1 ms per KB). 0 (the default): none.
     pub count_tokens_max_bytes: usize,
     /// Count larger prompts, up to this many bytes, on a blocking thread while the request
     /// waits; larger ones are estimated from their size. 0: never off-thread. With both limits
@@ -125,8 +125,11 @@ impl Default for RoutingConfig {
             lora_load_ms: 200,
             min_prefix_saving_tokens: 1024,
             learn_prefill_rate: true,
-            count_tokens_max_bytes: 8192,
-            count_tokens_offthread_max_bytes: 1 << 20,
+            // Off: a count costs ~0.1 ms per KB of prompt, several times kvroute's whole
+            // per-request work, and placement measured the same with sized estimates (bytes
+            // times the tokens per byte the engines report), bench/README "Proxy cost".
+            count_tokens_max_bytes: 0,
+            count_tokens_offthread_max_bytes: 0,
             tokenizer: O200K_BASE.to_string(),
             tokenizer_pattern: None,
         }
@@ -162,6 +165,13 @@ impl RoutingConfig {
                     "`{}` is neither {O200K_BASE} nor an absolute path to a tiktoken rank file",
                     self.tokenizer
                 ),
+            ));
+        }
+        if self.tokenizer != O200K_BASE && !self.counts_tokens() {
+            return Err(err(
+                "kvroute.routing.tokenizer",
+                "names a rank file, but nothing is counted (counting is off by default): set \
+                 count_tokens_max_bytes and/or count_tokens_offthread_max_bytes",
             ));
         }
         match &self.tokenizer_pattern {
@@ -231,20 +241,23 @@ mod tests {
     #[test]
     fn token_counting_defaults() {
         let r = routing("    policy: kv_aware\n").unwrap().routing;
-        assert_eq!(r.count_tokens_max_bytes, 8192);
-        assert_eq!(r.count_tokens_offthread_max_bytes, 1 << 20);
+        assert_eq!(r.count_tokens_max_bytes, 0);
+        assert_eq!(r.count_tokens_offthread_max_bytes, 0);
         assert_eq!(
             (r.tokenizer.as_str(), r.tokenizer_pattern.as_deref()),
             ("o200k_base", None)
         );
-        assert!(r.counts_tokens());
-        let off = "    count_tokens_max_bytes: 0\n    count_tokens_offthread_max_bytes: 0\n";
-        assert!(!routing(off).unwrap().routing.counts_tokens());
+        assert!(!r.counts_tokens());
+        let on =
+            "    count_tokens_max_bytes: 8192\n    count_tokens_offthread_max_bytes: 1048576\n";
+        assert!(routing(on).unwrap().routing.counts_tokens());
         // Everything off-thread, nothing inline, is a valid choice.
-        let r = routing("    count_tokens_max_bytes: 0\n").unwrap().routing;
+        let r = routing("    count_tokens_offthread_max_bytes: 65536\n")
+            .unwrap()
+            .routing;
         assert!(r.counts_tokens());
         let file =
-            "    tokenizer: /etc/kvroute/llama3.tiktoken\n    tokenizer_pattern: cl100k_base\n";
+            "    tokenizer: /etc/kvroute/llama3.tiktoken\n    tokenizer_pattern: cl100k_base\n    count_tokens_max_bytes: 8192\n";
         let r = routing(file).unwrap().routing;
         assert_eq!(r.tokenizer, "/etc/kvroute/llama3.tiktoken");
         assert_eq!(r.tokenizer_pattern.as_deref(), Some("cl100k_base"));
@@ -259,7 +272,7 @@ mod tests {
                 "at most 16777216",
             ),
             (
-                "    count_tokens_offthread_max_bytes: 4096\n",
+                "    count_tokens_max_bytes: 8192\n    count_tokens_offthread_max_bytes: 4096\n",
                 "kvroute.routing.count_tokens_offthread_max_bytes",
                 "at least count_tokens_max_bytes",
             ),
@@ -274,12 +287,17 @@ mod tests {
                 "neither o200k_base",
             ),
             (
+                "    tokenizer: /t.tiktoken\n",
+                "kvroute.routing.tokenizer",
+                "nothing is counted",
+            ),
+            (
                 "    tokenizer_pattern: cl100k_base\n",
                 "kvroute.routing.tokenizer_pattern",
                 "rank file only",
             ),
             (
-                "    tokenizer: /t.tiktoken\n    tokenizer_pattern: \"\"\n",
+                "    tokenizer: /t.tiktoken\n    tokenizer_pattern: \"\"\n    count_tokens_max_bytes: 8192\n",
                 "kvroute.routing.tokenizer_pattern",
                 "empty",
             ),

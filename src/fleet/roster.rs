@@ -361,6 +361,11 @@ impl Fleet {
             .ready(&self.backends[i].lb_backend)
     }
 
+    /// Backend `i` is healthy and not ejected: placement may use it.
+    pub fn available(&self, i: usize, now: Instant) -> bool {
+        self.healthy(i) && self.backends.get(i).is_some_and(|b| !b.ejected(now))
+    }
+
     /// Current health and load of every backend, in ring-index order. An ejected backend
     /// counts as unhealthy.
     pub fn loads(&self) -> Vec<BackendLoad> {
@@ -371,7 +376,7 @@ impl Fleet {
             .map(|(i, b)| {
                 let engine = b.telemetry().fresh(self.stale_after);
                 BackendLoad {
-                    healthy: self.healthy(i) && !b.ejected(now),
+                    healthy: self.available(i, now),
                     weight: b.weight,
                     inflight: b.inflight(),
                     queued_prefill: b.queued_prefill(),

@@ -244,6 +244,7 @@ mod tests {
             session_source: SessionSource::Content,
             has_history: false,
             prefix_blocks: vec![],
+            tail: None,
             prompt_bytes: prompt as usize * 4,
             est_prompt_tokens: prompt,
             est_output_tokens: 100,

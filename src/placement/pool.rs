@@ -105,6 +105,7 @@ mod tests {
                     session_source: SessionSource::Content,
                     has_history: false,
                     prefix_blocks: vec![],
+                    tail: None,
                     prompt_bytes: 0,
                     est_prompt_tokens: 0,
                     est_output_tokens: 0,

@@ -8,7 +8,7 @@ use pingora::Error;
 use super::ctx::Ctx;
 use super::metrics::ProxyMetrics;
 use crate::edge::EdgeState;
-use crate::request::{self, TokenEstimator, DEFAULT_BLOCK_BYTES};
+use crate::request::TokenEstimator;
 
 /// The request is over, however it ended: release its charge, teach the fleet what the
 /// response showed, settle the caller's quota, count it and write the access log line.
@@ -56,17 +56,14 @@ pub(super) fn end_request(
             .observe(t.as_secs_f64());
     }
     // The engine now also holds the reply's KV: the next turn's prefix.
-    if let (Some(i), Some(p), Some(body), Some(reply), 200) = (
+    if let (Some(i), Some(p), Some(reply), 200) = (
         ctx.attempts.backend,
         &ctx.route.profile,
-        &ctx.route.body,
         ctx.tap.usage.as_ref().and_then(|t| t.reply.as_deref()),
         status,
     ) {
         if !reply.is_empty() {
-            if let Ok(blocks) =
-                request::blocks_with_reply(p.endpoint, body, reply, DEFAULT_BLOCK_BYTES)
-            {
+            if let Some(blocks) = p.reply_blocks(reply) {
                 fleet.record(i, &blocks);
             }
         }
@@ -132,8 +129,11 @@ pub(super) fn end_request(
         access_log::write_json(&entry, &m.access_log_dropped);
         return;
     }
-    log::info!(
-        target: "kvroute::access",
+    if !log::log_enabled!(target: "kvroute::access", log::Level::Info) {
+        return;
+    }
+    let line =
+        format!(
         "{} \"{} {}\" {} backend={} reason={} attempts={} dur_ms={:.1} ttft_ms={} body_bytes={}{}",
         client,
         req.method,
@@ -147,6 +147,7 @@ pub(super) fn end_request(
         ctx.route.body.as_ref().map_or(0, |b| b.len()),
         e.map_or_else(String::new, |e| format!(" error=\"{e}\"")),
     );
+    access_log::write_text(line, &m.access_log_dropped);
 }
 
 fn unix_now() -> f64 {

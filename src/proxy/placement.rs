@@ -181,15 +181,19 @@ impl Placer<'_> {
     /// Every eligible (healthy, untried) backend of the request's model is at its hard cap.
     pub fn saturated(&self, ctx: &Ctx) -> bool {
         let cap = ctx.generation.config.limits.backend_max_inflight;
-        let loads = ctx.generation.fleet.loads();
+        let fleet = &ctx.generation.fleet;
         let pool = ctx.route.pool.as_ref();
-        let mut eligible = loads
+        let now = Instant::now();
+        // Checked before every placement: health and in-flight counts only, not the whole
+        // load snapshot placement builds.
+        let mut eligible = fleet
+            .backends()
             .iter()
             .enumerate()
             .filter(|(i, _)| pool.is_none_or(|p| p.local(*i).is_some()))
-            .filter(|(i, b)| b.healthy && !ctx.attempts.tried.contains(i))
+            .filter(|(i, _)| !ctx.attempts.tried.contains(i) && fleet.available(*i, now))
             .peekable();
-        eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight >= cap * b.weight as u64)
+        eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight() >= cap * b.weight as u64)
     }
 
     /// Wait in the router queue while every eligible backend is at its hard cap.

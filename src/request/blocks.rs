@@ -58,6 +58,42 @@ impl BlockHasher {
     pub fn finish(self) -> Vec<u64> {
         self.hashes
     }
+
+    /// The full blocks' hashes, and where the stream stands after them (to be continued).
+    pub fn split(self) -> (Vec<u64>, BlockTail) {
+        let tail = BlockTail {
+            block: self.block,
+            buf: self.buf,
+            prev: self.prev,
+        };
+        (self.hashes, tail)
+    }
+}
+
+/// A block hasher's state past its last full block: what continuing the same stream needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockTail {
+    block: usize,
+    buf: Vec<u8>,
+    prev: u64,
+}
+
+impl BlockTail {
+    /// The hashes of the stream continued with `parts`: `prefix` (the hashes the stream had
+    /// at this tail) followed by those of the blocks the new bytes complete.
+    pub fn continued(&self, prefix: &[u64], parts: &[&[u8]]) -> Vec<u64> {
+        let mut h = BlockHasher {
+            block: self.block,
+            buf: self.buf.clone(),
+            prev: self.prev,
+            hashes: Vec::with_capacity(prefix.len() + 1),
+        };
+        h.hashes.extend_from_slice(prefix);
+        for p in parts {
+            h.write(p);
+        }
+        h.finish()
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ pub mod surface;
 mod tokens;
 pub(crate) mod usage;
 
-pub use blocks::{BlockHasher, DEFAULT_BLOCK_BYTES};
+pub use blocks::{BlockHasher, BlockTail, DEFAULT_BLOCK_BYTES};
 pub use tokens::{CountLimits, Method, TokenEstimate, TokenEstimator, TokenMetrics};
 
 /// Which OpenAI endpoint a routed request is for.
@@ -44,6 +44,17 @@ pub enum SessionSource {
     Content,
 }
 
+/// How the engine's reply continues a prompt's canonical stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplyMode {
+    /// A chat: an assistant message after the others.
+    Chat,
+    /// A string prompt: the reply's text right after it.
+    Continue,
+    /// A list prompt: kvroute does not follow its reply.
+    None,
+}
+
 /// Everything placement needs to know about one request.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestProfile {
@@ -61,9 +72,28 @@ pub struct RequestProfile {
     pub has_history: bool,
     /// Chained hashes of the canonical prompt's full blocks.
     pub prefix_blocks: Vec<u64>,
+    /// The canonical stream past those blocks, and how a reply continues it: the blocks of
+    /// prompt + reply without parsing the body again.
+    pub tail: Option<(BlockTail, ReplyMode)>,
     pub prompt_bytes: usize,
     pub est_prompt_tokens: u64,
     pub est_output_tokens: u64,
+}
+
+impl RequestProfile {
+    /// The blocks of this prompt followed by `reply`, which the engine holds once it has
+    /// answered: what [`blocks_with_reply`] computes from the body, without parsing it again.
+    pub fn reply_blocks(&self, reply: &str) -> Option<Vec<u64>> {
+        let (tail, mode) = self.tail.as_ref()?;
+        Some(match mode {
+            ReplyMode::Chat => tail.continued(
+                &self.prefix_blocks,
+                &[b"assistant", &[0x1f], reply.as_bytes(), &[0x1f]],
+            ),
+            ReplyMode::Continue => tail.continued(&self.prefix_blocks, &[reply.as_bytes()]),
+            ReplyMode::None => self.prefix_blocks.clone(),
+        })
+    }
 }
 
 /// Header carrying an explicit session key.
@@ -325,6 +355,7 @@ fn build(
     }
 
     let mut has_history = false;
+    let mut reply_mode = ReplyMode::Chat;
     let content_key = match endpoint {
         Endpoint::Chat => {
             let messages = match &parsed.messages {
@@ -356,7 +387,7 @@ fn build(
             let prompt = parsed
                 .prompt
                 .ok_or_else(|| bad("missing_prompt", "`prompt` is required"))?;
-            write_prompt(&mut canon, prompt, reply)?;
+            reply_mode = write_prompt(&mut canon, prompt, reply)?;
             None
         }
     };
@@ -377,6 +408,7 @@ fn build(
     };
 
     let prompt_bytes = canon.bytes;
+    let (prefix_blocks, tail) = std::mem::replace(&mut canon.blocks, BlockHasher::new(1)).split();
     let (est_prompt_tokens, text) = if canon.token_ids > 0 {
         (canon.token_ids, PromptText::TokenIds)
     } else {
@@ -400,7 +432,8 @@ fn build(
         session_key,
         session_source,
         has_history,
-        prefix_blocks: canon.blocks.finish(),
+        prefix_blocks,
+        tail: Some((tail, reply_mode)),
         prompt_bytes,
         est_prompt_tokens,
         est_output_tokens: parsed
@@ -462,7 +495,11 @@ fn write_content(canon: &mut Canon, content: Option<&Content>, idx: usize) -> Re
     Ok(())
 }
 
-fn write_prompt(canon: &mut Canon, prompt: &RawValue, reply: Option<&str>) -> Result<(), ApiError> {
+fn write_prompt(
+    canon: &mut Canon,
+    prompt: &RawValue,
+    reply: Option<&str>,
+) -> Result<ReplyMode, ApiError> {
     let text = prompt.get();
     let invalid = || {
         bad(
@@ -483,6 +520,7 @@ fn write_prompt(canon: &mut Canon, prompt: &RawValue, reply: Option<&str>) -> Re
                 }
                 None => canon.write(s.as_bytes()),
             }
+            Ok(ReplyMode::Continue)
         }
         Some(b'[') => {
             let items: Vec<&RawValue> = serde_json::from_str(text).map_err(|_| invalid())?;
@@ -504,10 +542,10 @@ fn write_prompt(canon: &mut Canon, prompt: &RawValue, reply: Option<&str>) -> Re
                     }
                 }
             }
+            Ok(ReplyMode::None)
         }
-        _ => return Err(invalid()),
+        _ => Err(invalid()),
     }
-    Ok(())
 }
 
 fn write_ids(canon: &mut Canon, ids: &[u32]) {
@@ -717,6 +755,33 @@ mod tests {
             let next =
                 blocks_with_reply(Endpoint::Completions, body.as_bytes(), "reply", 16).unwrap();
             assert_eq!(&next[..own.len()], &own[..], "prompt of {n} bytes");
+        }
+    }
+
+    proptest::proptest! {
+        /// Continuing the profile's own stream gives the blocks a second parse of the body with
+        /// the reply gives, for chats, string and list prompts of any length.
+        #[test]
+        fn reply_blocks_equal_a_second_parse(
+            texts in proptest::collection::vec("[a-z \\n\u{e9}\u{1F600}]{0,90}", 1..5),
+            reply in "[a-z \u{e9}]{0,300}",
+            block in proptest::sample::select(vec![16usize, 64, 256]),
+            kind in 0u8..3,
+        ) {
+            let body = match kind {
+                0 => {
+                    let msgs: Vec<_> = texts.iter().enumerate().map(|(i, t)| {
+                        json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": t})
+                    }).collect();
+                    json!({"model":"m","messages":msgs})
+                }
+                1 => json!({"model":"m","prompt":texts.concat()}),
+                _ => json!({"model":"m","prompt":texts}),
+            }.to_string();
+            let endpoint = if kind == 0 { Endpoint::Chat } else { Endpoint::Completions };
+            let p = profile(endpoint, body.as_bytes(), None, block).unwrap();
+            let again = blocks_with_reply(endpoint, body.as_bytes(), &reply, block).unwrap();
+            proptest::prop_assert_eq!(p.reply_blocks(&reply), Some(again));
         }
     }
 }

@@ -302,6 +302,9 @@ pub(super) mod tests {
     #[test]
     fn the_config_names_the_tables() {
         let mut cfg = RoutingConfig::default();
+        // Counting is off by default: no tables.
+        assert_eq!(Tokenizer::of(&cfg), None);
+        cfg.count_tokens_max_bytes = 8192;
         assert_eq!(Tokenizer::of(&cfg), Some(Tokenizer::O200kBase));
         cfg.tokenizer = "/x/llama3.tiktoken".into();
         cfg.tokenizer_pattern = Some("cl100k_base".into());

@@ -235,7 +235,7 @@ fn a_bad_rank_file_stops_the_start() {
 #[test]
 fn o200k_loads_once_the_process_runs_unless_a_reload_moved_on() {
     let t = TokenEstimator::default();
-    t.start(&RoutingConfig::default()).unwrap();
+    t.start(&routing("o200k_base", 8192, 1 << 20)).unwrap();
     assert!(t.tables.load().is_none(), "noted, not loaded");
     t.load_pending();
     assert_eq!(
@@ -245,7 +245,7 @@ fn o200k_loads_once_the_process_runs_unless_a_reload_moved_on() {
 
     // A reload turned counting off before the load ran: it loads nothing.
     let t = TokenEstimator::default();
-    t.start(&RoutingConfig::default()).unwrap();
+    t.start(&routing("o200k_base", 8192, 1 << 20)).unwrap();
     t.install(None, None);
     t.load_pending();
     assert!(t.tables.load().is_none());
