@@ -150,15 +150,20 @@ fn kv_aware(c: &mut Criterion) {
         index.bytes() as f64 / index.blocks() as f64
     );
     let mut matched = vec![0u32; n];
+    // As the fleet reports matches to placement: tokens.
+    let block_tokens = params.block_tokens;
+    let tokens_of =
+        |m: &[u32]| -> Vec<u64> { m.iter().map(|&b| b as u64 * block_tokens).collect() };
     c.bench_function("kv_aware_decision/100000B_64backends_1Mblocks", |bench| {
         bench.iter(|| {
             let p =
                 request::profile(Endpoint::Chat, black_box(&b), None, DEFAULT_BLOCK_BYTES).unwrap();
             index.longest_matches(&p.prefix_blocks, &mut matched);
+            let tokens = tokens_of(&matched);
             let snap = Snapshot {
                 backends: &loads,
                 ring: &ring,
-                matched: &matched,
+                matched: &tokens,
             };
             black_box(placement::choose(&params, &p, &snap, &[], 0))
         })
@@ -184,10 +189,11 @@ fn kv_aware(c: &mut Criterion) {
                 let p = request::profile(Endpoint::Chat, black_box(&b), None, DEFAULT_BLOCK_BYTES)
                     .unwrap();
                 index.longest_matches(&p.prefix_blocks, &mut matched);
+                let tokens = tokens_of(&matched);
                 let snap = Snapshot {
                     backends: &loads,
                     ring: &ring,
-                    matched: &matched,
+                    matched: &tokens,
                 };
                 black_box(placement::choose_in(&params, &p, &snap, &pool, &[], 0))
             })

@@ -53,6 +53,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         // The demo runs no peer router.
         peer_venv: PathBuf::new(),
         sim_tokenizer: None,
+        kv_events: false,
     };
     compare::run(args).await
 }

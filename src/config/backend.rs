@@ -4,6 +4,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 
 use super::error::{err, parse_addr, ConfigError};
+use super::kv_events::{validate_endpoint, BackendKvEvents};
 
 /// Which engine's metric names a backend's `/metrics` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -47,6 +48,10 @@ pub struct BackendConfig {
     /// plaintext HTTP/1.1.
     #[serde(default)]
     pub tls: Option<BackendTlsConfig>,
+    /// Follow this engine's KV-cache events (with `kvroute.kv_events` set): placement then
+    /// knows exactly which prefixes it caches.
+    #[serde(default)]
+    pub kv_events: Option<BackendKvEvents>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -128,6 +133,18 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
                 format!("kvroute.backends[{i}].models"),
                 "model names must not be empty",
             ));
+        }
+        if let Some(k) = &b.kv_events {
+            validate_endpoint(
+                &format!("kvroute.backends[{i}].kv_events.endpoint"),
+                &k.endpoint,
+            )?;
+            if let Some(r) = &k.replay_endpoint {
+                validate_endpoint(
+                    &format!("kvroute.backends[{i}].kv_events.replay_endpoint"),
+                    r,
+                )?;
+            }
         }
         if let Some(t) = &b.tls {
             if t.sni.trim().is_empty() {

@@ -12,6 +12,7 @@ use super::access::AccessConfig;
 use super::backend::{self, BackendConfig};
 use super::error::{err, parse_addr, ConfigError};
 use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
+use super::kv_events::KvEventsConfig;
 use super::limits::{LimitsConfig, TimeoutsConfig};
 use super::log::LogConfig;
 use super::passthrough::PassthroughConfig;
@@ -62,6 +63,10 @@ pub struct Config {
     /// The access log's format.
     #[serde(default)]
     pub log: LogConfig,
+    /// How requests are matched against the engines' KV events; absent: backends'
+    /// `kv_events` are not followed.
+    #[serde(default)]
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 fn default_admin_listen() -> String {
@@ -121,6 +126,9 @@ impl Config {
         }
         self.outlier.validate()?;
         self.passthrough.validate()?;
+        if let Some(k) = &self.kv_events {
+            k.validate()?;
+        }
         self.timeouts.validate()
     }
 

@@ -7,6 +7,7 @@ mod backend;
 mod error;
 mod file;
 mod health;
+mod kv_events;
 mod limits;
 mod log;
 mod passthrough;
@@ -21,6 +22,7 @@ pub use backend::{
 pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
 pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
+pub use kv_events::{BackendKvEvents, KvEventsConfig};
 pub use limits::{LimitsConfig, TimeoutsConfig};
 pub use log::{LogConfig, LogFormat};
 pub use passthrough::{path_matches, AllowRule, PassthroughConfig};

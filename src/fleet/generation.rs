@@ -7,18 +7,26 @@ use std::sync::Arc;
 
 use super::roster::Fleet;
 use crate::config::Config;
+use crate::request::engine_tokens::EngineTokenizer;
 
 pub struct Generation {
     pub config: Config,
     /// Shared with the scrape loop's tasks, which outlive a generation's swap.
     pub fleet: Arc<Fleet>,
+    /// The engines' chat template and tokenizer (`kvroute.kv_events`), loaded with the config.
+    pub engine_tokens: Option<Arc<EngineTokenizer>>,
 }
 
 impl Generation {
-    pub fn new(config: Config, fleet: Fleet) -> Generation {
+    pub fn new(
+        config: Config,
+        fleet: Fleet,
+        engine_tokens: Option<Arc<EngineTokenizer>>,
+    ) -> Generation {
         Generation {
             config,
             fleet: Arc::new(fleet),
+            engine_tokens,
         }
     }
 }

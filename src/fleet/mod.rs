@@ -7,6 +7,7 @@ mod backend;
 mod error;
 mod generation;
 mod health;
+pub mod kv_events;
 pub(crate) mod learn;
 mod metrics;
 pub mod models;

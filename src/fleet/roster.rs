@@ -21,32 +21,34 @@ use super::telemetry::{EngineStats, LoraInfo};
 use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::placement::index::MAX_BACKENDS;
-use crate::placement::{BackendLoad, Pool, PrefixIndex, Ring};
+use crate::placement::{BackendLoad, ExactIndex, Pool, PrefixIndex, Ring, SyncState};
 
 /// The prefix index and which backend owns each of its slots. Owners are checked on every
 /// write, so a request placed by an older fleet cannot teach a reassigned slot.
-struct Beliefs {
-    index: PrefixIndex,
-    owner: Vec<Option<SocketAddr>>,
+pub(super) struct Beliefs {
+    pub(super) index: PrefixIndex,
+    /// What the engines' KV events say they cache.
+    pub(super) exact: ExactIndex,
+    pub(super) owner: Vec<Option<SocketAddr>>,
 }
 
 /// What outlives a fleet generation: health checking and the prefix index.
-struct Shared {
+pub(super) struct Shared {
     lb: Arc<LoadBalancer<RoundRobin>>,
     membership: Membership,
     /// Which backends the health checker reaches over TLS.
     tls_targets: TlsTargets,
     /// Bumped whenever an engine lists other models: model pools are rebuilt.
     models_version: AtomicU64,
-    beliefs: Mutex<Beliefs>,
+    pub(super) beliefs: Mutex<Beliefs>,
 }
 
 pub struct Fleet {
     backends: Vec<Arc<BackendState>>,
     ring: Ring,
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     tickets: AtomicU64,
-    block_tokens: u64,
+    pub(super) block_tokens: u64,
     stale_after: Duration,
     /// The median learned prefill rate (f64 bits; 0 while none is): a backend whose engine
     /// has not yet said is assumed at least this fast, so that it gets the traffic it needs to
@@ -112,6 +114,7 @@ impl Fleet {
             models_version: AtomicU64::new(0),
             beliefs: Mutex::new(Beliefs {
                 index: PrefixIndex::new(&[]),
+                exact: ExactIndex::default(),
                 owner: Vec::new(),
             }),
         });
@@ -164,11 +167,16 @@ impl Fleet {
                 .beliefs
                 .lock()
                 .map_err(|_| FleetError::IndexPoisoned)?;
-            let Beliefs { index, owner } = &mut *beliefs;
+            let Beliefs {
+                index,
+                exact,
+                owner,
+            } = &mut *beliefs;
             // Free the slots of removed backends first so added ones can reuse them.
             for b in previous.iter().filter(|b| !kept.contains(&b.addr)) {
                 if let Some(s) = b.slot {
                     index.purge(s);
+                    exact.reset(s, SyncState::Off);
                     owner[s] = None;
                 }
             }
@@ -197,6 +205,7 @@ impl Fleet {
                         if let Some(s) = slot {
                             owner[s] = Some(addr);
                             index.open_slot(s, capacity_blocks(b, None, block_tokens));
+                            exact.reset(s, SyncState::Off);
                         }
                         (slot, Arc::new(Live::new()))
                     }
@@ -375,18 +384,19 @@ impl Fleet {
             .enumerate()
             .map(|(i, b)| {
                 let engine = b.telemetry().fresh(self.stale_after);
+                let inflight = b.inflight();
                 BackendLoad {
                     healthy: self.available(i, now),
                     weight: b.weight,
-                    inflight: b.inflight(),
+                    inflight,
                     queued_prefill: b.queued_prefill(),
                     decoding: b.decoding(),
                     prefill_rate: self.prefill_rate(i),
                     decode_step_s: b.decode_step_seconds().unwrap_or(0.0),
-                    engine_load: engine.and_then(|e| match (e.running, e.waiting) {
-                        (None, None) => None,
-                        (r, w) => Some((r.unwrap_or(0.0) + w.unwrap_or(0.0)).max(0.0) as u64),
-                    }),
+                    engine_load: b
+                        .telemetry()
+                        .others_load(self.stale_after)
+                        .map(|others| others + inflight),
                     kv_usage: engine.and_then(|e| e.kv_usage),
                     adapter_load_s: 0.0,
                 }
@@ -429,21 +439,6 @@ impl Fleet {
             })
             .ok()?;
         Some(InflightGuard::new(backend.live.clone(), prefill))
-    }
-
-    /// Per backend, how many of `blocks` (a request's prefix) its index holds.
-    pub fn matches(&self, blocks: &[u64]) -> Vec<u32> {
-        let mut out = vec![0; self.backends.len()];
-        if let Ok(beliefs) = self.shared.beliefs.lock() {
-            let mut by_slot = vec![0; beliefs.index.slots()];
-            beliefs.index.longest_matches(blocks, &mut by_slot);
-            for (m, b) in out.iter_mut().zip(&self.backends) {
-                if let Some(&n) = b.slot.and_then(|s| by_slot.get(s)) {
-                    *m = n;
-                }
-            }
-        }
-        out
     }
 
     /// Believe that backend `i` now caches `blocks` (it is being sent them).
@@ -499,7 +494,7 @@ impl Fleet {
         if let Some(m) = lora.as_ref().and_then(|l| l.max_loras) {
             b.set_max_loras(m);
         }
-        b.telemetry().store(stats, lora);
+        b.telemetry().store(stats, lora, b.inflight());
     }
 
     pub fn stale_after(&self) -> Duration {
@@ -565,6 +560,7 @@ impl Fleet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::BLOCK_BYTES;
     use crate::fleet::learn::PrefillCounters;
 
     fn fleet() -> Fleet {
@@ -728,9 +724,10 @@ mod tests {
         // Drop b, add c: c takes b's freed slot and must not inherit its beliefs.
         let f2 = f1.reload(&cfg(&[c, a])).unwrap();
         assert_eq!(f2.backends()[1].name, a);
+        let bt = BLOCK_BYTES as u64 / 4;
         assert_eq!(
-            f2.matches(&blocks),
-            vec![0, 3],
+            f2.matches(&blocks, None).tokens,
+            vec![0, 3 * bt],
             "a keeps its prefix, c starts empty"
         );
         assert_eq!(
@@ -750,9 +747,9 @@ mod tests {
 
         // A request placed by the old fleet on b cannot teach c's slot.
         f1.record(1, &blocks);
-        assert_eq!(f2.matches(&blocks)[0], 0);
+        assert_eq!(f2.matches(&blocks, None).tokens[0], 0);
         f2.record(0, &blocks);
-        assert_eq!(f2.matches(&blocks), vec![3, 3]);
+        assert_eq!(f2.matches(&blocks, None).tokens, vec![3 * bt, 3 * bt]);
         assert_eq!(f2.index_size().0, 6);
     }
 }

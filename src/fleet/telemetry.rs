@@ -40,6 +40,9 @@ pub struct Sample {
     /// What the engine says of its LoRA adapters ([`parse_lora`]).
     pub lora: Option<LoraInfo>,
     pub at: Instant,
+    /// This kvroute's requests in flight there when the sample arrived: the engine's count
+    /// less these is what other routers (replicas) had sent.
+    pub own_inflight: u64,
 }
 
 /// The latest sample of one backend, readable without a lock on the request path.
@@ -60,12 +63,26 @@ impl Slot {
         self.0.load().as_ref().map(|s| s.at.elapsed())
     }
 
-    pub fn store(&self, stats: EngineStats, lora: Option<LoraInfo>) {
+    pub fn store(&self, stats: EngineStats, lora: Option<LoraInfo>, own_inflight: u64) {
         self.0.store(Some(Arc::new(Sample {
             stats,
             lora,
             at: Instant::now(),
+            own_inflight,
         })));
+    }
+
+    /// Requests the engine had running or waiting that this kvroute did not send, as of a
+    /// fresh sample: another replica's load, which placement adds to its own current count.
+    /// Taking the engine's count as it was would miss what this kvroute sent since.
+    pub fn others_load(&self, stale_after: Duration) -> Option<u64> {
+        let g = self.0.load();
+        let s = g.as_ref().filter(|s| s.at.elapsed() <= stale_after)?;
+        let engine = match (s.stats.running, s.stats.waiting) {
+            (None, None) => return None,
+            (r, w) => (r.unwrap_or(0.0) + w.unwrap_or(0.0)).max(0.0) as u64,
+        };
+        Some(engine.saturating_sub(s.own_inflight))
     }
 
     /// The adapters the latest sample has running.
@@ -428,8 +445,28 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
                 ..Default::default()
             },
             None,
+            0,
         );
         assert!(slot.fresh(Duration::from_secs(1)).is_some());
         assert!(slot.fresh(Duration::ZERO).is_none());
+        assert!(slot.others_load(Duration::ZERO).is_none());
+    }
+
+    #[test]
+    fn others_load_is_the_engine_count_less_our_own_at_the_sample() {
+        let slot = Slot::default();
+        let stats = |running, waiting| EngineStats {
+            running,
+            waiting,
+            ..Default::default()
+        };
+        let fresh = Duration::from_secs(60);
+        slot.store(stats(None, None), None, 3);
+        assert_eq!(slot.others_load(fresh), None, "no count exported");
+        slot.store(stats(Some(7.0), Some(2.0)), None, 4);
+        assert_eq!(slot.others_load(fresh), Some(5));
+        // The engine had not yet seen some of ours: nobody else's.
+        slot.store(stats(Some(2.0), None), None, 4);
+        assert_eq!(slot.others_load(fresh), Some(0));
     }
 }

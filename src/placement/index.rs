@@ -35,7 +35,7 @@ impl Hasher for IdentityHasher {
     }
 }
 
-type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdentityHasher>>;
+pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdentityHasher>>;
 
 const NIL: u32 = u32::MAX;
 

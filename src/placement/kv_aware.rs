@@ -74,7 +74,7 @@ pub(super) fn choose(
 ) -> Option<Decision> {
     let n = snap.backends.len();
     let unit = params.work_unit_tokens.max(1) as f64;
-    let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0) as u64 * params.block_tokens;
+    let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0);
     // Fresh engine telemetry counts requests other routers sent there too.
     let work = |i: usize| {
         let b = &snap.backends[i];
@@ -255,11 +255,16 @@ mod tests {
         Params::new(PolicyKind::KvAware, 0.5, 1)
     }
 
+    /// `matched`: blocks of the approximate index's size.
     fn pick(loads: &[BackendLoad], r: &Ring, matched: &[u32], p: &RequestProfile) -> Decision {
+        let tokens: Vec<u64> = matched
+            .iter()
+            .map(|&m| m as u64 * params().block_tokens)
+            .collect();
         let snap = Snapshot {
             backends: loads,
             ring: r,
-            matched,
+            matched: &tokens,
         };
         policy_choose(&params(), p, &snap, &[], 0).unwrap()
     }
@@ -478,7 +483,7 @@ mod tests {
             key in any::<u64>(),
             prompt in 1u64..60_000,
             loads in proptest::collection::vec((0u64..20, 0u64..100_000, 0u64..50, any::<bool>()), 9),
-            matched in proptest::collection::vec(0u32..1000, 9),
+            matched in proptest::collection::vec(0u64..64_000, 9),
         ) {
             let r = ring(n);
             let mut bl: Vec<BackendLoad> = loads[..n].iter().map(|&(inflight, q, dec, up)| BackendLoad {

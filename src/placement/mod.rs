@@ -8,6 +8,7 @@ use crate::request::RequestProfile;
 
 mod bounded_hash;
 mod decision;
+pub mod exact;
 pub(crate) mod index;
 mod kv_aware;
 mod least_load;
@@ -19,6 +20,7 @@ mod snapshot;
 
 pub use crate::config::PolicyKind;
 pub use decision::{Decision, Params, Reason};
+pub use exact::{ExactIndex, SyncState};
 pub use index::PrefixIndex;
 pub use kv_aware::Terms;
 pub use pool::{choose_in, Pool};

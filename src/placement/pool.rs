@@ -41,7 +41,7 @@ pub fn choose_in(
         return super::choose(params, profile, snap, excluded, ticket);
     };
     let loads: Vec<_> = pool.members.iter().map(|&i| snap.backends[i]).collect();
-    let matched: Vec<u32> = if snap.matched.is_empty() {
+    let matched: Vec<u64> = if snap.matched.is_empty() {
         Vec::new()
     } else {
         pool.members.iter().map(|&i| snap.matched[i]).collect()

@@ -17,7 +17,8 @@ pub struct BackendLoad {
     pub prefill_rate: f64,
     /// Seconds an engine step takes now (0 when unknown): the least a first token waits.
     pub decode_step_s: f64,
-    /// Requests the engine reports running + waiting (fresh telemetry only).
+    /// Requests at the engine from every router: what other routers had there at the last
+    /// fresh telemetry sample, plus this kvroute's in flight now (`None` without one).
     pub engine_load: Option<u64>,
     /// KV cache in use as the engine reports it, 0..1 (fresh telemetry only).
     pub kv_usage: Option<f64>,
@@ -48,7 +49,7 @@ impl BackendLoad {
 pub struct Snapshot<'a> {
     pub backends: &'a [BackendLoad],
     pub ring: &'a Ring,
-    /// Per backend, how many of this request's prefix blocks its index holds (empty when the
-    /// policy does not use the index).
-    pub matched: &'a [u32],
+    /// Per backend, how many of this request's prompt tokens it is believed to cache, from the
+    /// exact or the approximate index (empty when the policy does not use them).
+    pub matched: &'a [u64],
 }

@@ -8,6 +8,7 @@ use crate::edge::retry_budget::{Active, Retrying};
 use crate::edge::Caller;
 use crate::error::ApiError;
 use crate::fleet::adapters::AdapterHold;
+use crate::fleet::kv_events::ExactBlocks;
 use crate::fleet::{Generation, InflightGuard};
 use crate::placement::Pool;
 use crate::placement::Reason;
@@ -47,6 +48,27 @@ pub(super) struct Route {
     pub model_label: Option<String>,
     /// The backends of the request's model, looked up once at admission.
     pub pool: Option<Arc<Pool>>,
+    /// The prompt's token blocks as the engines name them, when it was tokenized in time.
+    pub exact: Option<ExactBlocks>,
+    /// Which index kv_aware's prediction for the chosen backend came from.
+    pub index: Option<IndexMode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum IndexMode {
+    /// The engine's KV events.
+    Exact,
+    /// What kvroute sent the backend.
+    Approximate,
+}
+
+impl IndexMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IndexMode::Exact => "exact",
+            IndexMode::Approximate => "approximate",
+        }
+    }
 }
 
 /// Where the request went and how each attempt ended.
@@ -73,6 +95,8 @@ pub(super) struct Charge {
     pub adapter: Option<AdapterHold>,
     /// Estimated uncached prompt tokens charged to the chosen backend.
     pub prefill: u64,
+    /// Prompt tokens kv_aware predicted cached on the backend it was sent to.
+    pub predicted_cached: Option<u64>,
     /// When the request went to its backend, and kv_aware's TTFT estimate for it there.
     pub dispatched: Option<Instant>,
     pub est_ttft_s: f64,

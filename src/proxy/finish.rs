@@ -101,6 +101,16 @@ pub(super) fn end_request(
         m.cached_prompt_tokens
             .with_label_values(&[&backend, ctx.model_label()])
             .inc_by(u.cached_tokens);
+        // Predicted and reported for the same requests, so their ratio scores each index.
+        if let (Some(index), Some(predicted)) = (ctx.route.index, ctx.charge.predicted_cached) {
+            let index = index.as_str();
+            m.cached_by_index
+                .with_label_values(&[index, "predicted"])
+                .inc_by(predicted);
+            m.cached_by_index
+                .with_label_values(&[index, "reported"])
+                .inc_by(u.cached_tokens);
+        }
     }
     // Counted last: a scrape that sees the request counted sees its histograms too.
     m.requests

@@ -24,6 +24,9 @@ pub struct ProxyMetrics {
     pub(super) token_estimate_ratio: HistogramVec,
     pub(super) queued_by_model: IntGaugeVec,
     pub(super) access_log_dropped: IntCounter,
+    pub(super) exact_tokenize: IntCounterVec,
+    pub(super) exact_tokenize_seconds: Histogram,
+    pub(super) cached_by_index: IntCounterVec,
 }
 
 impl ProxyMetrics {
@@ -129,7 +132,36 @@ impl ProxyMetrics {
                  engine; any other name is `other`).",
                 &["model"],
             )?,
+            exact_tokenize: counter_vec(
+                r,
+                "kvroute_exact_tokenize_total",
+                "Prompts tokenized as the engines do, for the exact index: tokenized, late (not \
+                 within kv_events.tokenize_budget_ms), busy (every slot taken), failed, \
+                 too_large. All but tokenized are placed on the approximate index.",
+                &["outcome"],
+            )?,
+            exact_tokenize_seconds: microseconds(
+                r,
+                "kvroute_exact_tokenize_seconds",
+                "How long a request waited for its prompt to be tokenized for the exact index.",
+            )?,
+            cached_by_index: counter_vec(
+                r,
+                "kvroute_cached_prompt_tokens_by_index_total",
+                "Cached prompt tokens of answered kv_aware requests, as predicted and as the \
+                 engine reported them, by the index the prediction came from (exact: the \
+                 engine's KV events; approximate: what kvroute sent).",
+                &["index", "source"],
+            )?,
         };
+        for outcome in ["tokenized", "late", "busy", "failed", "too_large"] {
+            m.exact_tokenize.with_label_values(&[outcome]);
+        }
+        for index in ["exact", "approximate"] {
+            for source in ["predicted", "reported"] {
+                m.cached_by_index.with_label_values(&[index, source]);
+            }
+        }
         for outcome in ["retried", "budget_exhausted", "attempts_exhausted"] {
             m.retries.with_label_values(&[outcome]);
         }

@@ -25,6 +25,7 @@ use crate::request::{self, PromptText, TokenEstimator, DEFAULT_BLOCK_BYTES, SESS
 
 mod access_log;
 mod ctx;
+mod exact;
 mod failures;
 mod finish;
 mod metrics;
@@ -254,6 +255,11 @@ impl ProxyHttp for Router {
                 if let Err(e) = self.placer().admit(ctx, &p) {
                     return reject(session, ctx, e, false).await;
                 }
+                if let Some(x) = exact::exact_blocks(ctx, &p, &body, &self.metrics).await {
+                    // The engine's own count, exactly.
+                    p.est_prompt_tokens = x.prompt_tokens;
+                    ctx.route.exact = Some(x);
+                }
                 // Engines report usage on streams only when asked; ask, and hide it again.
                 let body = match (p.stream && !p.has_stream_options)
                     .then(|| usage::ask_for_usage(&body))
@@ -326,6 +332,7 @@ impl ProxyHttp for Router {
                 if let Some(d) = decision {
                     placer.record(ctx, &d);
                     ctx.charge.est_ttft_s = d.est_ttft_s;
+                    ctx.charge.predicted_cached = Some(d.predicted_cached_tokens);
                 }
                 ctx.charge.dispatched = Some(Instant::now());
                 ctx.charge.guard = Some(g);

@@ -4,11 +4,12 @@
 use prometheus::IntGauge;
 use std::time::Instant;
 
-use super::ctx::Ctx;
+use super::ctx::{Ctx, IndexMode};
 use super::metrics::ProxyMetrics;
 use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
 use crate::fleet::adapters::AdapterSlot;
+use crate::fleet::kv_events::Matches;
 use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
 use crate::request::RequestProfile;
 
@@ -68,14 +69,14 @@ impl Placer<'_> {
             }
         }
         let matched = if params.policy == PolicyKind::KvAware {
-            fleet.matches(&profile.prefix_blocks)
+            fleet.matches(&profile.prefix_blocks, ctx.route.exact.as_ref())
         } else {
-            Vec::new()
+            Matches::default()
         };
         let snap = Snapshot {
             backends: &loads,
             ring: fleet.ring(),
-            matched: &matched,
+            matched: &matched.tokens,
         };
         let d = placement::choose_in(
             &params,
@@ -100,6 +101,13 @@ impl Placer<'_> {
             ctx.attempts.tried,
         );
         ctx.attempts.reason = Some(d.reason);
+        ctx.route.index = (params.policy == PolicyKind::KvAware).then(|| {
+            if matched.exact.get(d.backend) == Some(&true) {
+                IndexMode::Exact
+            } else {
+                IndexMode::Approximate
+            }
+        });
         ctx.charge.prefill = profile
             .est_prompt_tokens
             .saturating_sub(d.predicted_cached_tokens);
@@ -131,6 +139,9 @@ impl Placer<'_> {
         }
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
             ctx.generation.fleet.record(d.backend, &p.prefix_blocks);
+            if let Some(e) = &ctx.route.exact {
+                ctx.generation.fleet.record_exact(d.backend, e);
+            }
             self.metrics
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);

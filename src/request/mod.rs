@@ -11,6 +11,7 @@ use crate::error::ApiError;
 
 mod blocks;
 pub(crate) mod body;
+pub mod engine_tokens;
 pub mod surface;
 mod tokens;
 pub(crate) mod usage;

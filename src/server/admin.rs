@@ -85,6 +85,14 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                 })),
                 "telemetry_age_seconds": b.telemetry().age().map(|a| a.as_secs_f64()),
                 "prefix_index_blocks": fleet.index_blocks_of(i),
+                "kv_events": cfg.backends.get(i).and_then(|c| c.kv_events.as_ref()).map(|k| {
+                    let (state, blocks) = fleet.exact_state(i);
+                    serde_json::json!({
+                        "endpoint": k.endpoint,
+                        "state": state.as_str(),
+                        "blocks": blocks,
+                    })
+                }),
                 "models": b.models().map(|l| l.iter().map(|m| match &m.parent {
                     Some(p) => serde_json::json!({"id": m.id, "parent": p}),
                     None => serde_json::json!({"id": m.id}),
@@ -108,6 +116,7 @@ fn backends_json(fleet: &Fleet, cfg: &Config, debug: bool) -> Vec<u8> {
         let (blocks, bytes) = fleet.index_size();
         serde_json::json!({
             "prefix_index": {"blocks": blocks, "bytes": bytes},
+            "exact_index": {"bytes": fleet.exact_bytes()},
             "backends": list,
         })
     } else {

@@ -13,8 +13,10 @@ use std::sync::{Arc, Mutex};
 use crate::config::Config;
 use crate::edge::tls::{self, TlsEdge};
 use crate::edge::{EdgeState, Listener, Transport};
+use crate::fleet::kv_events::{follow_forever, KvEventMetrics};
 use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
 use crate::proxy::{ProxyMetrics, Router};
+use crate::request::engine_tokens::EngineTokenizer;
 use crate::request::{TokenEstimator, TokenMetrics};
 
 mod admin;
@@ -32,6 +34,16 @@ struct Telemetry(Arc<Current>);
 impl BackgroundService for Telemetry {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         scrape_forever(&self.0, &mut shutdown).await;
+    }
+}
+
+/// Follows the engines' KV events, as a Pingora background service.
+struct KvEvents(Arc<Current>, KvEventMetrics);
+
+#[async_trait]
+impl BackgroundService for KvEvents {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        follow_forever(&self.0, self.1.clone(), &mut shutdown).await;
     }
 }
 
@@ -98,6 +110,20 @@ pub fn run(mut opt: Opt) -> ! {
     tokens
         .start(&cfg.routing)
         .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
+    let engine_tokens = cfg.kv_events.as_ref().map(|k| {
+        Arc::new(
+            EngineTokenizer::load(k)
+                .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display()))),
+        )
+    });
+    if engine_tokens.is_none() && cfg.backends.iter().any(|b| b.kv_events.is_some()) {
+        log::warn!(
+            "backends[].kv_events is set but kvroute.kv_events (the engines' tokenizer) is not: \
+             placement stays on the approximate index"
+        );
+    }
+    let kv_event_metrics =
+        KvEventMetrics::register(&registry).unwrap_or_else(|e| metrics_failed(e));
 
     // Before `-t` returns: certificate files that do not load, match or are expired fail it.
     let tls_identity = cfg.tls.as_ref().map(|t| {
@@ -139,7 +165,7 @@ pub fn run(mut opt: Opt) -> ! {
     let listeners = cfg.client_listeners();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
-    let current = Arc::new(Current::new(Generation::new(cfg, fleet)));
+    let current = Arc::new(Current::new(Generation::new(cfg, fleet, engine_tokens)));
     reload_metrics.last_success.set(unix_now());
     let fleet_metrics = Arc::new(fleet_metrics);
 
@@ -203,6 +229,10 @@ pub fn run(mut opt: Opt) -> ! {
     server.add_service(GenBackgroundService::new(
         "kvroute engine telemetry".to_string(),
         Arc::new(Telemetry(current.clone())),
+    ));
+    server.add_service(GenBackgroundService::new(
+        "kvroute kv events".to_string(),
+        Arc::new(KvEvents(current.clone(), kv_event_metrics)),
     ));
     server.add_service(GenBackgroundService::new(
         "kvroute tokenizer load".to_string(),

@@ -26,6 +26,7 @@ use crate::edge::EdgeState;
 use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
 use crate::metrics::{counter_vec, gauge, int_gauge};
 use crate::proxy::ProxyMetrics;
+use crate::request::engine_tokens::EngineTokenizer;
 use crate::request::TokenEstimator;
 
 /// Why a reload changed nothing.
@@ -207,6 +208,29 @@ impl Reloader {
             (Some(_), Some(t)) => Some(tls::load(t).map_err(ReloadError::Tls)?),
             _ => None,
         };
+        // The engines' tokenizer: kept while its settings stay, else loaded (off the runtime:
+        // a large tokenizer.json takes a few hundred ms) before anything is published.
+        let engine_tokens = match &cfg.kv_events {
+            None => None,
+            Some(k) if running.kv_events.as_ref() == Some(k) => old.engine_tokens.clone(),
+            Some(k) => {
+                let k = k.clone();
+                let loaded = tokio::task::spawn_blocking(move || EngineTokenizer::load(&k))
+                    .await
+                    .map_err(|e| ReloadError::Config {
+                        path: path.clone(),
+                        error: ConfigError {
+                            key: "kvroute.kv_events".into(),
+                            reason: format!("the tokenizer loader failed: {e}"),
+                        },
+                    })?
+                    .map_err(|error| ReloadError::Config {
+                        path: path.clone(),
+                        error,
+                    })?;
+                Some(Arc::new(loaded))
+            }
+        };
         fleet.sync_health().await?;
 
         let before: BTreeSet<&str> = old
@@ -235,7 +259,8 @@ impl Reloader {
             );
             edge_tls.install(id);
         }
-        self.current.publish(Generation::new(cfg, fleet));
+        self.current
+            .publish(Generation::new(cfg, fleet, engine_tokens));
         for name in &applied.removed {
             self.fleet_metrics.forget_backend(name);
         }

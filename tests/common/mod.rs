@@ -27,13 +27,20 @@ fn kvbench_bin() -> PathBuf {
 pub struct Sim {
     child: Child,
     pub addr: SocketAddr,
+    /// With `--kv-events`: the server's PUB and replay endpoints.
+    pub kv_events: Option<(String, String)>,
 }
 
 impl Sim {
     /// One simulated server; `args` are extra `kvbench sim` flags (e.g. `--ttft-ms 50`).
     pub fn start(args: &[&str]) -> Sim {
+        Self::start_at(0, args)
+    }
+
+    /// One simulated server on `port` (0: any free one).
+    pub fn start_at(port: u16, args: &[&str]) -> Sim {
         let mut child = Command::new(kvbench_bin())
-            .args(["sim", "--servers", "1", "--base-port", "0"])
+            .args(["sim", "--servers", "1", "--base-port", &port.to_string()])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -42,8 +49,14 @@ impl Sim {
         let stdout = child.stdout.take().expect("stdout");
         let mut lines = BufReader::new(stdout).lines();
         let mut addr = None;
+        let mut kv_events = None;
         for line in lines.by_ref() {
             let line = line.expect("read sim stdout");
+            if let Some(rest) = line.strip_prefix("kvbench-sim kv-events index 0 pub ") {
+                if let Some((publish, replay)) = rest.split_once(" replay ") {
+                    kv_events = Some((publish.to_string(), replay.to_string()));
+                }
+            }
             if let Some(rest) = line.strip_prefix("kvbench-sim listening ") {
                 let a = rest.split_whitespace().next().expect("addr");
                 addr = Some(a.parse().expect("sim addr"));
@@ -57,6 +70,7 @@ impl Sim {
         Sim {
             child,
             addr: addr.expect("sim printed no address"),
+            kv_events,
         }
     }
 
@@ -81,6 +95,14 @@ impl Drop for Sim {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// The items of a `backends:` list, each with its own extra lines.
+fn backends_yaml(backends: &[(SocketAddr, String)]) -> String {
+    backends
+        .iter()
+        .map(|(a, lines)| format!("    - addr: \"{a}\"\n{lines}"))
+        .collect()
 }
 
 /// A free loopback port (bound, then released for the child to take).
@@ -111,6 +133,16 @@ impl Kvroute {
     /// Start without waiting for a healthy backend: waits only for the listeners.
     pub fn start_unready(backends: &[SocketAddr], extra: &str) -> Kvroute {
         Self::launch(backends, extra, "grace_period_seconds: 0\n")
+    }
+
+    /// Start with per-backend YAML: each backend's `(addr, lines)`, the lines under its
+    /// `- addr:` item (indented six spaces), e.g. `"      weight: 2\n"`.
+    pub fn start_with(backends: &[(SocketAddr, String)], extra: &str) -> Kvroute {
+        let mut with = extra.to_string();
+        with.insert_str(0, &backends_yaml(backends));
+        let k = Self::launch(&[], &with, "grace_period_seconds: 0\n");
+        k.wait_ready();
+        k
     }
 
     /// Start with `server_keys` (Pingora's top-level keys, one per line) in the file.

@@ -134,6 +134,11 @@ pub struct CompareArgs {
     /// sim --tokenizer`), e.g. bench/data/tokenizer/bpe8k-sharegpt, instead of bytes / 4.
     #[arg(long)]
     pub sim_tokenizer: Option<PathBuf>,
+    /// The simulated engines publish KV events (`sim --kv-events`), which `kv_aware/events=on`
+    /// runs follow. They then tokenize with --sim-tokenizer, by default the shipped ChatML
+    /// tokenizer (bench/data/tokenizer/chatml-bpe8k), whose chat template kvroute renders.
+    #[arg(long)]
+    pub kv_events: bool,
 }
 
 /// One workload's runs, one per policy.
@@ -219,6 +224,9 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     }
     let policies = with_replicas(&args.policies, &args.replicas)?;
     check_policies(&policies)?;
+    if !args.kv_events && policies.iter().any(|p| p.events) {
+        return Err("events=on needs --kv-events (the simulators then publish them)".into());
+    }
     if let Some(path) = &args.sim_tokenizer {
         // Here rather than in every simulator's log.
         PromptTokenizer::load(path).map_err(|e| e.replace("--tokenizer", "--sim-tokenizer"))?;
@@ -322,11 +330,19 @@ fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
     if let Some(kv) = args.kv_tokens {
         sim_args.extend(["--kv-tokens".to_string(), kv.to_string()]);
     }
-    if let Some(path) = &args.sim_tokenizer {
-        sim_args.extend(["--tokenizer".to_string(), path.display().to_string()]);
+    match (&args.sim_tokenizer, args.kv_events) {
+        (Some(path), _) => sim_args.extend(["--tokenizer".to_string(), path.display().to_string()]),
+        (None, true) => sim_args.extend(["--tokenizer".to_string(), CHATML_TOKENIZER.to_string()]),
+        (None, false) => {}
+    }
+    if args.kv_events {
+        sim_args.extend(["--kv-events".to_string(), "0".to_string()]);
     }
     sim_args
 }
+
+/// The tokenizer `--kv-events` runs count with unless told: one with a chat template.
+const CHATML_TOKENIZER: &str = "bench/data/tokenizer/chatml-bpe8k";
 
 async fn run_one(
     exe: &Path,

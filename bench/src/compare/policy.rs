@@ -11,6 +11,9 @@
 //!   from the engines' telemetry.
 //! - `replicas=N`: N kvroute processes with this config in front of the one fleet (each
 //!   conversation's turns spread over them; see `compare --replicas`).
+//! - `events=on`: kvroute follows the simulated engines' KV events (`compare --kv-events`)
+//!   with the simulators' tokenizer and chat template: the exact index, against the
+//!   approximate one of a plain entry on the same fleet.
 //! - `routing.KEY=VALUE`: any other `kvroute.routing` setting, e.g.
 //!   `kv_aware/routing.duplicate_prefill_weight=0`, to measure one knob's effect (kvroute
 //!   checks the key and value when it starts).
@@ -25,6 +28,9 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use crate::sim::{Profile, ProfileName};
+
+/// The options an entry may carry, for errors.
+const KNOWN_OPTIONS: &str = "rates, learn, replicas, events, routing.KEY";
 
 /// Replicas one run may start (each is a kvroute process on this machine's cores).
 pub const MAX_REPLICAS: usize = 4;
@@ -51,6 +57,8 @@ pub struct PolicyRun {
     pub routing: Vec<(String, String)>,
     /// kvroute processes in front of the fleet (1 unless `replicas=N`).
     pub replicas: usize,
+    /// Follow the engines' KV events (`events=on`).
+    pub events: bool,
     /// Set when the entry names a peer router: the run starts it instead of kvroute, and
     /// `policy` is the peer's policy.
     pub peer: Option<PeerRouter>,
@@ -101,6 +109,7 @@ impl PolicyRun {
             learn: None,
             routing: Vec::new(),
             replicas: 1,
+            events: false,
             peer: None,
         };
         if let Some(peer) = PeerRouter::parse(policy) {
@@ -126,11 +135,12 @@ impl PolicyRun {
             return Ok(run);
         }
         let (mut seen_rates, mut seen_learn, mut seen_replicas) = (false, false, false);
+        let mut seen_events = false;
         for option in parts {
             let bad = |why: String| format!("policy entry {label:?}: {why}");
             let Some((key, value)) = option.split_once('=') else {
                 return Err(bad(format!(
-                    "option {option:?} is not KEY=VALUE (known: rates, learn, replicas)"
+                    "option {option:?} is not KEY=VALUE (known: {KNOWN_OPTIONS})"
                 )));
             };
             match key {
@@ -157,7 +167,15 @@ impl PolicyRun {
                         }
                     };
                 }
-                "rates" | "learn" | "replicas" => {
+                "events" if !seen_events => {
+                    seen_events = true;
+                    run.events = match value {
+                        "on" | "true" => true,
+                        "off" | "false" => false,
+                        _ => return Err(bad(format!("events={value:?}: expected on or off"))),
+                    };
+                }
+                "rates" | "learn" | "replicas" | "events" => {
                     return Err(bad(format!("option {key} given twice")))
                 }
                 _ if key.starts_with("routing.") => {
@@ -177,7 +195,7 @@ impl PolicyRun {
                 }
                 _ => {
                     return Err(bad(format!(
-                        "unknown option {key:?} (known: rates, learn, replicas, routing.KEY)"
+                        "unknown option {key:?} (known: {KNOWN_OPTIONS})"
                     )))
                 }
             }
@@ -249,6 +267,16 @@ pub struct Member {
     pub profile: ProfileName,
     /// Pinned in kvroute's config (`backends[].models`); empty: every model.
     pub models: Vec<String>,
+    /// Where its engine publishes KV events, and the tokenizer directory it counts with.
+    pub kv_events: Option<KvEndpoints>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEndpoints {
+    pub publish: String,
+    pub replay: String,
+    /// Absolute: a Hugging Face tokenizer directory with a chat template.
+    pub tokenizer: std::path::PathBuf,
 }
 
 pub fn kvroute_yaml(
@@ -271,9 +299,28 @@ pub fn kvroute_yaml(
     for (key, value) in &run.routing {
         let _ = writeln!(yaml, "    {key}: {value}");
     }
+    let events = backends
+        .iter()
+        .find_map(|m| m.kv_events.as_ref())
+        .filter(|_| run.events);
+    if let Some(e) = events {
+        let _ = writeln!(
+            yaml,
+            "  kv_events:\n    tokenizer: \"{}\"\n    tokenizer_config: \"{}\"",
+            e.tokenizer.join("tokenizer.json").display(),
+            e.tokenizer.join("tokenizer_config.json").display()
+        );
+    }
     yaml.push_str("  backends:\n");
     for m in backends {
         let _ = writeln!(yaml, "    - addr: \"{}\"", m.addr);
+        if let (Some(e), true) = (&m.kv_events, events.is_some()) {
+            let _ = writeln!(
+                yaml,
+                "      kv_events:\n        endpoint: \"{}\"\n        replay_endpoint: \"{}\"",
+                e.publish, e.replay
+            );
+        }
         if let Some(rate) = run.rate_for(m.profile) {
             let _ = writeln!(yaml, "      prefill_tokens_per_s: {rate}");
         }
@@ -295,6 +342,7 @@ mod tests {
             addr: SocketAddr::from(([127, 0, 0, 1], p)),
             profile,
             models: models.iter().map(|s| s.to_string()).collect(),
+            kv_events: None,
         };
         vec![
             m(9000, ProfileName::H100Llama8b, &[]),

@@ -12,7 +12,7 @@ use tokio::process::{Child, Command};
 
 use super::models::ModelGroup;
 use super::peer::PeerProcess;
-use super::policy::{kvroute_yaml, Member, PolicyRun};
+use super::policy::{kvroute_yaml, KvEndpoints, Member, PolicyRun};
 use crate::sim::ProfileName;
 
 /// The simulators of one run (one per model group, else one) and their servers in fleet
@@ -51,7 +51,7 @@ pub async fn start_fleets(
             ));
         }
         // The simulator announces servers in index order, and server i has the i-th profile.
-        for &addr in &fleet.addrs {
+        for (k, &addr) in fleet.addrs.iter().enumerate() {
             let profile = profiles
                 .get(members.len())
                 .copied()
@@ -60,6 +60,7 @@ pub async fn start_fleets(
                 addr,
                 profile,
                 models: served.clone(),
+                kv_events: fleet.kv_events.get(&k).cloned(),
             });
         }
         fleets.push(fleet);
@@ -70,6 +71,8 @@ pub async fn start_fleets(
 pub struct SimFleet {
     _child: Child,
     pub addrs: Vec<SocketAddr>,
+    /// Per server index, where it publishes KV events (`sim --kv-events`).
+    pub kv_events: std::collections::HashMap<usize, KvEndpoints>,
 }
 
 impl SimFleet {
@@ -91,8 +94,34 @@ impl SimFleet {
         let stdout = child.stdout.take().ok_or("sim stdout")?;
         let mut lines = BufReader::new(stdout).lines();
         let mut addrs = Vec::new();
+        let mut kv_events = std::collections::HashMap::new();
+        // The tokenizer the engines count with: what kvroute must tokenize with to match them.
+        let tokenizer = sim_args
+            .iter()
+            .position(|a| a == "--tokenizer")
+            .and_then(|i| sim_args.get(i + 1))
+            .and_then(|p| std::fs::canonicalize(p).ok());
         let ready = async {
             while let Ok(Some(line)) = lines.next_line().await {
+                if let (Some(rest), Some(tok)) = (
+                    line.strip_prefix("kvbench-sim kv-events index "),
+                    tokenizer.as_ref(),
+                ) {
+                    let parts: Vec<&str> = rest.split_whitespace().collect();
+                    if let [index, "pub", publish, "replay", replay] = parts[..] {
+                        let index: usize = index
+                            .parse()
+                            .map_err(|_| format!("bad kv-events line {line:?}"))?;
+                        kv_events.insert(
+                            index,
+                            KvEndpoints {
+                                publish: publish.to_string(),
+                                replay: replay.to_string(),
+                                tokenizer: tok.clone(),
+                            },
+                        );
+                    }
+                }
                 if let Some(rest) = line.strip_prefix("kvbench-sim listening ") {
                     let a = rest.split_whitespace().next().unwrap_or_default();
                     addrs.push(a.parse().map_err(|_| format!("bad sim address {a}"))?);
@@ -111,6 +140,7 @@ impl SimFleet {
         Ok(SimFleet {
             _child: child,
             addrs,
+            kv_events,
         })
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::config::{scaled, Engine, SimConfig};
 use super::error::SimError;
 use super::faults::{check_rate, Faults};
+use super::kvpublish::KvEventsOptions;
 use super::lora::LoraConfig;
 use super::profile::{fleet_profiles, Profile, ProfileName};
 use super::tokenizer::PromptTokenizer;
@@ -78,6 +79,24 @@ pub struct SimArgs {
     /// Model milliseconds one adapter load adds to a request's time to first token.
     #[arg(long, default_value_t = 200.0)]
     pub lora_load_ms: f64,
+    /// Publish each engine's KV cache events as vLLM does (ZMQ, msgpack): server k binds a PUB
+    /// socket at PORT + 2k and a ROUTER replay socket at PORT + 2k + 1 on --host. 0 binds
+    /// ephemeral ports, printed on stdout. Engine mode only.
+    #[arg(long, value_name = "PORT")]
+    pub kv_events: Option<u16>,
+    /// Topic frame of every KV event message (vLLM's `topic`).
+    #[arg(long, default_value = "", requires = "kv_events")]
+    pub kv_events_topic: String,
+    /// Test knob: skip the PUB send of about P% of KV event batches (chosen by sequence
+    /// number); they still take their number and stay available for replay.
+    #[arg(long, value_name = "P", default_value_t = 0.0, requires = "kv_events")]
+    pub kv_events_drop_percent: f64,
+}
+
+/// `--kv-events`: per server, the PUB and ROUTER addresses, and the options they share.
+pub struct KvEventsPlan {
+    pub addrs: Vec<(SocketAddr, SocketAddr)>,
+    pub options: KvEventsOptions,
 }
 
 /// What `run` needs: one config and one address per server. The configs differ only in
@@ -85,6 +104,7 @@ pub struct SimArgs {
 pub struct Plan {
     pub configs: Vec<SimConfig>,
     pub listen: Vec<SocketAddr>,
+    pub kv_events: Option<KvEventsPlan>,
 }
 
 impl SimArgs {
@@ -136,6 +156,7 @@ impl SimArgs {
             ));
         }
         let listen = self.listen_addrs(host, fleet.len())?;
+        let kv_events = self.kv_events_plan(host, fleet.len(), fixed)?;
         let tokenizer = match &self.tokenizer {
             Some(path) => PromptTokenizer::load(path).map_err(SimError::new)?,
             None => PromptTokenizer::default(),
@@ -166,7 +187,57 @@ impl SimArgs {
             .iter()
             .map(|&name| base.with_profile(name, self.kv_tokens))
             .collect();
-        Ok(Plan { configs, listen })
+        Ok(Plan {
+            configs,
+            listen,
+            kv_events,
+        })
+    }
+
+    fn kv_events_plan(
+        &self,
+        host: IpAddr,
+        n: usize,
+        fixed: bool,
+    ) -> Result<Option<KvEventsPlan>, SimError> {
+        let Some(port) = self.kv_events else {
+            return Ok(None);
+        };
+        if fixed {
+            return Err(SimError::new(
+                "--kv-events publishes the engine's KV pool: it cannot go with --ttft-ms or \
+                 --itl-ms (fixed timing has no pool)",
+            ));
+        }
+        let p = self.kv_events_drop_percent;
+        if !(p.is_finite() && (0.0..=100.0).contains(&p)) {
+            return Err(SimError::new(format!(
+                "--kv-events-drop-percent must be in 0..=100, got {p}"
+            )));
+        }
+        let at = |k: usize, socket: usize| -> Option<SocketAddr> {
+            if port == 0 {
+                return Some(SocketAddr::new(host, 0));
+            }
+            let p = usize::from(port) + 2 * k + socket;
+            u16::try_from(p).ok().map(|p| SocketAddr::new(host, p))
+        };
+        let addrs = (0..n)
+            .map(|k| Some((at(k, 0)?, at(k, 1)?)))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                SimError::new(format!(
+                    "--kv-events {port} with {n} servers needs ports up to {}, past 65535",
+                    usize::from(port) + 2 * n - 1
+                ))
+            })?;
+        Ok(Some(KvEventsPlan {
+            addrs,
+            options: KvEventsOptions {
+                topic: self.kv_events_topic.clone(),
+                drop_percent: p,
+            },
+        }))
     }
 
     fn listen_addrs(&self, host: IpAddr, n: usize) -> Result<Vec<SocketAddr>, SimError> {
@@ -335,6 +406,44 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(err.contains("--tokenizer /nonexistent/bpe"), "{err}");
+    }
+
+    #[test]
+    fn kv_events_give_each_server_two_ports_in_engine_mode_only() {
+        assert!(parse(&[]).unwrap().kv_events.is_none());
+        let plan = parse(&["--kv-events", "5557", "--kv-events-topic", "kv"]).unwrap();
+        let kv = plan.kv_events.unwrap();
+        let ports: Vec<(u16, u16)> = kv.addrs.iter().map(|(p, r)| (p.port(), r.port())).collect();
+        assert_eq!(ports, [(5557, 5558), (5559, 5560), (5561, 5562)]);
+        assert!(kv
+            .addrs
+            .iter()
+            .all(|(p, r)| p.ip().is_loopback() && r.ip().is_loopback()));
+        assert_eq!(kv.options.topic, "kv");
+        assert_eq!(kv.options.drop_percent, 0.0);
+        let ephemeral = parse(&["--kv-events", "0"]).unwrap().kv_events.unwrap();
+        assert!(ephemeral
+            .addrs
+            .iter()
+            .all(|(p, r)| p.port() == 0 && r.port() == 0));
+        let lossy = parse(&["--kv-events", "5557", "--kv-events-drop-percent", "12.5"]).unwrap();
+        assert_eq!(lossy.kv_events.unwrap().options.drop_percent, 12.5);
+        // Three servers take six ports: 65530..=65535 fit, one more does not.
+        let last = parse(&["--kv-events", "65530"]).unwrap().kv_events.unwrap();
+        assert_eq!(last.addrs[2].1.port(), 65535);
+        let err = parse(&["--kv-events", "65531"]).err().unwrap().to_string();
+        assert!(err.contains("past 65535"), "{err}");
+        let fixed = parse(&["--kv-events", "5557", "--ttft-ms", "5"])
+            .err()
+            .unwrap();
+        assert!(fixed.to_string().contains("fixed timing"), "{fixed}");
+        for bad in ["-1", "101", "NaN"] {
+            let args = ["--kv-events", "5557", "--kv-events-drop-percent", bad];
+            assert!(parse(&args).is_err(), "{bad}");
+        }
+        // The topic and the loss knob mean nothing without the sockets.
+        assert!(parse(&["--kv-events-topic", "kv"]).is_err());
+        assert!(parse(&["--kv-events-drop-percent", "5"]).is_err());
     }
 
     #[test]

@@ -23,7 +23,7 @@ impl Sim {
 
     async fn with_config(config: SimConfig) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = server::spawn(listener, 3, Arc::new(config)).unwrap();
+        let addr = server::spawn(listener, 3, Arc::new(config), None).unwrap();
         Self {
             base: format!("http://{addr}"),
             http: reqwest::Client::new(),

@@ -10,6 +10,10 @@
 //! client reads slowly, the progress it has not yet seen accumulates in the value and the
 //! stream sends the pending tokens together in one SSE event (see `engine_answer`).
 //! A request whose receiver is gone (client disconnected) is aborted, freeing its blocks.
+//!
+//! KV events (`--kv-events`): a step that changed the pool's named blocks publishes them as
+//! one batch when it ends, before its tokens are delivered, as vLLM's engine core does after
+//! each model step; `kvpublish::Publisher::publish` never waits.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -20,6 +24,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, watch};
 use tokio::time::{sleep_until, Instant};
 
+use super::kvpublish::{KvEventCounters, Publisher};
 use super::profile::Profile;
 use super::scheduler::{NewRequest, Scheduler};
 use super::stats::{EngineGauges, Stats};
@@ -63,6 +68,7 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Submission>,
     pub gauges: Arc<EngineGauges>,
     profile: Profile,
+    kv_events: Option<Arc<KvEventCounters>>,
 }
 
 /// Wakes later than this are counted as the engine falling behind. tokio's timer has 1 ms
@@ -70,24 +76,46 @@ pub struct EngineHandle {
 const LATE: Duration = Duration::from_millis(2);
 
 impl EngineHandle {
-    /// Spawns the engine task on the current runtime; it publishes into `stats.engine`.
-    pub fn spawn(profile: Profile, time_scale: f64, stats: Arc<Stats>) -> Self {
+    /// Spawns the engine task on the current runtime; it publishes into `stats.engine`, and
+    /// its KV events into `kv_events` when given.
+    pub fn spawn(
+        profile: Profile,
+        time_scale: f64,
+        stats: Arc<Stats>,
+        kv_events: Option<Publisher>,
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let gauges = stats.engine.clone();
+        let mut sched = Scheduler::new(profile);
+        if kv_events.is_some() {
+            sched.record_kv_events();
+        }
+        let counters = kv_events.as_ref().map(Publisher::counters);
         let engine = Engine {
-            sched: Scheduler::new(profile),
+            sched,
             rx,
             senders: HashMap::new(),
             gauges: gauges.clone(),
             stats,
             time_scale,
+            kv_events,
         };
         tokio::spawn(engine.run());
         Self {
             tx,
             gauges,
             profile,
+            kv_events: counters,
         }
+    }
+
+    /// Whether this engine publishes KV events, so its requests must carry their tokens.
+    pub fn publishes_kv_events(&self) -> bool {
+        self.kv_events.is_some()
+    }
+
+    pub fn kv_event_counters(&self) -> Option<&KvEventCounters> {
+        self.kv_events.as_deref()
     }
 
     pub fn num_gpu_blocks(&self) -> usize {
@@ -134,6 +162,7 @@ struct Engine {
     gauges: Arc<EngineGauges>,
     stats: Arc<Stats>,
     time_scale: f64,
+    kv_events: Option<Publisher>,
 }
 
 impl Engine {
@@ -161,6 +190,9 @@ impl Engine {
             deadline += Duration::from_secs_f64(out.seconds / self.time_scale);
             sleep_until(deadline).await;
             self.note_lateness(deadline);
+            if let Some(publisher) = &mut self.kv_events {
+                publisher.publish(&out.kv_events);
+            }
             for a in &out.admitted {
                 self.stats.admitted(a.prompt_tokens, a.cached_tokens);
                 if let Some(tx) = self.senders.get(&a.id) {

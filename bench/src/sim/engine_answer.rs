@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use super::admission::Admitted;
 use super::engine::Progress;
 use super::error::ApiError;
-use super::generate::{completion_text, reply_hashes, token_text};
+use super::generate::{completion_text, reply_hashes, reply_hashes_and_tokens, token_text};
 use super::response::{Answer, Usage};
 use super::scheduler::NewRequest;
 use super::sse::{sse_response, ChunkWriter, DONE};
@@ -43,12 +43,19 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     }
     // Only now that `n` is known to fit the pool: the hashes cost a few bytes per token.
     let tokenizer = &s.config.tokenizer;
-    let reply_hashes = reply_hashes(a.req.endpoint, &a.req.prompt, &a.blocks, n, tokenizer);
+    let (endpoint, prompt) = (a.req.endpoint, &a.req.prompt);
+    let (reply_hashes, tokens) = if engine.publishes_kv_events() {
+        reply_hashes_and_tokens(endpoint, prompt, &a.blocks, n, tokenizer)
+    } else {
+        let hashes = reply_hashes(endpoint, prompt, &a.blocks, n, tokenizer);
+        (hashes, Arc::default())
+    };
     let req = NewRequest {
         prompt_tokens,
         hashes: a.blocks,
         reply_hashes,
         max_tokens: n,
+        tokens,
     };
     let Some(rx) = engine.submit(req) else {
         return ApiError::unavailable("kvbench-sim: engine stopped").into_response();

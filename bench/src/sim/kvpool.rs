@@ -11,8 +11,19 @@
 //! A finished request's output is named too (`release_finished`): vLLM keeps every full block
 //! of prompt + output cached, and a chat client sends that output back as the prefix of its
 //! next turn.
+//!
+//! With `record_changes`, the pool also keeps, in order, every change to its set of hashed
+//! blocks (a block named, a block evicted), which the scheduler turns into vLLM's KV events.
+//! Those two are the only changes the set ever sees: nothing else adds or drops a name.
 
 use std::collections::{BTreeMap, HashMap};
+
+/// A change to the pool's set of hashed blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolChange {
+    Named(u64),
+    Evicted(u64),
+}
 
 struct Entry {
     refs: u32,
@@ -28,6 +39,8 @@ pub struct KvPool {
     tick: u64,
     /// Referenced blocks: anonymous ones plus hashed ones with `refs > 0`.
     used: usize,
+    /// Changes not yet taken, in order; None unless `record_changes` was called.
+    changes: Option<Vec<PoolChange>>,
 }
 
 impl KvPool {
@@ -38,7 +51,33 @@ impl KvPool {
             lru: BTreeMap::new(),
             tick: 0,
             used: 0,
+            changes: None,
         }
+    }
+
+    /// Starts keeping the changes `take_changes` returns.
+    pub fn record_changes(&mut self) {
+        self.changes.get_or_insert_with(Vec::new);
+    }
+
+    /// The changes since the last call, oldest first (empty when not recording).
+    pub fn take_changes(&mut self) -> Vec<PoolChange> {
+        self.changes
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    fn note(&mut self, change: PoolChange) {
+        if let Some(changes) = &mut self.changes {
+            changes.push(change);
+        }
+    }
+
+    /// Every hashed block, referenced or not (what a consumer of the events should hold).
+    #[cfg(test)]
+    pub fn hashed_blocks(&self) -> std::collections::HashSet<u64> {
+        self.hashed.keys().copied().collect()
     }
 
     /// Blocks held by requests (what vLLM's `kv_cache_usage_perc` counts).
@@ -83,6 +122,7 @@ impl KvPool {
             match self.lru.pop_first() {
                 Some((_, h)) => {
                     self.hashed.remove(&h);
+                    self.note(PoolChange::Evicted(h));
                 }
                 None => return false,
             }
@@ -99,6 +139,7 @@ impl KvPool {
             return false;
         }
         self.hashed.insert(hash, Entry { refs: 1, tick: 0 });
+        self.note(PoolChange::Named(hash));
         true
     }
 
@@ -129,6 +170,7 @@ impl KvPool {
                 }
             } else if have || self.allocate(1) {
                 self.hashed.insert(h, Entry { refs: 1, tick: 0 });
+                self.note(PoolChange::Named(h));
             } else {
                 break;
             }
@@ -237,6 +279,28 @@ mod tests {
         assert_eq!(pool.cached(), 4);
         pool.release(&[Some(2)]);
         assert_eq!((pool.used(), pool.cached()), (0, 4));
+    }
+
+    #[test]
+    fn changes_are_the_named_set_in_order() {
+        let mut pool = KvPool::new(3);
+        assert!(pool.allocate(2));
+        assert!(pool.promote(1));
+        assert!(pool.take_changes().is_empty(), "not recording yet");
+        pool.record_changes();
+        assert!(pool.promote(2));
+        assert!(!pool.promote(2));
+        // Reply blocks named on release: 3 in a held block, 4 in a newly allocated one.
+        pool.release_finished(vec![Some(1), None], 1, &[2, 3, 4]);
+        pool.acquire(&[1]);
+        assert!(pool.allocate(2));
+        use PoolChange::{Evicted, Named};
+        assert_eq!(
+            pool.take_changes(),
+            [Named(2), Named(3), Named(4), Evicted(4), Evicted(3)]
+        );
+        assert!(pool.take_changes().is_empty());
+        assert_eq!(pool.hashed_blocks(), [1, 2].into());
     }
 
     #[test]

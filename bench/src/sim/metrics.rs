@@ -12,6 +12,7 @@
 use std::fmt::Write;
 
 use super::config::Engine;
+use super::kvpublish::KvEventCounters;
 use super::lora::{LoraConfig, LoraSlots};
 use super::stats::{Histogram, Snapshot};
 
@@ -33,6 +34,19 @@ pub fn render_lora(cfg: &LoraConfig, slots: &LoraSlots) -> String {
         escape_label(&slots.waiting_list()),
         slots.loads()
     )
+}
+
+/// The simulator's own counts of KV event batches (`--kv-events`): numbered, handed to the PUB
+/// socket, skipped by `--kv-events-drop-percent`, skipped because the PUB task was behind.
+/// Every batch is one of the last three, and all stay replayable.
+pub fn render_kv_events(c: &KvEventCounters) -> String {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut t = Text::default();
+    t.counter("kvbench_kv_events_batches", "", c.batches.load(Relaxed));
+    t.counter("kvbench_kv_events_published", "", c.published.load(Relaxed));
+    t.counter("kvbench_kv_events_dropped", "", c.dropped.load(Relaxed));
+    t.counter("kvbench_kv_events_overflow", "", c.overflow.load(Relaxed));
+    t.out
 }
 
 pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) -> String {

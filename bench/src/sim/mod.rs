@@ -16,10 +16,14 @@
 //!   including each request's prefill time, measured in model time by the engine's step loop.
 //! - Fault knobs (failure rate, hangs, unhealthy, slow start) and request introspection under
 //!   `/debug/*`, so kvroute's integration tests can see what each backend received.
+//! - `--kv-events PORT`: each engine publishes its KV pool's changes as vLLM's KV cache
+//!   events, on vLLM's ZMQ PUB and replay sockets (`kvevents`, `kvpublish`).
 //!
 //! # How to use
 //! `kvbench sim --servers 2 --base-port 0` prints one `kvbench-sim listening ADDR index I` line
-//! per server, then `kvbench-sim ready`, on stdout.
+//! per server, then `kvbench-sim ready`, on stdout. With `--kv-events`, a
+//! `kvbench-sim kv-events index I pub ENDPOINT replay ENDPOINT` line per server comes before
+//! `ready`.
 //!
 //! # Layout
 //! - `cli`: arguments and their validation into a `SimConfig`.
@@ -34,6 +38,8 @@
 //! - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer;
 //!   `tokenizer`: a real Hugging Face tokenizer instead (`--tokenizer`).
 //! - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
+//! - `kvevents`: the pool's changes as vLLM's KV events and their msgpack; `kvpublish`: their
+//!   ZMQ sockets (PUB, and ROUTER for replay).
 //! - `generate`: filler text, token timing and the reply's block hashes; `response` / `sse`:
 //!   answer bodies.
 //! - `stats`: the counters (the server's and its engine's); `metrics`: their Prometheus text;
@@ -56,7 +62,9 @@ mod filler;
 mod generate;
 mod inference;
 mod kvcache;
+mod kvevents;
 mod kvpool;
+mod kvpublish;
 mod lora;
 mod metrics;
 mod openai;
@@ -87,6 +95,7 @@ pub use tokenizer::PromptTokenizer;
 pub async fn run(args: SimArgs) -> Result<(), SimError> {
     let plan = args.validate()?;
     let mut bound = Vec::with_capacity(plan.listen.len());
+    let mut kv_bound = Vec::new();
     let mut profiles: Vec<&str> = Vec::with_capacity(plan.configs.len());
     for (index, (addr, config)) in plan.listen.iter().zip(plan.configs).enumerate() {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -106,11 +115,23 @@ pub async fn run(args: SimArgs) -> Result<(), SimError> {
             );
         }
         profiles.push(config.profile.name.as_str());
-        let local = server::spawn(listener, index, Arc::new(config))
+        let kv_events = match &plan.kv_events {
+            Some(kv) => {
+                let (publish, replay) = kv.addrs[index];
+                let publisher = kvpublish::Publisher::bind(publish, replay, &kv.options)
+                    .await
+                    .map_err(SimError::new)?;
+                kv_bound.push(publisher.bound().clone());
+                Some(publisher)
+            }
+            None => None,
+        };
+        let local = server::spawn(listener, index, Arc::new(config), kv_events)
             .map_err(|e| SimError::new(format!("cannot serve on {addr}: {e}")))?;
         bound.push(local);
     }
-    announce(&bound).map_err(|e| SimError::new(format!("cannot write to stdout: {e}")))?;
+    announce(&bound, &kv_bound)
+        .map_err(|e| SimError::new(format!("cannot write to stdout: {e}")))?;
     log::info!("kvbench-sim: profiles {}", profiles.join(","));
     wait_for_shutdown().await;
     log::info!("kvbench-sim: shutting down");
@@ -119,10 +140,17 @@ pub async fn run(args: SimArgs) -> Result<(), SimError> {
 
 /// Tests learn ports and readiness from these lines, so they are printed only once every
 /// listener is bound (connections queue in the kernel backlog until accepted) and flushed.
-fn announce(bound: &[SocketAddr]) -> std::io::Result<()> {
+fn announce(bound: &[SocketAddr], kv_events: &[kvpublish::Bound]) -> std::io::Result<()> {
     let mut out = std::io::stdout().lock();
     for (index, addr) in bound.iter().enumerate() {
         writeln!(out, "kvbench-sim listening {addr} index {index}")?;
+    }
+    for (index, kv) in kv_events.iter().enumerate() {
+        let (publish, replay) = (&kv.publish, &kv.replay);
+        writeln!(
+            out,
+            "kvbench-sim kv-events index {index} pub {publish} replay {replay}"
+        )?;
     }
     writeln!(out, "kvbench-sim ready")?;
     out.flush()

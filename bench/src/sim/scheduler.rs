@@ -20,9 +20,14 @@
 //! needs from the token budget; a request that cannot get a block preempts the most recently
 //! admitted running request (possibly itself). Then, unless someone was preempted, waiting
 //! requests are admitted first come first served while seats, budget and blocks allow.
+//!
+//! KV events (`record_kv_events`): each step also returns the pool's changes as vLLM's KV
+//! events (`kvevents`), in the order they happened.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
+use super::kvevents::{Chain, EventLog, KvEvent};
 use super::kvpool::KvPool;
 use super::profile::{Profile, BLOCK_TOKENS};
 
@@ -35,6 +40,19 @@ pub struct NewRequest {
     /// finishes, so that the next turn of a conversation hits its previous reply too.
     pub reply_hashes: Vec<u64>,
     pub max_tokens: u64,
+    /// The token stream `hashes` and `reply_hashes` name, 64 bytes a block: the token ids of
+    /// the KV events. Empty unless the engine publishes them.
+    pub tokens: Arc<[u8]>,
+}
+
+impl NewRequest {
+    fn chain(&self) -> Chain<'_> {
+        Chain {
+            prompt: &self.hashes,
+            reply: &self.reply_hashes,
+            tokens: &self.tokens,
+        }
+    }
 }
 
 struct Seq {
@@ -98,6 +116,8 @@ pub struct StepOutcome {
     pub admitted: Vec<Admission>,
     pub emitted: Vec<Emitted>,
     pub prefilled: Vec<Prefilled>,
+    /// The step's changes to the pool's named blocks, in order (with `record_kv_events`).
+    pub kv_events: Vec<KvEvent>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -117,6 +137,8 @@ pub struct Scheduler {
     counters: Counters,
     /// Model seconds of all steps so far.
     clock: f64,
+    /// The current step's KV events; None unless `record_kv_events` was called.
+    events: Option<EventLog>,
 }
 
 impl Scheduler {
@@ -129,7 +151,14 @@ impl Scheduler {
             next_id: 0,
             counters: Counters::default(),
             clock: 0.0,
+            events: None,
         }
+    }
+
+    /// Makes every step report its KV events (`StepOutcome::kv_events`).
+    pub fn record_kv_events(&mut self) {
+        self.pool.record_changes();
+        self.events.get_or_insert_with(EventLog::default);
     }
 
     pub fn add(&mut self, req: NewRequest) -> u64 {
@@ -221,6 +250,10 @@ impl Scheduler {
                 seq.prefill_computed += n;
             }
             promote_full_blocks(&mut self.pool, seq, before);
+            if let Some(events) = &mut self.events {
+                let first = (before / BLOCK_TOKENS) as usize;
+                events.absorb(&mut self.pool, Some((&seq.req.chain(), first)));
+            }
             if seq.computed == seq.target() {
                 if seq.generated == 0 {
                     let start = seq.prefill_start.unwrap_or(self.clock);
@@ -235,6 +268,11 @@ impl Scheduler {
             }
         }
         self.finish_done();
+        if let Some(events) = &mut self.events {
+            // Evictions after the last naming.
+            events.absorb(&mut self.pool, None);
+            out.kv_events = events.take();
+        }
         out.seconds = self
             .profile
             .step_seconds(out.prefill_tokens, out.decode_seqs, kv_read);
@@ -324,11 +362,16 @@ impl Scheduler {
 
     fn finish_done(&mut self) {
         let pool = &mut self.pool;
+        let events = &mut self.events;
         self.running.retain_mut(|seq| {
             let done = seq.generated >= seq.req.max_tokens;
             if done {
                 let held = std::mem::take(&mut seq.held);
-                pool.release_finished(held, seq.req.hashes.len(), &seq.req.reply_hashes);
+                let from = seq.req.hashes.len();
+                pool.release_finished(held, from, &seq.req.reply_hashes);
+                if let Some(events) = events {
+                    events.absorb(pool, Some((&seq.req.chain(), from)));
+                }
             }
             !done
         });

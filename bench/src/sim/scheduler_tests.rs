@@ -25,6 +25,7 @@ fn request(seed: u64, prompt_tokens: u64, max_tokens: u64) -> NewRequest {
         hashes: (0..blocks).map(|j| (seed << 32) | j).collect(),
         reply_hashes: Vec::new(),
         max_tokens,
+        tokens: Arc::default(),
     }
 }
 
@@ -50,6 +51,7 @@ fn chat_counted_by(messages: &Value, max_tokens: u64, tokenizer: &PromptTokenize
         reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, max_tokens, tokenizer),
         hashes,
         max_tokens,
+        tokens: Arc::default(),
     }
 }
 

@@ -13,6 +13,7 @@ use super::admin;
 use super::config::SimConfig;
 use super::error::ApiError;
 use super::inference;
+use super::kvpublish::Publisher;
 use super::state::ServerState;
 
 /// Tests send 5 MB bodies; long-context prompts run to megabytes.
@@ -57,15 +58,17 @@ async fn not_found() -> Response {
 }
 
 /// Serves `listener` on the current runtime until the process exits; returns its address.
+/// The engine publishes its KV events into `kv_events` when given.
 pub fn spawn(
     listener: tokio::net::TcpListener,
     index: usize,
     config: Arc<SimConfig>,
+    kv_events: Option<Publisher>,
 ) -> std::io::Result<SocketAddr> {
     use axum::serve::ListenerExt;
 
     let addr = listener.local_addr()?;
-    let app = router(Arc::new(ServerState::new(index, addr, config)));
+    let app = router(Arc::new(ServerState::new(index, addr, config, kv_events)));
     // Nagle plus delayed ACK would hold back small SSE events by tens of milliseconds.
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {

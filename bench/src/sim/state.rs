@@ -13,6 +13,7 @@ use super::config::SimConfig;
 use super::engine::EngineHandle;
 use super::faults::Faults;
 use super::kvcache::KvCache;
+use super::kvpublish::Publisher;
 use super::lora::Lora;
 use super::reqlog::{RequestLog, LOG_CAPACITY};
 use super::stats::Stats;
@@ -37,12 +38,19 @@ pub struct ServerState {
 }
 
 impl ServerState {
-    /// Must run inside a tokio runtime: in engine mode it spawns the engine task.
-    pub fn new(index: usize, addr: SocketAddr, config: Arc<SimConfig>) -> Self {
+    /// Must run inside a tokio runtime: in engine mode it spawns the engine task, which
+    /// publishes its KV events into `kv_events` (fixed timing has no KV pool to publish).
+    pub fn new(
+        index: usize,
+        addr: SocketAddr,
+        config: Arc<SimConfig>,
+        kv_events: Option<Publisher>,
+    ) -> Self {
         let (faults, _) = watch::channel(config.faults);
         let stats = Arc::new(Stats::default());
-        let engine = (!config.fixed_timing)
-            .then(|| EngineHandle::spawn(config.profile, config.time_scale, stats.clone()));
+        let engine = (!config.fixed_timing).then(|| {
+            EngineHandle::spawn(config.profile, config.time_scale, stats.clone(), kv_events)
+        });
         Self {
             index,
             addr,

@@ -1,0 +1,142 @@
+//! `kvroute.kv_events` and `backends[].kv_events`: following the engines' KV-cache events, and
+//! how kvroute turns a request into the tokens the engine hashes (its chat template and
+//! tokenizer, from local files).
+
+use serde::Deserialize;
+use std::path::PathBuf;
+
+use super::error::{err, ConfigError};
+
+/// Where one engine publishes its KV events (vLLM's `--kv-events-config`, SGLang's
+/// `--kv-events-config`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BackendKvEvents {
+    /// The engine's PUB socket, `tcp://host:port` (vLLM's default port is 5557).
+    pub endpoint: String,
+    /// The engine's replay (ROUTER) socket, from which missed batches are asked for; absent:
+    /// a gap cannot be repaired, and the backend's knowledge starts over from the next batch.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// The topic the engine publishes on (vLLM's default: empty).
+    #[serde(default)]
+    pub topic: String,
+}
+
+/// How requests are tokenized to match the engines' blocks. Required for any backend's
+/// `kv_events` to be used: without it, every backend stays on the approximate index.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsConfig {
+    /// The served model's Hugging Face `tokenizer.json` (absolute path; never downloaded).
+    pub tokenizer: PathBuf,
+    /// Its `tokenizer_config.json`, whose `chat_template` renders chat requests as the engine
+    /// does (absolute path).
+    pub tokenizer_config: PathBuf,
+    /// Tokens per KV block on the engines (vLLM's `--block-size`, 16 by default).
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// How long a request may wait for its prompt to be tokenized before it is placed on the
+    /// approximate index instead (the tokenization still finishes, for the next turn).
+    #[serde(default = "default_budget_ms")]
+    pub tokenize_budget_ms: u64,
+    /// Prompts larger than this are not tokenized (placed on the approximate index).
+    #[serde(default = "default_max_bytes")]
+    pub tokenize_max_bytes: usize,
+}
+
+fn default_block_size() -> usize {
+    16
+}
+
+fn default_budget_ms() -> u64 {
+    50
+}
+
+fn default_max_bytes() -> usize {
+    1 << 20
+}
+
+impl KvEventsConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        for (key, p) in [
+            ("tokenizer", &self.tokenizer),
+            ("tokenizer_config", &self.tokenizer_config),
+        ] {
+            if !p.is_absolute() {
+                return Err(err(
+                    format!("kvroute.kv_events.{key}"),
+                    "must be an absolute path",
+                ));
+            }
+        }
+        if !(1..=4096).contains(&self.block_size) {
+            return Err(err(
+                "kvroute.kv_events.block_size",
+                "must be between 1 and 4096",
+            ));
+        }
+        if self.tokenize_budget_ms > 10_000 {
+            return Err(err(
+                "kvroute.kv_events.tokenize_budget_ms",
+                "must be at most 10000",
+            ));
+        }
+        if self.tokenize_max_bytes > 64 << 20 {
+            return Err(err(
+                "kvroute.kv_events.tokenize_max_bytes",
+                "must be at most 64 MiB",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A ZMQ endpoint kvroute can connect to: `tcp://host:port` or `ipc://path`.
+pub(super) fn validate_endpoint(key: &str, endpoint: &str) -> Result<(), ConfigError> {
+    let ok = match endpoint.split_once("://") {
+        Some(("tcp", rest)) => rest.rsplit_once(':').is_some_and(|(host, port)| {
+            !host.is_empty() && host != "*" && port.parse::<u16>().is_ok_and(|p| p > 0)
+        }),
+        Some(("ipc", rest)) => !rest.is_empty(),
+        _ => false,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(err(
+            key,
+            format!(
+                "{endpoint:?} is not a ZMQ endpoint to connect to (tcp://host:port or ipc://path)"
+            ),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        for ok in [
+            "tcp://127.0.0.1:5557",
+            "tcp://engine-1.local:5557",
+            "ipc:///run/vllm.sock",
+        ] {
+            assert!(validate_endpoint("k", ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "127.0.0.1:5557",
+            "tcp://*:5557",
+            "tcp://h:0",
+            "tcp://h:x",
+            "udp://h:1",
+            "ipc://",
+        ] {
+            let e =
+                validate_endpoint("kvroute.backends[0].kv_events.endpoint", bad).expect_err(bad);
+            assert_eq!(e.key, "kvroute.backends[0].kv_events.endpoint");
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! Engine KV events: what each engine says it caches, applied to the fleet's exact index
+//! (`placement::exact`), and the per-request matching that reads it.
+
+use std::time::Instant;
+
+use super::roster::Fleet;
+use crate::placement::exact::Applied;
+use crate::placement::SyncState;
+
+mod metrics;
+mod subscriber;
+pub mod wire;
+
+pub use metrics::KvEventMetrics;
+pub use subscriber::follow_forever;
+
+/// A request's prompt in the engines' terms: kvroute's chain hashes of its token blocks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExactBlocks {
+    pub blocks: Vec<u64>,
+    pub block_tokens: u64,
+    /// The prompt's exact token count.
+    pub prompt_tokens: u64,
+}
+
+/// What a request is believed to find cached on each backend.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Matches {
+    /// Prompt tokens, per backend.
+    pub tokens: Vec<u64>,
+    /// Whether the engine's own events said so (the backend follows them).
+    pub exact: Vec<bool>,
+}
+
+impl Fleet {
+    /// Per backend, how many prompt tokens it is believed to cache: from the engine's KV
+    /// events where kvroute follows them and the prompt is tokenized (`exact`), else from the
+    /// approximate index of what kvroute sent it (`blocks`).
+    pub fn matches(&self, blocks: &[u64], exact: Option<&ExactBlocks>) -> Matches {
+        let backends = self.backends();
+        let n = backends.len();
+        let mut out = Matches {
+            tokens: vec![0; n],
+            exact: vec![false; n],
+        };
+        let Ok(mut beliefs) = self.shared.beliefs.lock() else {
+            return out;
+        };
+        let mut by_slot = vec![0; beliefs.index.slots()];
+        beliefs.index.longest_matches(blocks, &mut by_slot);
+        let mut exact_by_slot = Vec::new();
+        if let Some(e) = exact {
+            let now = Instant::now();
+            for s in backends.iter().filter_map(|b| b.slot) {
+                beliefs.exact.expire(s, now);
+            }
+            exact_by_slot = vec![None; by_slot.len().max(1)];
+            beliefs.exact.longest_matches(&e.blocks, &mut exact_by_slot);
+        }
+        let block_tokens = exact.map_or(0, |e| e.block_tokens);
+        for (i, b) in backends.iter().enumerate() {
+            let Some(s) = b.slot else { continue };
+            let approx = by_slot.get(s).map_or(0, |&m| m as u64 * self.block_tokens);
+            out.tokens[i] = match exact_by_slot.get(s).copied().flatten() {
+                Some((m, SyncState::Synced)) => {
+                    out.exact[i] = true;
+                    m as u64 * block_tokens
+                }
+                // Blocks stored before kvroute followed the engine are missing from what it
+                // knows exactly; what kvroute sent there may still be cached.
+                Some((m, _)) => {
+                    out.exact[i] = true;
+                    approx.max(m as u64 * block_tokens)
+                }
+                None => approx,
+            };
+        }
+        out
+    }
+
+    /// Backend `i` is sent a prompt of these blocks: until its engine says, count them there.
+    pub fn record_exact(&self, i: usize, exact: &ExactBlocks) {
+        let b = &self.backends()[i];
+        let Some(slot) = b.slot else { return };
+        if let Ok(mut beliefs) = self.shared.beliefs.lock() {
+            if beliefs.owner.get(slot) == Some(&Some(b.addr)) {
+                beliefs.exact.pending(slot, &exact.blocks, Instant::now());
+            }
+        }
+    }
+
+    /// What kvroute knows from backend `i`'s events: how, and how many blocks.
+    pub fn exact_state(&self, i: usize) -> (SyncState, usize) {
+        let Some(slot) = self.backends().get(i).and_then(|b| b.slot) else {
+            return (SyncState::Off, 0);
+        };
+        self.shared.beliefs.lock().map_or((SyncState::Off, 0), |b| {
+            (b.exact.sync(slot), b.exact.blocks_of(slot))
+        })
+    }
+
+    /// Bytes the exact index holds.
+    pub fn exact_bytes(&self) -> usize {
+        self.shared.beliefs.lock().map_or(0, |b| b.exact.bytes())
+    }
+
+    /// A handle that applies events to backend `i`'s part of the exact index for as long as
+    /// the backend keeps its slot: it outlives this generation, as the index does.
+    pub(crate) fn exact_writer(&self, i: usize) -> Option<ExactWriter> {
+        let b = self.backends().get(i)?;
+        Some(ExactWriter {
+            fleet_shared: self.shared.clone(),
+            slot: b.slot?,
+            addr: b.addr,
+        })
+    }
+}
+
+/// Writes one backend's events into the exact index.
+pub(crate) struct ExactWriter {
+    fleet_shared: std::sync::Arc<super::roster::Shared>,
+    slot: usize,
+    pub(crate) addr: std::net::SocketAddr,
+}
+
+impl ExactWriter {
+    /// Run `f` on the exact index and this backend's slot, if the slot is still the backend's.
+    fn with<R>(&self, f: impl FnOnce(&mut crate::placement::ExactIndex, usize) -> R) -> Option<R> {
+        let mut beliefs = self.fleet_shared.beliefs.lock().ok()?;
+        if beliefs.owner.get(self.slot) != Some(&Some(self.addr)) {
+            return None;
+        }
+        Some(f(&mut beliefs.exact, self.slot))
+    }
+
+    pub fn reset(&self, sync: SyncState) {
+        self.with(|x, s| x.reset(s, sync));
+    }
+
+    pub fn sync(&self) -> SyncState {
+        self.with(|x, s| x.sync(s)).unwrap_or(SyncState::Off)
+    }
+
+    /// Apply a decoded batch; `None` when the backend no longer holds its slot.
+    pub fn apply(&self, batch: &wire::Batch, block_size: usize) -> Option<(Applied, usize)> {
+        self.with(|x, s| {
+            let mut total = Applied::default();
+            let mut skipped = 0;
+            for e in &batch.events {
+                let a = match e {
+                    wire::Event::Stored {
+                        hashes,
+                        parent,
+                        token_ids,
+                        block_size: bs,
+                        lora,
+                        medium,
+                    } => {
+                        // Another block size cannot be matched against kvroute's blocks.
+                        if *bs != block_size || !wire::on_gpu(medium.as_deref()) {
+                            skipped += 1;
+                            continue;
+                        }
+                        x.stored(s, hashes, *parent, token_ids, *bs, lora.as_deref())
+                    }
+                    wire::Event::Removed { hashes, medium } => {
+                        if !wire::on_gpu(medium.as_deref()) {
+                            skipped += 1;
+                            continue;
+                        }
+                        x.removed(s, hashes)
+                    }
+                    wire::Event::Cleared => {
+                        x.reset(s, SyncState::Synced);
+                        Applied::default()
+                    }
+                };
+                total.blocks_stored += a.blocks_stored;
+                total.blocks_removed += a.blocks_removed;
+                total.unresolved += a.unresolved;
+            }
+            (total, skipped)
+        })
+    }
+}

@@ -1,0 +1,392 @@
+//! The engines' KV-event wire format: vLLM's `KVEventBatch` (vllm/distributed/kv_events.py),
+//! which SGLang also publishes, as msgpack written by msgspec.
+//!
+//! Versions differ in how msgspec lays the structs out, so each level is read in either form:
+//! - the batch: an array `[ts, events, data_parallel_rank?]` (`array_like=True`), or a map with
+//!   those keys (vLLM releases whose `EventBatch` dropped `array_like`);
+//! - an event: a tagged map `{"type": "BlockStored", field: value, ...}` (vLLM), or a tagged
+//!   array `["BlockStored", field, ...]` in declaration order (SGLang);
+//! - a block hash: an integer (older vLLM, SGLang) or bytes (vLLM's sha256 hashes), folded to
+//!   a u64 here: the index only ever compares hashes for equality.
+//!
+//! Fields past the ones routing uses (`lora_id`, `medium`, `extra_keys`, ...) are skipped, so a
+//! newer engine that appends fields still decodes. Anything else is an error the subscriber
+//! counts and skips.
+
+use rmpv::Value;
+
+/// An engine's name for a block.
+pub type EngineHash = u64;
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Blocks the engine now caches, in chain order. `token_ids` holds `block_size` tokens per
+    /// block; `parent` is the block before the first (`None`: they start a prompt).
+    Stored {
+        hashes: Vec<EngineHash>,
+        parent: Option<EngineHash>,
+        token_ids: Vec<u32>,
+        block_size: usize,
+        /// Blocks cached for a LoRA adapter (`lora_name`, else `lora_id`): their tokens mean
+        /// something else than the base model's.
+        lora: Option<String>,
+        /// Where the blocks are: `None` or "GPU" for the engine's own KV cache.
+        medium: Option<String>,
+    },
+    Removed {
+        hashes: Vec<EngineHash>,
+        medium: Option<String>,
+    },
+    Cleared,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    pub ts: f64,
+    pub events: Vec<Event>,
+}
+
+/// Why a payload was skipped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WireError(pub String);
+
+impl std::fmt::Display for WireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn bad<T>(what: impl Into<String>) -> Result<T, WireError> {
+    Err(WireError(what.into()))
+}
+
+/// Nesting a batch needs (batch, events, event, its lists, extra keys) with room for fields
+/// a newer engine adds; anything much deeper is not a batch, and is refused before it costs.
+const MAX_DEPTH: usize = 16;
+
+/// Decode one published payload.
+pub fn decode(payload: &[u8]) -> Result<Batch, WireError> {
+    let mut rd = payload;
+    let v = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
+        .map_err(|e| WireError(format!("not msgpack: {e}")))?;
+    if !rd.is_empty() {
+        return bad(format!("{} bytes after the batch", rd.len()));
+    }
+    let (ts, events) = match &v {
+        Value::Array(a) => (a.first(), a.get(1)),
+        Value::Map(m) => (field(m, "ts"), field(m, "events")),
+        _ => return bad("a batch is an array or a map"),
+    };
+    let ts = ts.and_then(Value::as_f64).unwrap_or(0.0);
+    let Some(Value::Array(list)) = events else {
+        return bad("a batch has no event list");
+    };
+    let events = list
+        .iter()
+        .enumerate()
+        .map(|(i, e)| event(e).map_err(|WireError(w)| WireError(format!("event {i}: {w}"))))
+        .collect::<Result<_, _>>()?;
+    Ok(Batch { ts, events })
+}
+
+fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+    map.iter()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+}
+
+/// An event's fields by name, from either layout.
+struct Fields<'a> {
+    tag: &'a str,
+    map: Option<&'a [(Value, Value)]>,
+    /// The tagged array's values after the tag.
+    list: &'a [Value],
+}
+
+impl<'a> Fields<'a> {
+    /// `pos`: the field's place in the struct's declaration (the array layout).
+    fn get(&self, name: &str, pos: usize) -> Option<&'a Value> {
+        match self.map {
+            Some(m) => field(m, name),
+            None => self.list.get(pos),
+        }
+        .filter(|v| !v.is_nil())
+    }
+}
+
+fn event(v: &Value) -> Result<Event, WireError> {
+    let f = match v {
+        Value::Map(m) => Fields {
+            tag: field(m, "type").and_then(Value::as_str).unwrap_or(""),
+            map: Some(m),
+            list: &[],
+        },
+        Value::Array(a) => Fields {
+            tag: a.first().and_then(Value::as_str).unwrap_or(""),
+            map: None,
+            list: a.get(1..).unwrap_or(&[]),
+        },
+        _ => return bad("an event is a map or an array"),
+    };
+    match f.tag {
+        "BlockStored" => {
+            let hashes = hashes(f.get("block_hashes", 0))?;
+            let parent = f.get("parent_block_hash", 1).map(hash).transpose()?;
+            let Some(Value::Array(ids)) = f.get("token_ids", 2) else {
+                return bad("BlockStored without token_ids");
+            };
+            let token_ids = ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .map_or_else(|| bad("a token id is not a u32"), Ok)?;
+            let block_size = f
+                .get("block_size", 3)
+                .and_then(Value::as_u64)
+                .filter(|&b| (1..=1 << 16).contains(&b))
+                .map_or_else(|| bad("BlockStored without a block_size"), Ok)?
+                as usize;
+            if token_ids.len() != hashes.len() * block_size {
+                return bad(format!(
+                    "{} token ids for {} blocks of {block_size}",
+                    token_ids.len(),
+                    hashes.len()
+                ));
+            }
+            let lora = match (f.get("lora_name", 6), f.get("lora_id", 4)) {
+                (Some(name), _) => name.as_str().map(str::to_owned),
+                (None, Some(id)) => id.as_i64().map(|i| format!("lora-id-{i}")),
+                _ => None,
+            };
+            Ok(Event::Stored {
+                hashes,
+                parent,
+                token_ids,
+                block_size,
+                lora,
+                medium: f
+                    .get("medium", 5)
+                    .and_then(Value::as_str)
+                    .map(str::to_owned),
+            })
+        }
+        "BlockRemoved" => Ok(Event::Removed {
+            hashes: hashes(f.get("block_hashes", 0))?,
+            medium: f
+                .get("medium", 1)
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+        }),
+        "AllBlocksCleared" => Ok(Event::Cleared),
+        "" => bad("an event without a type tag"),
+        other => bad(format!("unknown event type {other:?}")),
+    }
+}
+
+fn hashes(v: Option<&Value>) -> Result<Vec<EngineHash>, WireError> {
+    match v {
+        Some(Value::Array(a)) => a.iter().map(hash).collect(),
+        _ => bad("no block_hashes list"),
+    }
+}
+
+fn hash(v: &Value) -> Result<EngineHash, WireError> {
+    match v {
+        // Signed or unsigned 64-bit: the bits name the block either way.
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|s| s as u64))
+            .map_or_else(|| bad("a block hash out of range"), Ok),
+        Value::Binary(b) => Ok(xxhash_rust::xxh3::xxh3_64(b)),
+        _ => bad("a block hash is an integer or bytes"),
+    }
+}
+
+/// Whether an event is about the engine's own (GPU) KV cache, the one a request reuses:
+/// blocks offloaded to CPU or disk are reloaded at a cost the index does not model.
+pub fn on_gpu(medium: Option<&str>) -> bool {
+    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu"))
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn encode(v: &Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, v).expect("writing to a Vec cannot fail");
+        out
+    }
+
+    fn s(x: &str) -> Value {
+        Value::from(x)
+    }
+
+    fn ints(xs: &[u64]) -> Value {
+        Value::Array(xs.iter().map(|&x| Value::from(x)).collect())
+    }
+
+    /// vLLM's layout: array batch, tagged-map events.
+    pub(crate) fn vllm_batch(events: Vec<Value>) -> Vec<u8> {
+        encode(&Value::Array(vec![
+            Value::F64(1.5),
+            Value::Array(events),
+            Value::from(0),
+        ]))
+    }
+
+    pub(crate) fn stored_map(hashes: &[u64], parent: Option<u64>, tokens: &[u64]) -> Value {
+        Value::Map(vec![
+            (s("type"), s("BlockStored")),
+            (s("block_hashes"), ints(hashes)),
+            (
+                s("parent_block_hash"),
+                parent.map_or(Value::Nil, Value::from),
+            ),
+            (s("token_ids"), ints(tokens)),
+            (
+                s("block_size"),
+                Value::from(tokens.len() / hashes.len().max(1)),
+            ),
+            (s("lora_id"), Value::Nil),
+            (s("medium"), s("GPU")),
+            (s("lora_name"), Value::Nil),
+        ])
+    }
+
+    pub(crate) fn removed_map(hashes: &[u64]) -> Value {
+        Value::Map(vec![
+            (s("type"), s("BlockRemoved")),
+            (s("block_hashes"), ints(hashes)),
+            (s("medium"), s("GPU")),
+        ])
+    }
+
+    #[test]
+    fn vllm_tagged_maps() {
+        let tokens: Vec<u64> = (0..32).collect();
+        let b = decode(&vllm_batch(vec![
+            stored_map(&[7, 8], Some(6), &tokens),
+            removed_map(&[7]),
+            Value::Map(vec![(s("type"), s("AllBlocksCleared"))]),
+        ]))
+        .expect("decodes");
+        assert_eq!(b.ts, 1.5);
+        assert_eq!(
+            b.events,
+            vec![
+                Event::Stored {
+                    hashes: vec![7, 8],
+                    parent: Some(6),
+                    token_ids: (0..32).collect(),
+                    block_size: 16,
+                    lora: None,
+                    medium: Some("GPU".into()),
+                },
+                Event::Removed {
+                    hashes: vec![7],
+                    medium: Some("GPU".into())
+                },
+                Event::Cleared,
+            ]
+        );
+    }
+
+    #[test]
+    fn sglang_tagged_arrays_map_batches_and_byte_hashes() {
+        let stored = Value::Array(vec![
+            s("BlockStored"),
+            ints(&[1]),
+            Value::Nil,
+            ints(&[5; 4]),
+            Value::from(4),
+            Value::from(3),
+            Value::Nil,
+        ]);
+        let removed = Value::Array(vec![
+            s("BlockRemoved"),
+            Value::Array(vec![Value::Binary(vec![9; 32])]),
+        ]);
+        let batch = Value::Map(vec![
+            (s("ts"), Value::F64(2.0)),
+            (s("events"), Value::Array(vec![stored, removed])),
+        ]);
+        let b = decode(&encode(&batch)).expect("decodes");
+        assert_eq!(
+            b.events[0],
+            Event::Stored {
+                hashes: vec![1],
+                parent: None,
+                token_ids: vec![5; 4],
+                block_size: 4,
+                lora: Some("lora-id-3".into()),
+                medium: None,
+            }
+        );
+        assert_eq!(
+            b.events[1],
+            Event::Removed {
+                hashes: vec![xxhash_rust::xxh3::xxh3_64(&[9; 32])],
+                medium: None
+            }
+        );
+        // A negative (signed) hash keeps its bits.
+        let neg = vllm_batch(vec![removed_map(&[]), {
+            Value::Map(vec![
+                (s("type"), s("BlockRemoved")),
+                (s("block_hashes"), Value::Array(vec![Value::from(-2i64)])),
+            ])
+        }]);
+        let b = decode(&neg).expect("decodes");
+        assert_eq!(
+            b.events[1],
+            Event::Removed {
+                hashes: vec![(-2i64) as u64],
+                medium: None
+            }
+        );
+    }
+
+    #[test]
+    fn malformed_payloads_are_errors_not_panics() {
+        let tokens: Vec<u64> = (0..15).collect();
+        let cases: Vec<Vec<u8>> = vec![
+            vec![],
+            vec![0xc1],
+            b"not msgpack at all".to_vec(),
+            encode(&Value::from(3)),
+            encode(&Value::Array(vec![Value::F64(1.0)])),
+            vllm_batch(vec![Value::from(1)]),
+            vllm_batch(vec![Value::Map(vec![(s("type"), s("Nope"))])]),
+            vllm_batch(vec![Value::Map(vec![])]),
+            // 15 token ids for one block of 15 is fine; claiming 16 is not.
+            vllm_batch(vec![{
+                let mut m = stored_map(&[1], None, &tokens);
+                if let Value::Map(f) = &mut m {
+                    f[4].1 = Value::from(16);
+                }
+                m
+            }]),
+            vllm_batch(vec![stored_map(&[1], None, &[u64::MAX; 1])]),
+            {
+                let mut p = vllm_batch(vec![]);
+                p.push(0);
+                p
+            },
+            // Nested deeper than any batch.
+            encode(&(0..40).fold(Value::Nil, |v, _| Value::Array(vec![v]))),
+        ];
+        for (i, p) in cases.iter().enumerate() {
+            assert!(decode(p).is_err(), "case {i} decoded");
+        }
+        let ok = vllm_batch(vec![stored_map(&[1], None, &tokens)]);
+        assert!(decode(&ok).is_ok());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = decode(&bytes);
+        }
+    }
+}

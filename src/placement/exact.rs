@@ -1,0 +1,422 @@
+//! Exact index: the blocks each backend's engine says it caches, from its KV events.
+//!
+//! Engines name blocks by their own hashes (over token ids, with seeds and extra keys kvroute
+//! cannot reproduce), so every stored block is renamed into kvroute's own chain hash of its
+//! token ids ([`chain`]), which kvroute computes the same way for a request's tokens. A table per
+//! backend maps the engine's name to kvroute's, so a later block's `parent` and a
+//! `BlockRemoved` resolve.
+//!
+//! A backend's knowledge is *synced* (every block the engine holds is known: its stream was
+//! followed from the engine's start, or from a clear) or *partial* (followed from some later
+//! point, so blocks stored before that are missing but nothing known is stale). Placement
+//! trusts a synced backend's blocks alone and merges a partial one with the approximate index.
+//!
+//! Between dispatch and the engine's event for it, a request's blocks are *pending* on its
+//! backend for [`PENDING_TTL`], so the next turn of a conversation finds them there.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::index::{IdMap, MAX_BACKENDS};
+pub use crate::request::engine_tokens::{chain, root};
+
+/// How long a dispatched request's blocks count as cached before the engine says so: longer
+/// than a long prompt's queue and prefill on a busy engine.
+pub const PENDING_TTL: Duration = Duration::from_secs(15);
+
+/// Blocks one backend may report (16M tokens at 16 a block): far past any GPU's KV cache. A
+/// stream past it is not an engine's and is dropped rather than grow without bound.
+pub const MAX_BLOCKS_PER_BACKEND: usize = 1 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncState {
+    /// No event stream (not configured, or not connected yet).
+    Off,
+    /// Knows a subset of the engine's blocks, none stale.
+    Partial,
+    /// Knows every block the engine holds.
+    Synced,
+}
+
+impl SyncState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SyncState::Off => "off",
+            SyncState::Partial => "partial",
+            SyncState::Synced => "synced",
+        }
+    }
+}
+
+/// What applying one event did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    pub blocks_stored: usize,
+    pub blocks_removed: usize,
+    /// Stored blocks whose parent the index does not know (stored before it followed the
+    /// engine): skipped, as their chain hash cannot be computed.
+    pub unresolved: usize,
+}
+
+struct Slot {
+    sync: SyncState,
+    /// Engine hash -> kvroute hash.
+    names: IdMap<u64>,
+    /// kvroute hash -> how many engine blocks name it.
+    held: IdMap<u32>,
+    pending: VecDeque<(Instant, Vec<u64>)>,
+    pending_refs: IdMap<u32>,
+}
+
+impl Slot {
+    fn new() -> Slot {
+        Slot {
+            sync: SyncState::Off,
+            names: IdMap::default(),
+            held: IdMap::default(),
+            pending: VecDeque::new(),
+            pending_refs: IdMap::default(),
+        }
+    }
+
+    fn has(&self, h: u64) -> bool {
+        self.held.contains_key(&h) || self.pending_refs.contains_key(&h)
+    }
+}
+
+pub struct ExactIndex {
+    /// kvroute hash -> backends (bit per slot) holding it or having it pending.
+    owners: IdMap<u64>,
+    slots: Vec<Slot>,
+}
+
+impl Default for ExactIndex {
+    fn default() -> Self {
+        ExactIndex::new(0)
+    }
+}
+
+impl ExactIndex {
+    pub fn new(slots: usize) -> ExactIndex {
+        ExactIndex {
+            owners: IdMap::default(),
+            slots: (0..slots.min(MAX_BACKENDS)).map(|_| Slot::new()).collect(),
+        }
+    }
+
+    /// The owner map and `slot`'s state, adding slots up to it.
+    fn slot_mut(&mut self, slot: usize) -> Option<(&mut IdMap<u64>, &mut Slot)> {
+        if slot >= MAX_BACKENDS {
+            return None;
+        }
+        while self.slots.len() <= slot {
+            self.slots.push(Slot::new());
+        }
+        let ExactIndex { owners, slots } = self;
+        slots.get_mut(slot).map(|s| (owners, s))
+    }
+
+    pub fn sync(&self, slot: usize) -> SyncState {
+        self.slots.get(slot).map_or(SyncState::Off, |s| s.sync)
+    }
+
+    /// Blocks the engine of `slot` is known to hold.
+    pub fn blocks_of(&self, slot: usize) -> usize {
+        self.slots.get(slot).map_or(0, |s| s.names.len())
+    }
+
+    /// Forget `slot`'s blocks and set what is known of it from here on.
+    pub fn reset(&mut self, slot: usize, sync: SyncState) {
+        let Some((owners, s)) = self.slot_mut(slot) else {
+            return;
+        };
+        let old = std::mem::replace(s, Slot::new());
+        s.sync = sync;
+        let bit = 1u64 << slot;
+        for &h in old.held.keys().chain(old.pending_refs.keys()) {
+            clear_bit(owners, h, bit);
+        }
+    }
+
+    /// The engine of `slot` caches `engine_hashes` (in chain order after `parent`), holding
+    /// `tokens` in blocks of `block_size`.
+    pub fn stored(
+        &mut self,
+        slot: usize,
+        engine_hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: usize,
+        lora: Option<&str>,
+    ) -> Applied {
+        let bit = 1u64 << slot;
+        let Some((owners, s)) = self.slot_mut(slot) else {
+            return Applied::default();
+        };
+        let start = match parent {
+            None => root(lora),
+            Some(p) => match s.names.get(&p) {
+                Some(&own) => own,
+                None => {
+                    return Applied {
+                        unresolved: engine_hashes.len(),
+                        ..Applied::default()
+                    }
+                }
+            },
+        };
+        if s.names.len() + engine_hashes.len() > MAX_BLOCKS_PER_BACKEND {
+            return Applied {
+                unresolved: engine_hashes.len(),
+                ..Applied::default()
+            };
+        }
+        let own = chain(start, tokens, block_size);
+        let mut applied = Applied::default();
+        for (&e, &o) in engine_hashes.iter().zip(&own) {
+            // The engine renaming a block it holds: the old name goes.
+            if let Some(prev) = s.names.insert(e, o) {
+                if prev == o {
+                    continue;
+                }
+                if release(&mut s.held, prev) && !s.pending_refs.contains_key(&prev) {
+                    clear_bit(owners, prev, bit);
+                }
+            }
+            *s.held.entry(o).or_insert(0) += 1;
+            *owners.entry(o).or_insert(0) |= bit;
+            applied.blocks_stored += 1;
+        }
+        applied
+    }
+
+    /// The engine of `slot` evicted `engine_hashes`.
+    pub fn removed(&mut self, slot: usize, engine_hashes: &[u64]) -> Applied {
+        let bit = 1u64 << slot;
+        let Some(s) = self.slots.get_mut(slot) else {
+            return Applied::default();
+        };
+        let mut applied = Applied::default();
+        for e in engine_hashes {
+            let Some(own) = s.names.remove(e) else {
+                continue;
+            };
+            applied.blocks_removed += 1;
+            if release(&mut s.held, own) && !s.pending_refs.contains_key(&own) {
+                clear_bit(&mut self.owners, own, bit);
+            }
+        }
+        applied
+    }
+
+    /// kvroute sends `blocks` to `slot` now: count them there until [`PENDING_TTL`] passes.
+    pub fn pending(&mut self, slot: usize, blocks: &[u64], now: Instant) {
+        let bit = 1u64 << slot;
+        self.expire(slot, now);
+        let Some((owners, s)) = self.slot_mut(slot) else {
+            return;
+        };
+        if blocks.is_empty() || s.sync == SyncState::Off {
+            return;
+        }
+        for &h in blocks {
+            *s.pending_refs.entry(h).or_insert(0) += 1;
+            *owners.entry(h).or_insert(0) |= bit;
+        }
+        s.pending.push_back((now + PENDING_TTL, blocks.to_vec()));
+    }
+
+    /// Drop `slot`'s pending blocks whose time is up.
+    pub fn expire(&mut self, slot: usize, now: Instant) {
+        let bit = 1u64 << slot;
+        let Some(s) = self.slots.get_mut(slot) else {
+            return;
+        };
+        while s.pending.front().is_some_and(|(until, _)| *until <= now) {
+            let Some((_, blocks)) = s.pending.pop_front() else {
+                break;
+            };
+            for h in blocks {
+                if release(&mut s.pending_refs, h) && !s.held.contains_key(&h) {
+                    clear_bit(&mut self.owners, h, bit);
+                }
+            }
+        }
+    }
+
+    /// For every slot that follows its engine (not `SyncState::Off`), how many leading `blocks`
+    /// it holds, written to `out[slot]`; other slots get `None`.
+    pub fn longest_matches(&self, blocks: &[u64], out: &mut [Option<(u32, SyncState)>]) {
+        let n = self.slots.len().min(out.len());
+        let mut alive = 0u64;
+        for (i, s) in self.slots.iter().take(n).enumerate() {
+            out[i] = (s.sync != SyncState::Off).then_some((0, s.sync));
+            if s.sync != SyncState::Off {
+                alive |= 1 << i;
+            }
+        }
+        for (k, h) in blocks.iter().enumerate() {
+            if alive == 0 {
+                return;
+            }
+            let held = self.owners.get(h).copied().unwrap_or(0) & alive;
+            alive = held;
+            let mut set = held;
+            while set != 0 {
+                let b = set.trailing_zeros() as usize;
+                if let Some(Some((m, _))) = out.get_mut(b) {
+                    *m = k as u32 + 1;
+                }
+                set &= set - 1;
+            }
+        }
+    }
+
+    /// Whether `h` is believed held (or pending) on `slot`: for tests and the backend view.
+    pub fn holds(&self, slot: usize, h: u64) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.has(h))
+    }
+
+    /// Approximate bytes the index holds.
+    pub fn bytes(&self) -> usize {
+        let map = |n: usize, entry: usize| n * (entry + 1);
+        map(self.owners.capacity(), 16)
+            + self
+                .slots
+                .iter()
+                .map(|s| {
+                    map(s.names.capacity(), 16)
+                        + map(s.held.capacity(), 12)
+                        + map(s.pending_refs.capacity(), 12)
+                        + s.pending.iter().map(|(_, b)| b.len() * 8).sum::<usize>()
+                })
+                .sum::<usize>()
+    }
+}
+
+/// Drop one reference to `h`; whether it was the last.
+fn release(refs: &mut IdMap<u32>, h: u64) -> bool {
+    match refs.get_mut(&h) {
+        Some(n) if *n > 1 => {
+            *n -= 1;
+            false
+        }
+        Some(_) => {
+            refs.remove(&h);
+            true
+        }
+        None => false,
+    }
+}
+
+fn clear_bit(owners: &mut IdMap<u64>, h: u64, bit: u64) {
+    if let Some(mask) = owners.get_mut(&h) {
+        *mask &= !bit;
+        if *mask == 0 {
+            owners.remove(&h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokens(n: u32, from: u32) -> Vec<u32> {
+        (from..from + n).collect()
+    }
+
+    fn matches(ix: &ExactIndex, blocks: &[u64], n: usize) -> Vec<Option<u32>> {
+        let mut out = vec![None; n];
+        ix.longest_matches(blocks, &mut out);
+        out.into_iter().map(|m| m.map(|(k, _)| k)).collect()
+    }
+
+    #[test]
+    fn events_resolve_parents_into_the_requests_chain() {
+        let mut ix = ExactIndex::new(2);
+        ix.reset(0, SyncState::Synced);
+        ix.reset(1, SyncState::Partial);
+        let prompt = tokens(64, 100);
+        let want = chain(root(None), &prompt, 16);
+        // The engine stores the first two blocks, then two more naming the second as parent.
+        let a = ix.stored(0, &[11, 12], None, &prompt[..32], 16, None);
+        assert_eq!(a.blocks_stored, 2);
+        let b = ix.stored(0, &[13, 14], Some(12), &prompt[32..], 16, None);
+        assert_eq!(b.blocks_stored, 2);
+        assert_eq!(matches(&ix, &want, 3), vec![Some(4), Some(0), None]);
+        // A parent the index never saw cannot be chained.
+        let c = ix.stored(1, &[21], Some(99), &prompt[16..32], 16, None);
+        assert_eq!(c.unresolved, 1);
+        assert_eq!(matches(&ix, &want, 2), vec![Some(4), Some(0)]);
+        // Eviction of the third block cuts the match there.
+        assert_eq!(ix.removed(0, &[13, 77]).blocks_removed, 1);
+        assert_eq!(matches(&ix, &want, 2), vec![Some(2), Some(0)]);
+        // An adapter's blocks are a different chain.
+        let lora = chain(root(Some("ad")), &prompt, 16);
+        assert_ne!(lora[0], want[0]);
+        ix.reset(0, SyncState::Synced);
+        assert_eq!(ix.blocks_of(0), 0);
+        assert_eq!(matches(&ix, &want, 1), vec![Some(0)]);
+        assert!(ix.owners.is_empty(), "a reset leaves no owner bits");
+    }
+
+    #[test]
+    fn pending_blocks_count_until_their_time_is_up() {
+        let mut ix = ExactIndex::new(1);
+        let blocks = chain(0, &tokens(48, 0), 16);
+        let t0 = Instant::now();
+        ix.pending(0, &blocks, t0);
+        assert_eq!(matches(&ix, &blocks, 1), vec![None], "off: not followed");
+        ix.reset(0, SyncState::Synced);
+        ix.pending(0, &blocks, t0);
+        assert_eq!(matches(&ix, &blocks, 1), vec![Some(3)]);
+        // The engine confirms the first block; the rest lapse.
+        ix.stored(0, &[5], None, &tokens(16, 0), 16, None);
+        ix.expire(0, t0 + PENDING_TTL);
+        assert_eq!(matches(&ix, &blocks, 1), vec![Some(1)]);
+        ix.removed(0, &[5]);
+        assert_eq!(matches(&ix, &blocks, 1), vec![Some(0)]);
+        assert!(ix.owners.is_empty());
+    }
+
+    #[test]
+    fn a_block_named_twice_stays_until_both_names_go() {
+        let mut ix = ExactIndex::new(1);
+        ix.reset(0, SyncState::Synced);
+        let t = tokens(16, 7);
+        let want = chain(0, &t, 16);
+        ix.stored(0, &[1], None, &t, 16, None);
+        ix.stored(0, &[2], None, &t, 16, None);
+        ix.removed(0, &[1]);
+        assert_eq!(matches(&ix, &want, 1), vec![Some(1)]);
+        ix.removed(0, &[2]);
+        assert_eq!(matches(&ix, &want, 1), vec![Some(0)]);
+    }
+
+    proptest::proptest! {
+        /// Whatever the order of stores and removals, the index holds exactly the blocks the
+        /// engine was last told to hold.
+        #[test]
+        fn index_equals_a_replay_of_the_events(ops in proptest::collection::vec((0u64..12, proptest::bool::ANY), 0..80)) {
+            let mut ix = ExactIndex::new(1);
+            ix.reset(0, SyncState::Synced);
+            let mut model = std::collections::HashMap::new();
+            for (e, store) in ops {
+                let t = tokens(4, e as u32 * 4);
+                if store {
+                    ix.stored(0, &[e], None, &t, 4, None);
+                    model.insert(e, chain(0, &t, 4)[0]);
+                } else {
+                    ix.removed(0, &[e]);
+                    model.remove(&e);
+                }
+            }
+            for e in 0u64..12 {
+                let h = chain(0, &tokens(4, e as u32 * 4), 4)[0];
+                proptest::prop_assert_eq!(ix.holds(0, h), model.contains_key(&e));
+            }
+            proptest::prop_assert_eq!(ix.blocks_of(0), model.len());
+        }
+    }
+}

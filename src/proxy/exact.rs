@@ -1,0 +1,77 @@
+//! A prompt tokenized as the engines tokenize it, for the exact index: off the proxy's threads
+//! and within `kv_events.tokenize_budget_ms`. A prompt not ready in time is placed on the
+//! approximate index; its tokenization finishes anyway and is remembered for the next turn.
+
+use bytes::Bytes;
+use std::time::{Duration, Instant};
+
+use super::ctx::Ctx;
+use super::metrics::ProxyMetrics;
+use crate::fleet::kv_events::ExactBlocks;
+use crate::placement::PolicyKind;
+use crate::request::{Endpoint, RequestProfile};
+
+pub(super) async fn exact_blocks(
+    ctx: &Ctx,
+    p: &RequestProfile,
+    body: &Bytes,
+    m: &ProxyMetrics,
+) -> Option<ExactBlocks> {
+    let cfg = &ctx.generation.config;
+    let (Some(k), Some(tok)) = (&cfg.kv_events, &ctx.generation.engine_tokens) else {
+        return None;
+    };
+    if cfg.routing.policy != PolicyKind::KvAware
+        || !cfg.backends.iter().any(|b| b.kv_events.is_some())
+    {
+        return None;
+    }
+    let outcome = |o: &str| m.exact_tokenize.with_label_values(&[o]).inc();
+    if body.len() > k.tokenize_max_bytes {
+        outcome("too_large");
+        return None;
+    }
+    let Some(permit) = tok.try_slot() else {
+        outcome("busy");
+        return None;
+    };
+    let lora = ctx
+        .route
+        .pool
+        .as_ref()
+        .is_some_and(|pool| pool.adapter)
+        .then(|| p.model.clone());
+    let (tok, body, chat) = (tok.clone(), body.clone(), p.endpoint == Endpoint::Chat);
+    let started = Instant::now();
+    let job = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let tokens = tok.prompt_tokens(&body, chat)?;
+        Ok::<_, String>(ExactBlocks {
+            blocks: tok.blocks(&tokens, lora.as_deref()),
+            block_tokens: tok.block_size as u64,
+            prompt_tokens: tokens.len() as u64,
+        })
+    });
+    match tokio::time::timeout(Duration::from_millis(k.tokenize_budget_ms), job).await {
+        Ok(Ok(Ok(blocks))) => {
+            outcome("tokenized");
+            m.exact_tokenize_seconds
+                .observe(started.elapsed().as_secs_f64());
+            Some(blocks)
+        }
+        Ok(Ok(Err(e))) => {
+            outcome("failed");
+            log::debug!("prompt not tokenized for the exact index: {e}");
+            None
+        }
+        Ok(Err(e)) => {
+            outcome("failed");
+            log::error!("the prompt tokenizer failed: {e}");
+            None
+        }
+        Err(_) => {
+            outcome("late");
+            None
+        }
+    }
+}

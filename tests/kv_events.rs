@@ -1,0 +1,420 @@
+//! Engine KV events into the exact index, end to end: kvroute subscribes to a real publisher on
+//! 127.0.0.1 (vLLM's own encoder and socket library in `bench/scripts/kv_events_reference.py`,
+//! and `kvbench sim --kv-events`), and matches requests' tokens against what it was told.
+
+mod common;
+
+use common::{free_port, Kvroute, Sim};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A Python with msgspec and pyzmq: `KVROUTE_TEST_PYTHON`, else the venv `.ci/run` makes.
+/// Outside CI a machine without one skips the reference check (and says so).
+fn python() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("KVROUTE_TEST_PYTHON").map(PathBuf::from),
+        Some(repo().join("bench/.venv-kv/bin/python")),
+    ];
+    let found = candidates.into_iter().flatten().find(|p| {
+        Command::new(p)
+            .args(["-c", "import msgspec, zmq"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must provide a Python with msgspec and pyzmq (bench/.venv-kv)"
+        );
+        eprintln!("skipped: no Python with msgspec and pyzmq (set KVROUTE_TEST_PYTHON)");
+    }
+    found
+}
+
+struct Publisher(Child);
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn kv_events_yaml(publish: u16, replay: u16) -> String {
+    format!(
+        "      kv_events:\n        endpoint: \"tcp://127.0.0.1:{publish}\"\n        replay_endpoint: \"tcp://127.0.0.1:{replay}\"\n"
+    )
+}
+
+fn tokenizer_yaml() -> String {
+    let dir = repo().join("bench/data/tokenizer/chatml-bpe8k");
+    format!(
+        "  kv_events:\n    tokenizer: \"{}\"\n    tokenizer_config: \"{}\"\n",
+        dir.join("tokenizer.json").display(),
+        dir.join("tokenizer_config.json").display()
+    )
+}
+
+/// The backend's `kv_events` entry in `/debug/backends`.
+fn kv_state(k: &Kvroute, backend: SocketAddr) -> serde_json::Value {
+    let (status, body) = common::http_get(k.admin, "/debug/backends");
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    v["backends"]
+        .as_array()
+        .and_then(|l| {
+            l.iter()
+                .find(|b| b["backend"] == backend.to_string())
+                .map(|b| b["kv_events"].clone())
+        })
+        .unwrap_or_default()
+}
+
+fn wait_for(what: &str, timeout: Duration, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// vLLM's encoder (maps) and SGLang's layout (arrays): a late subscriber replays from 0, and
+/// the blocks resolve into the same chain a token-id prompt hashes to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_publisher_events_reach_the_exact_index() {
+    let Some(py) = python() else { return };
+    for array_events in [false, true] {
+        let sim = Sim::start(&[]);
+        let (publish, replay) = (free_port(), free_port());
+        let tokens: Vec<u32> = (1000..1048).collect();
+        let batches = serde_json::json!([
+            [{"type": "BlockStored", "block_hashes": [101, 102], "parent_block_hash": null,
+              "token_ids": tokens[..32], "block_size": 16}],
+            [{"type": "BlockStored", "block_hashes": [103], "parent_block_hash": 102,
+              "token_ids": tokens[32..], "block_size": 16}],
+            // Another medium is not the GPU cache a request reuses: skipped.
+            [{"type": "BlockStored", "block_hashes": [900], "parent_block_hash": null,
+              "token_ids": tokens[..16], "block_size": 16, "medium": "CPU"}],
+            [{"type": "BlockRemoved", "block_hashes": [103]}],
+        ]);
+        let dir = std::env::temp_dir().join(format!("kvroute-kv-events-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join(format!("batches-{array_events}.json"));
+        std::fs::write(&file, batches.to_string()).expect("write");
+        let mut cmd = Command::new(&py);
+        cmd.arg(repo().join("bench/scripts/kv_events_reference.py"))
+            .args(["--pub", &format!("tcp://127.0.0.1:{publish}")])
+            .args(["--replay", &format!("tcp://127.0.0.1:{replay}")])
+            .arg("--events")
+            .arg(&file)
+            .args(["--interval-ms", "10", "--repeat-seconds", "60"])
+            .stderr(Stdio::null());
+        if array_events {
+            cmd.arg("--array-events");
+        }
+        let _publisher = Publisher(cmd.spawn().expect("start the reference publisher"));
+        // kvroute starts after the batches went out: it must replay them from 0.
+        std::thread::sleep(Duration::from_millis(500));
+        let k = Kvroute::start_with(
+            &[(sim.addr, kv_events_yaml(publish, replay))],
+            &tokenizer_yaml(),
+        );
+        wait_for("the replayed history", Duration::from_secs(10), || {
+            kv_state(&k, sim.addr)["state"] == "synced"
+        });
+        let state = kv_state(&k, sim.addr);
+        assert_eq!(
+            state["blocks"], 2,
+            "103 was removed, 900 is not on the GPU: {state}"
+        );
+        let m = k.metrics();
+        let b = sim.addr.to_string();
+        let sum = |name, labels: &[(&str, &str)]| common::metric_sum(&m, name, labels);
+        assert_eq!(
+            sum(
+                "kvroute_kv_event_batches_total",
+                &[("backend", &b), ("outcome", "replayed")]
+            ),
+            4.0
+        );
+        assert_eq!(
+            sum(
+                "kvroute_kv_events_total",
+                &[("backend", &b), ("outcome", "applied")]
+            ),
+            3.0
+        );
+        assert_eq!(
+            sum(
+                "kvroute_kv_events_total",
+                &[("backend", &b), ("outcome", "skipped")]
+            ),
+            1.0
+        );
+        assert_eq!(
+            sum(
+                "kvroute_kv_events_sync",
+                &[("backend", &b), ("state", "synced")]
+            ),
+            1.0
+        );
+
+        // A prompt of those tokens: the first two blocks are cached there, exactly.
+        let body = serde_json::json!({"model": "sim-llama-8b", "prompt": tokens, "max_tokens": 2});
+        let r = common::client()
+            .post(k.url("/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 200, "array_events={array_events}");
+        let _ = r.bytes().await;
+        let m = k.metrics_when(
+            "kvroute_cached_prompt_tokens_by_index_total",
+            &[("index", "exact"), ("source", "predicted")],
+            1.0,
+        );
+        assert_eq!(
+            common::metric_sum(
+                &m,
+                "kvroute_cached_prompt_tokens_by_index_total",
+                &[("index", "exact"), ("source", "predicted")]
+            ),
+            32.0,
+            "array_events={array_events}"
+        );
+        drop(k);
+    }
+}
+
+fn chatml_dir() -> String {
+    repo()
+        .join("bench/data/tokenizer/chatml-bpe8k")
+        .display()
+        .to_string()
+}
+
+fn endpoints_yaml(sim: &Sim) -> String {
+    let (publish, replay) = sim.kv_events.clone().expect("the sim publishes KV events");
+    format!("      kv_events:\n        endpoint: \"{publish}\"\n        replay_endpoint: \"{replay}\"\n")
+}
+
+/// The sim's count of named (cached) blocks, from `/debug/state`.
+fn sim_cached_blocks(sim: &Sim) -> u64 {
+    let (status, body) = common::http_get(sim.addr, "/debug/state");
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    v["engine"]["cached_blocks"]
+        .as_u64()
+        .expect("cached_blocks")
+}
+
+/// Waits until kvroute's count of the backend's blocks equals the engine's.
+fn wait_in_step(k: &Kvroute, sim: &Sim, timeout: Duration) -> (u64, u64) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let ours = kv_state(k, sim.addr)["blocks"].as_u64().unwrap_or(0);
+        let theirs = sim_cached_blocks(sim);
+        if ours == theirs || Instant::now() > deadline {
+            return (ours, theirs);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+async fn chat(k: &Kvroute, messages: &serde_json::Value) -> String {
+    let body = serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 24});
+    let r = common::client()
+        .post(k.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.expect("json");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string()
+}
+
+fn cached_by_index(k: &Kvroute, source: &str) -> f64 {
+    common::metric_sum(
+        &k.metrics(),
+        "kvroute_cached_prompt_tokens_by_index_total",
+        &[("index", "exact"), ("source", source)],
+    )
+}
+
+/// A simulated engine's own events: a conversation's next turn is predicted exactly as cached
+/// as the engine reports it, and a killed engine's blocks are gone at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_events_predict_the_cache_exactly_and_a_killed_engine_forgets() {
+    let (http, events) = (free_port(), free_port());
+    let sim_args = |events: u16| {
+        vec![
+            "--kv-events".to_string(),
+            events.to_string(),
+            "--tokenizer".to_string(),
+            chatml_dir(),
+        ]
+    };
+    let args = sim_args(events);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut sim = Sim::start_at(http, &args);
+    let k = Kvroute::start_with(&[(sim.addr, endpoints_yaml(&sim))], &tokenizer_yaml());
+    wait_for(
+        "a fresh engine to be synced",
+        Duration::from_secs(10),
+        || kv_state(&k, sim.addr)["state"] == "synced",
+    );
+    let system = "You are a careful assistant who answers in full sentences. ".repeat(20);
+    let mut messages = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Tell me about the tides and the moon, at length please."},
+    ]);
+    for turn in 0..3 {
+        let reply = chat(&k, &messages).await;
+        let (ours, theirs) = wait_in_step(&k, &sim, Duration::from_secs(5));
+        assert_eq!(
+            ours, theirs,
+            "turn {turn}: the index follows the engine's blocks"
+        );
+        let list = messages.as_array_mut().expect("array");
+        list.push(serde_json::json!({"role": "assistant", "content": reply}));
+        list.push(
+            serde_json::json!({"role": "user", "content": format!("And then, part {turn}?")}),
+        );
+    }
+    let (predicted, reported) = (
+        cached_by_index(&k, "predicted"),
+        cached_by_index(&k, "reported"),
+    );
+    eprintln!("exact index: predicted {predicted} cached tokens, engine reported {reported}");
+    assert!(
+        reported > 500.0,
+        "later turns hit the engine's cache: {reported}"
+    );
+    assert_eq!(
+        predicted, reported,
+        "the exact index predicts the engine's cached tokens"
+    );
+
+    // kill -9: the stream's connection drops, and the blocks go with it.
+    sim.kill();
+    let killed = Instant::now();
+    wait_for(
+        "the killed engine's blocks to go",
+        Duration::from_secs(1),
+        || kv_state(&k, sim.addr)["blocks"] == 0,
+    );
+    assert!(killed.elapsed() < Duration::from_secs(1));
+    // Restarted on the same ports: followed again from its (empty) start.
+    let sim = Sim::start_at(http, &args);
+    wait_for(
+        "the restarted engine to be followed",
+        Duration::from_secs(15),
+        || kv_state(&k, sim.addr)["state"] == "synced",
+    );
+    assert_eq!(kv_state(&k, sim.addr)["blocks"], 0);
+}
+
+/// 5% of the engine's batches never reach kvroute: every gap is replayed, and the index ends
+/// exactly where the engine's cache is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_batches_are_replayed_with_no_lasting_divergence() {
+    let dir = chatml_dir();
+    let sim = Sim::start(&[
+        "--kv-events",
+        "0",
+        "--kv-events-drop-percent",
+        "5",
+        "--tokenizer",
+        &dir,
+        "--kv-tokens",
+        "3000",
+    ]);
+    let k = Kvroute::start_with(&[(sim.addr, endpoints_yaml(&sim))], &tokenizer_yaml());
+    wait_for(
+        "a fresh engine to be synced",
+        Duration::from_secs(10),
+        || kv_state(&k, sim.addr)["state"] == "synced",
+    );
+    // Conversations that share a prefix, overflow the small cache (evictions) and interleave.
+    let mut tasks = Vec::new();
+    for c in 0..8 {
+        let k_url = k.url("/v1/chat/completions");
+        tasks.push(tokio::spawn(async move {
+            let mut messages = serde_json::json!([
+                {"role": "system", "content": "Shared instructions for every conversation. ".repeat(30)},
+                {"role": "user", "content": format!("Conversation {c}: {}", "a question ".repeat(40 + c * 7))},
+            ]);
+            for _ in 0..4 {
+                let body = serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 40});
+                let r = common::client().post(&k_url).json(&body).send().await.expect("request");
+                assert_eq!(r.status(), 200);
+                let v: serde_json::Value = r.json().await.expect("json");
+                let reply = v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+                let list = messages.as_array_mut().expect("array");
+                list.push(serde_json::json!({"role": "assistant", "content": reply}));
+                list.push(serde_json::json!({"role": "user", "content": "More, please."}));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("conversation");
+    }
+    let (ours, theirs) = wait_in_step(&k, &sim, Duration::from_secs(5));
+    eprintln!("after the load: kvroute {ours} blocks, engine {theirs}");
+    assert_eq!(
+        ours, theirs,
+        "kvroute's blocks are the engine's once the gaps are replayed"
+    );
+    let m = k.metrics();
+    let b = sim.addr.to_string();
+    let sum = |outcome| {
+        common::metric_sum(
+            &m,
+            "kvroute_kv_event_batches_total",
+            &[("backend", &b), ("outcome", outcome)],
+        )
+    };
+    let (_, sim_metrics) = common::http_get(sim.addr, "/metrics");
+    let dropped = common::metric_sum(
+        &String::from_utf8_lossy(&sim_metrics),
+        "kvbench_kv_events_dropped_total",
+        &[],
+    );
+    eprintln!(
+        "dropped {dropped}, replayed {}, received {}",
+        sum("replayed"),
+        sum("received")
+    );
+    assert!(dropped > 0.0, "the engine dropped some batches");
+    assert!(
+        sum("replayed") >= dropped,
+        "every dropped batch was replayed ({} of {dropped})",
+        sum("replayed")
+    );
+    assert_eq!(sum("lost"), 0.0);
+    let removed = common::metric_sum(
+        &m,
+        "kvroute_kv_event_blocks_total",
+        &[("backend", &b), ("change", "removed")],
+    );
+    assert!(
+        removed > 0.0,
+        "the small cache evicted blocks, and kvroute followed"
+    );
+    assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
+}
