@@ -12,7 +12,9 @@
 //! trusts a synced backend's blocks alone and merges a partial one with the approximate index.
 //!
 //! Between dispatch and the engine's event for it, a request's blocks are *pending* on its
-//! backend for [`PENDING_TTL`], so the next turn of a conversation finds them there.
+//! backend, at most for [`PENDING_TTL`], so a request right behind it finds them there. The
+//! engine's `BlockStored` ends a block's pending time: from then on its events alone say
+//! whether it is cached.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -185,6 +187,9 @@ impl ExactIndex {
             }
             *s.held.entry(o).or_insert(0) += 1;
             *owners.entry(o).or_insert(0) |= bit;
+            // The engine has it: from here its events say how long it stays. Still counting
+            // it as pending would outlive an early eviction under memory pressure.
+            s.pending_refs.remove(&o);
             applied.blocks_stored += 1;
         }
         applied
@@ -219,11 +224,20 @@ impl ExactIndex {
         if blocks.is_empty() || s.sync == SyncState::Off {
             return;
         }
-        for &h in blocks {
+        // Blocks the engine already holds are its to account for: a reused block gets no
+        // new event, so a pending claim on it would outlast its eviction.
+        let new: Vec<u64> = blocks
+            .iter()
+            .copied()
+            .filter(|h| !s.held.contains_key(h))
+            .collect();
+        for &h in &new {
             *s.pending_refs.entry(h).or_insert(0) += 1;
             *owners.entry(h).or_insert(0) |= bit;
         }
-        s.pending.push_back((now + PENDING_TTL, blocks.to_vec()));
+        if !new.is_empty() {
+            s.pending.push_back((now + PENDING_TTL, new));
+        }
     }
 
     /// Drop `slot`'s pending blocks whose time is up.
@@ -371,12 +385,18 @@ mod tests {
         ix.reset(0, SyncState::Synced);
         ix.pending(0, &blocks, t0);
         assert_eq!(matches(&ix, &blocks, 1), vec![Some(3)]);
-        // The engine confirms the first block; the rest lapse.
+        // A block the engine already holds is not pending: its eviction ends the claim.
+        ix.stored(0, &[9], None, &tokens(16, 0), 16, None);
+        ix.pending(0, &blocks[..1], t0);
+        ix.removed(0, &[9]);
+        assert_eq!(matches(&ix, &blocks, 1), vec![Some(0)]);
+        ix.pending(0, &blocks, t0);
+        // The engine confirms the first block: evicted at once, it is gone, pending or not.
         ix.stored(0, &[5], None, &tokens(16, 0), 16, None);
-        ix.expire(0, t0 + PENDING_TTL);
-        assert_eq!(matches(&ix, &blocks, 1), vec![Some(1)]);
         ix.removed(0, &[5]);
         assert_eq!(matches(&ix, &blocks, 1), vec![Some(0)]);
+        // The others lapse.
+        ix.expire(0, t0 + PENDING_TTL);
         assert!(ix.owners.is_empty());
     }
 

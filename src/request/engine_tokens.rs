@@ -52,8 +52,9 @@ pub struct EngineTokenizer {
     env: Environment<'static>,
     bos: String,
     eos: String,
-    /// Added tokens, longest first, with their ids: where the tokenizer cuts the text.
-    added: Vec<(String, u32)>,
+    /// The tokenizer's added tokens (where it cuts the text first), and their ids by pattern.
+    added: Option<aho_corasick::AhoCorasick>,
+    added_ids: Vec<u32>,
     pub block_size: usize,
     memo: Mutex<Memo>,
     /// Prompts tokenized at once: half the cores, so tokenizing never takes the CPU the
@@ -105,19 +106,28 @@ impl EngineTokenizer {
                 format!("{}: chat_template: {e}", cfg.tokenizer_config.display()),
             )
         })?;
-        let mut added: Vec<(String, u32)> = tokenizer
+        let (contents, added_ids): (Vec<String>, Vec<u32>) = tokenizer
             .get_added_tokens_decoder()
             .into_iter()
+            .filter(|(_, t)| !t.content.is_empty())
             .map(|(id, t)| (t.content, id))
-            .filter(|(c, _)| !c.is_empty())
-            .collect();
-        added.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.0.cmp(&b.0)));
+            .unzip();
+        let added = match contents.is_empty() {
+            true => None,
+            false => Some(
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(&contents)
+                    .map_err(|e| cfg_err("tokenizer", format!("added tokens: {e}")))?,
+            ),
+        };
         Ok(EngineTokenizer {
             tokenizer,
             env,
             bos,
             eos,
             added,
+            added_ids,
             block_size: cfg.block_size.max(1),
             memo: Mutex::default(),
             slots: Arc::new(tokio::sync::Semaphore::new(
@@ -170,39 +180,23 @@ impl EngineTokenizer {
     /// Token ids of `text`, with no special tokens added (a chat template writes its own).
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
         let mut out = Vec::with_capacity(text.len() / 3);
-        let mut rest = text;
-        while !rest.is_empty() {
-            match self.next_added(rest) {
-                Some((at, len, id)) => {
-                    self.piece(&rest[..at], &mut out)?;
+        let mut at = 0;
+        if let Some(added) = &self.added {
+            for m in added.find_iter(text) {
+                self.piece(&text[at..m.start()], &mut out)?;
+                if let Some(&id) = self.added_ids.get(m.pattern().as_usize()) {
                     out.push(id);
-                    rest = &rest[at + len..];
                 }
-                None => {
-                    self.piece(rest, &mut out)?;
-                    break;
-                }
+                at = m.end();
             }
         }
+        self.piece(&text[at..], &mut out)?;
         Ok(out)
     }
 
     /// kvroute's chain hashes of the prompt's full blocks (for adapter `lora`, if any).
     pub fn blocks(&self, tokens: &[u32], lora: Option<&str>) -> Vec<u64> {
         chain(root(lora), tokens, self.block_size)
-    }
-
-    /// The first added token in `text`: (byte offset, length, id). Leftmost, then longest.
-    fn next_added(&self, text: &str) -> Option<(usize, usize, u32)> {
-        let mut best: Option<(usize, usize, u32)> = None;
-        for (content, id) in &self.added {
-            if let Some(at) = text.find(content.as_str()) {
-                if best.is_none_or(|(b, blen, _)| at < b || (at == b && content.len() > blen)) {
-                    best = Some((at, content.len(), *id));
-                }
-            }
-        }
-        best
     }
 
     fn piece(&self, text: &str, out: &mut Vec<u32>) -> Result<(), String> {

@@ -268,16 +268,21 @@ impl Proxy {
 
     /// `GET /backends` of the admin listener into `path`; a failure is reported, not fatal
     /// (the run's figures do not depend on it).
+    /// kvroute's `/backends`, and its `/metrics` beside it (`metrics.txt`): what the run's
+    /// numbers do not show (exact-index predictions, tokenizing outcomes, event counts).
     async fn save_backends(&self, path: &Path) {
-        let url = format!("http://{}/backends", self.admin);
-        let body = match reqwest::get(&url).await {
-            Ok(r) if r.status().is_success() => r.bytes().await.map_err(|e| e.to_string()),
-            Ok(r) => Err(format!("status {}", r.status())),
-            Err(e) => Err(e.to_string()),
-        };
-        let saved = body.and_then(|b| std::fs::write(path, b).map_err(|e| e.to_string()));
-        if let Err(e) = saved {
-            eprintln!("compare: could not save {url} to {}: {e}", path.display());
+        let metrics = path.with_file_name("metrics.txt");
+        for (what, to) in [("backends", path), ("metrics", metrics.as_path())] {
+            let url = format!("http://{}/{what}", self.admin);
+            let body = match reqwest::get(&url).await {
+                Ok(r) if r.status().is_success() => r.bytes().await.map_err(|e| e.to_string()),
+                Ok(r) => Err(format!("status {}", r.status())),
+                Err(e) => Err(e.to_string()),
+            };
+            let saved = body.and_then(|b| std::fs::write(to, b).map_err(|e| e.to_string()));
+            if let Err(e) = saved {
+                eprintln!("compare: could not save {url} to {}: {e}", to.display());
+            }
         }
     }
 
