@@ -418,3 +418,60 @@ async fn lost_batches_are_replayed_with_no_lasting_divergence() {
     );
     assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
 }
+
+/// KV events switched on by a reload (the tokenizer loaded then), and off again: the backend
+/// is followed, then forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_starts_and_stops_following() {
+    let dir = chatml_dir();
+    let sim = Sim::start(&["--kv-events", "0", "--tokenizer", &dir]);
+    let k = Kvroute::start(&[sim.addr], "");
+    assert!(
+        kv_state(&k, sim.addr).is_null(),
+        "not configured: no kv_events entry"
+    );
+    let reload = |yaml: String, count: f64| {
+        k.write_config(&[], &yaml);
+        common::signal(k.pid(), "HUP");
+        let m = k.metrics_when(
+            "kvroute_config_reloads_total",
+            &[("result", "success")],
+            count,
+        );
+        assert_eq!(
+            common::metric_sum(&m, "kvroute_config_reloads_total", &[("result", "success")]),
+            count,
+            "reload {count} took effect; log:\n{}",
+            k.log()
+        );
+    };
+    let with_events =
+        common::backends_yaml(&[(sim.addr, endpoints_yaml(&sim))]) + &tokenizer_yaml();
+    reload(with_events, 1.0);
+    wait_for(
+        "the reloaded config's subscriber",
+        Duration::from_secs(10),
+        || kv_state(&k, sim.addr)["state"] == "synced",
+    );
+    // A bad tokenizer path is refused, and the subscriber keeps running.
+    let broken = common::backends_yaml(&[(sim.addr, endpoints_yaml(&sim))])
+        + "  kv_events:\n    tokenizer: \"/nonexistent/tokenizer.json\"\n    tokenizer_config: \"/nonexistent/tokenizer_config.json\"\n";
+    k.write_config(&[], &broken);
+    common::signal(k.pid(), "HUP");
+    let m = k.metrics_when(
+        "kvroute_config_reloads_total",
+        &[("result", "failure")],
+        1.0,
+    );
+    assert_eq!(
+        common::metric_sum(&m, "kvroute_config_reloads_total", &[("result", "failure")]),
+        1.0
+    );
+    assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
+    // Off again: the backend's knowledge is dropped.
+    reload(common::backends_yaml(&[(sim.addr, String::new())]), 2.0);
+    wait_for("the subscriber to stop", Duration::from_secs(10), || {
+        let m = k.metrics();
+        common::metric_sum(&m, "kvroute_kv_events_sync", &[("state", "off")]) == 1.0
+    });
+}

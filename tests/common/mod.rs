@@ -98,7 +98,7 @@ impl Drop for Sim {
 }
 
 /// The items of a `backends:` list, each with its own extra lines.
-fn backends_yaml(backends: &[(SocketAddr, String)]) -> String {
+pub fn backends_yaml(backends: &[(SocketAddr, String)]) -> String {
     backends
         .iter()
         .map(|(a, lines)| format!("    - addr: \"{a}\"\n{lines}"))
