@@ -23,6 +23,7 @@ fn tokenizer() -> EngineTokenizer {
         block_size: 16,
         tokenize_budget_ms: 50,
         tokenize_max_bytes: 1 << 20,
+        models: Vec::new(),
     })
     .expect("the shipped tokenizer loads")
 }

@@ -43,6 +43,18 @@ pub struct KvEventsConfig {
     /// Prompts larger than this are not tokenized (placed on the approximate index).
     #[serde(default = "default_max_bytes")]
     pub tokenize_max_bytes: usize,
+    /// The models (and LoRA adapters, by the name requests use) this tokenizer is for; empty:
+    /// every model. Requests for other models are placed on the approximate index: their
+    /// tokens would never match what their engines report.
+    #[serde(default)]
+    pub models: Vec<String>,
+}
+
+impl KvEventsConfig {
+    /// Whether requests for `model` are tokenized with this tokenizer.
+    pub fn covers(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
 }
 
 fn default_block_size() -> usize {
@@ -82,6 +94,12 @@ impl KvEventsConfig {
                 "must be at most 10000",
             ));
         }
+        if self.models.iter().any(|m| m.trim().is_empty()) {
+            return Err(err(
+                "kvroute.kv_events.models",
+                "model names must not be empty",
+            ));
+        }
         if self.tokenize_max_bytes > 64 << 20 {
             return Err(err(
                 "kvroute.kv_events.tokenize_max_bytes",
@@ -116,6 +134,29 @@ pub(super) fn validate_endpoint(key: &str, endpoint: &str) -> Result<(), ConfigE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn models_it_covers() {
+        let cfg: KvEventsConfig = serde_yaml::from_str(
+            "tokenizer: /t/tokenizer.json\ntokenizer_config: /t/tokenizer_config.json\nmodels: [llama-8b, llama-8b-sql-lora]\n",
+        )
+        .expect("parses");
+        assert!(cfg.covers("llama-8b") && cfg.covers("llama-8b-sql-lora"));
+        assert!(!cfg.covers("qwen-7b"));
+        let all = KvEventsConfig {
+            models: Vec::new(),
+            ..cfg.clone()
+        };
+        assert!(all.covers("qwen-7b"));
+        let empty = KvEventsConfig {
+            models: vec![" ".into()],
+            ..cfg
+        };
+        assert_eq!(
+            empty.validate().expect_err("empty name").key,
+            "kvroute.kv_events.models"
+        );
+    }
 
     #[test]
     fn endpoints() {

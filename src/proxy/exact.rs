@@ -26,6 +26,9 @@ pub(super) async fn exact_blocks(
     {
         return None;
     }
+    if !k.covers(&p.model) {
+        return None;
+    }
     let outcome = |o: &str| m.exact_tokenize.with_label_values(&[o]).inc();
     if body.len() > k.tokenize_max_bytes {
         outcome("too_large");

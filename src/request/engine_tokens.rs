@@ -290,6 +290,7 @@ mod tests {
             block_size: 16,
             tokenize_budget_ms: 50,
             tokenize_max_bytes: 1 << 20,
+            models: Vec::new(),
         }
     }
 
