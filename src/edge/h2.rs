@@ -27,6 +27,10 @@ use super::conn::Conn;
 
 /// How long a closed connection's GOAWAY may take to flush.
 const GOAWAY_FLUSH: Duration = Duration::from_millis(500);
+/// How long the socket stays open once the GOAWAY is out. Closing it while the client is still
+/// sending (a resetting client is) makes the kernel answer with RST, and a client that sees
+/// the RST before it reads the GOAWAY never learns why it was closed.
+const GOAWAY_LINGER: Duration = Duration::from_millis(250);
 
 /// Abandoned streams within the current window.
 struct ResetWindow {
@@ -139,6 +143,7 @@ where
                     conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
                     let flush = async { while let Some(Ok(_)) = conn.accept().await {} };
                     let _ = tokio::time::timeout(GOAWAY_FLUSH, flush).await;
+                    tokio::time::sleep(GOAWAY_LINGER).await;
                     return;
                 }
                 continue;
