@@ -17,14 +17,10 @@ use std::path::PathBuf;
 
 fn tokenizer() -> EngineTokenizer {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench/data/tokenizer/chatml-bpe8k");
-    EngineTokenizer::load(&KvEventsConfig {
-        tokenizer: dir.join("tokenizer.json"),
-        tokenizer_config: dir.join("tokenizer_config.json"),
-        block_size: 16,
-        tokenize_budget_ms: 50,
-        tokenize_max_bytes: 1 << 20,
-        models: Vec::new(),
-    })
+    EngineTokenizer::load(&KvEventsConfig::new(
+        dir.join("tokenizer.json"),
+        dir.join("tokenizer_config.json"),
+    ))
     .expect("the shipped tokenizer loads")
 }
 

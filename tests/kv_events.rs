@@ -249,8 +249,7 @@ async fn chat(k: &Kvroute, messages: &serde_json::Value) -> String {
 }
 
 fn cached_by_index(k: &Kvroute, source: &str) -> f64 {
-    common::metric_sum(
-        &k.metrics(),
+    k.metric_sum(
         "kvroute_cached_prompt_tokens_by_index_total",
         &[("index", "exact"), ("source", source)],
     )

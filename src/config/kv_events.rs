@@ -51,6 +51,18 @@ pub struct KvEventsConfig {
 }
 
 impl KvEventsConfig {
+    /// These tokenizer files, every other setting at its default.
+    pub fn new(tokenizer: PathBuf, tokenizer_config: PathBuf) -> KvEventsConfig {
+        KvEventsConfig {
+            tokenizer,
+            tokenizer_config,
+            block_size: default_block_size(),
+            tokenize_budget_ms: default_budget_ms(),
+            tokenize_max_bytes: default_max_bytes(),
+            models: Vec::new(),
+        }
+    }
+
     /// Whether requests for `model` are tokenized with this tokenizer.
     pub fn covers(&self, model: &str) -> bool {
         self.models.is_empty() || self.models.iter().any(|m| m == model)

@@ -442,12 +442,17 @@ impl Fleet {
     }
 
     /// Believe that backend `i` now caches `blocks` (it is being sent them).
-    pub fn record(&self, i: usize, blocks: &[u64]) {
+    /// `token_blocks`: the same prompt as the engines' KV events name it (empty when not
+    /// tokenized), counted there until the engine's events say (see `placement::exact`).
+    pub fn record(&self, i: usize, blocks: &[u64], token_blocks: &[u64]) {
         let b = &self.backends[i];
         let Some(slot) = b.slot else { return };
         if let Ok(mut beliefs) = self.shared.beliefs.lock() {
             if beliefs.owner.get(slot) == Some(&Some(b.addr)) {
                 beliefs.index.insert(slot, blocks);
+                if !token_blocks.is_empty() {
+                    beliefs.exact.pending(slot, token_blocks, Instant::now());
+                }
             }
         }
     }
@@ -717,8 +722,8 @@ mod tests {
         let (a, b, c) = ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4");
         let f1 = Fleet::new(&cfg(&[a, b])).unwrap();
         let blocks = [11, 12, 13];
-        f1.record(0, &blocks);
-        f1.record(1, &blocks[..1]);
+        f1.record(0, &blocks, &[]);
+        f1.record(1, &blocks[..1], &[]);
         let held = f1.charge(0, 700);
 
         // Drop b, add c: c takes b's freed slot and must not inherit its beliefs.
@@ -746,9 +751,9 @@ mod tests {
         );
 
         // A request placed by the old fleet on b cannot teach c's slot.
-        f1.record(1, &blocks);
+        f1.record(1, &blocks, &[]);
         assert_eq!(f2.matches(&blocks, None).tokens[0], 0);
-        f2.record(0, &blocks);
+        f2.record(0, &blocks, &[]);
         assert_eq!(f2.matches(&blocks, None).tokens, vec![3 * bt, 3 * bt]);
         assert_eq!(f2.index_size().0, 6);
     }

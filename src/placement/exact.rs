@@ -80,10 +80,6 @@ impl Slot {
             pending_refs: IdMap::default(),
         }
     }
-
-    fn has(&self, h: u64) -> bool {
-        self.held.contains_key(&h) || self.pending_refs.contains_key(&h)
-    }
 }
 
 pub struct ExactIndex {
@@ -286,9 +282,12 @@ impl ExactIndex {
         }
     }
 
-    /// Whether `h` is believed held (or pending) on `slot`: for tests and the backend view.
-    pub fn holds(&self, slot: usize, h: u64) -> bool {
-        self.slots.get(slot).is_some_and(|s| s.has(h))
+    /// Whether `h` is believed held (or pending) on `slot`.
+    #[cfg(test)]
+    fn holds(&self, slot: usize, h: u64) -> bool {
+        self.slots
+            .get(slot)
+            .is_some_and(|s| s.held.contains_key(&h) || s.pending_refs.contains_key(&h))
     }
 
     /// Approximate bytes the index holds.

@@ -138,10 +138,10 @@ impl Placer<'_> {
             }
         }
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
-            ctx.generation.fleet.record(d.backend, &p.prefix_blocks);
-            if let Some(e) = &ctx.route.exact {
-                ctx.generation.fleet.record_exact(d.backend, e);
-            }
+            let token_blocks = ctx.route.exact.as_ref().map_or(&[][..], |e| &e.blocks);
+            ctx.generation
+                .fleet
+                .record(d.backend, &p.prefix_blocks, token_blocks);
             self.metrics
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);

@@ -284,14 +284,10 @@ mod tests {
     pub(crate) fn shipped() -> KvEventsConfig {
         let dir =
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("bench/data/tokenizer/chatml-bpe8k");
-        KvEventsConfig {
-            tokenizer: dir.join("tokenizer.json"),
-            tokenizer_config: dir.join("tokenizer_config.json"),
-            block_size: 16,
-            tokenize_budget_ms: 50,
-            tokenize_max_bytes: 1 << 20,
-            models: Vec::new(),
-        }
+        KvEventsConfig::new(
+            dir.join("tokenizer.json"),
+            dir.join("tokenizer_config.json"),
+        )
     }
 
     #[test]

@@ -78,17 +78,6 @@ impl Fleet {
         out
     }
 
-    /// Backend `i` is sent a prompt of these blocks: until its engine says, count them there.
-    pub fn record_exact(&self, i: usize, exact: &ExactBlocks) {
-        let b = &self.backends()[i];
-        let Some(slot) = b.slot else { return };
-        if let Ok(mut beliefs) = self.shared.beliefs.lock() {
-            if beliefs.owner.get(slot) == Some(&Some(b.addr)) {
-                beliefs.exact.pending(slot, &exact.blocks, Instant::now());
-            }
-        }
-    }
-
     /// What kvroute knows from backend `i`'s events: how, and how many blocks.
     pub fn exact_state(&self, i: usize) -> (SyncState, usize) {
         let Some(slot) = self.backends().get(i).and_then(|b| b.slot) else {
