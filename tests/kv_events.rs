@@ -259,7 +259,6 @@ fn cached_by_index(k: &Kvroute, source: &str) -> f64 {
 /// as the engine reports it, and a killed engine's blocks are gone at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_events_predict_the_cache_exactly_and_a_killed_engine_forgets() {
-    let (http, events) = (free_port(), free_port());
     let sim_args = |events: u16| {
         vec![
             "--kv-events".to_string(),
@@ -268,9 +267,17 @@ async fn engine_events_predict_the_cache_exactly_and_a_killed_engine_forgets() {
             chatml_dir(),
         ]
     };
-    let args = sim_args(events);
+    // Fixed ports, so that the restarted engine is where kvroute expects it; a port another
+    // test takes first is tried again with others.
+    let (http, args, mut sim) = (0..5)
+        .find_map(|_| {
+            let (http, events) = (free_port(), free_port());
+            let args = sim_args(events);
+            let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+            Sim::try_start_at(http, &argv).map(|sim| (http, args, sim))
+        })
+        .expect("a simulator on free ports");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut sim = Sim::start_at(http, &args);
     let k = Kvroute::start_with(&[(sim.addr, endpoints_yaml(&sim))], &tokenizer_yaml());
     wait_for(
         "a fresh engine to be synced",

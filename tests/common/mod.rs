@@ -39,6 +39,12 @@ impl Sim {
 
     /// One simulated server on `port` (0: any free one).
     pub fn start_at(port: u16, args: &[&str]) -> Sim {
+        Self::try_start_at(port, args).expect("sim printed no address")
+    }
+
+    /// Like [`Sim::start_at`], but `None` when the simulator exits before it is ready: a port
+    /// another test took in the meantime (fixed ports race with tests running in parallel).
+    pub fn try_start_at(port: u16, args: &[&str]) -> Option<Sim> {
         let mut child = Command::new(kvbench_bin())
             .args(["sim", "--servers", "1", "--base-port", &port.to_string()])
             .args(args)
@@ -67,10 +73,17 @@ impl Sim {
         }
         // Keep draining stdout so the simulator never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        Sim {
-            child,
-            addr: addr.expect("sim printed no address"),
-            kv_events,
+        match addr {
+            Some(addr) => Some(Sim {
+                child,
+                addr,
+                kv_events,
+            }),
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                None
+            }
         }
     }
 
