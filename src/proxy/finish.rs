@@ -117,13 +117,16 @@ pub(super) fn end_request(
         .with_label_values(&[&backend, &status.to_string()])
         .inc();
     let req = session.req_header();
-    let client = session
-        .client_addr()
-        .map_or_else(|| "-".to_string(), |a| a.to_string());
+    // Formatted only for a line that is written.
+    let client = || {
+        session
+            .client_addr()
+            .map_or_else(|| "-".to_string(), |a| a.to_string())
+    };
     if ctx.generation.config.log.format == LogFormat::Json {
         let entry = serde_json::json!({
             "ts": unix_now(),
-            "client": client,
+            "client": client(),
             "method": req.method.as_str(),
             "path": req.uri.path(),
             "status": status,
@@ -145,7 +148,7 @@ pub(super) fn end_request(
     let line =
         format!(
         "{} \"{} {}\" {} backend={} reason={} attempts={} dur_ms={:.1} ttft_ms={} body_bytes={}{}",
-        client,
+        client(),
         req.method,
         req.uri.path(),
         status,

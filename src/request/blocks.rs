@@ -1,11 +1,20 @@
 //! Block hashing of a canonical prompt byte stream.
 //!
-//! The stream is cut into fixed-size blocks; block `i`'s hash is xxh3 of its bytes seeded with
-//! block `i-1`'s hash, so one 64-bit value names the whole prefix up to and including block `i`.
+//! The stream is cut into fixed-size blocks; block `i`'s hash is block `i-1`'s hash linked with
+//! xxh3 of block `i`'s bytes, so one 64-bit value names the whole prefix up to and including
+//! block `i`.
 //! Two prompts share their first `k` block hashes exactly when they share their first `k` blocks
 //! of bytes, which is what makes turn n+1 of a conversation find turn n's blocks.
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// The chain step. Not `xxh3_64_with_seed(block, prev)`: for inputs over 240 bytes a seeded
+/// xxh3 derives a fresh 192-byte secret on every call, which cost as much as hashing the block
+/// itself. The block is hashed unseeded and only its 8-byte digest is seeded with the chain.
+#[inline]
+fn link(prev: u64, block: &[u8]) -> u64 {
+    xxh3_64_with_seed(&xxh3_64(block).to_le_bytes(), prev)
+}
 
 /// Default block size in bytes (about 64 tokens of English text).
 pub use crate::config::BLOCK_BYTES as DEFAULT_BLOCK_BYTES;
@@ -40,14 +49,14 @@ impl BlockHasher {
             self.buf.extend_from_slice(&data[..take]);
             data = &data[take..];
             if self.buf.len() == self.block {
-                self.prev = xxh3_64_with_seed(&self.buf, self.prev);
+                self.prev = link(self.prev, &self.buf);
                 self.hashes.push(self.prev);
                 self.buf.clear();
             }
         }
         let mut chunks = data.chunks_exact(self.block);
         for chunk in &mut chunks {
-            self.prev = xxh3_64_with_seed(chunk, self.prev);
+            self.prev = link(self.prev, chunk);
             self.hashes.push(self.prev);
         }
         self.buf.extend_from_slice(chunks.remainder());

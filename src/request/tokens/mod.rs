@@ -453,10 +453,16 @@ impl TokenEstimator {
         let Ok(mut models) = self.models.write() else {
             return;
         };
-        if !models.contains_key(model) && models.len() >= MAX_MODELS {
-            return;
+        // Looked up by `&str` first: the owned key is made only for a model's first answer.
+        if !models.contains_key(model) {
+            if models.len() >= MAX_MODELS {
+                return;
+            }
+            models.insert(model.to_owned(), Ratios::default());
         }
-        let r = models.entry(model.to_owned()).or_default();
+        let Some(r) = models.get_mut(model) else {
+            return;
+        };
         let engine = engine_tokens as f64;
         // A count from tables a reload has since replaced teaches the new ones nothing.
         if let (Some(c), true) = (est.counted.filter(|&c| c > 0), est.tables == in_use) {
