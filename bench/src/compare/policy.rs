@@ -17,6 +17,8 @@
 //! - `routing.KEY=VALUE`: any other `kvroute.routing` setting, e.g.
 //!   `kv_aware/routing.duplicate_prefill_weight=0`, to measure one knob's effect (kvroute
 //!   checks the key and value when it starts).
+//! - `telemetry.KEY=VALUE`: a `kvroute.telemetry` setting, e.g.
+//!   `kv_aware/replicas=2/telemetry.interval_ms=250`.
 //!
 //! Without options the config is exactly what a plain policy run always had.
 //!
@@ -30,7 +32,7 @@ use std::path::Path;
 use crate::sim::{Profile, ProfileName};
 
 /// The options an entry may carry, for errors.
-const KNOWN_OPTIONS: &str = "rates, learn, replicas, events, routing.KEY";
+const KNOWN_OPTIONS: &str = "rates, learn, replicas, events, routing.KEY, telemetry.KEY";
 
 /// Replicas one run may start (each is a kvroute process on this machine's cores).
 pub const MAX_REPLICAS: usize = 4;
@@ -55,6 +57,8 @@ pub struct PolicyRun {
     pub learn: Option<bool>,
     /// Other `kvroute.routing` settings, in the order given.
     pub routing: Vec<(String, String)>,
+    /// `kvroute.telemetry` settings, in the order given.
+    pub telemetry: Vec<(String, String)>,
     /// kvroute processes in front of the fleet (1 unless `replicas=N`).
     pub replicas: usize,
     /// Follow the engines' KV events (`events=on`).
@@ -108,6 +112,7 @@ impl PolicyRun {
             rates: Rates::Omit,
             learn: None,
             routing: Vec::new(),
+            telemetry: Vec::new(),
             replicas: 1,
             events: false,
             peer: None,
@@ -178,20 +183,25 @@ impl PolicyRun {
                 "rates" | "learn" | "replicas" | "events" => {
                     return Err(bad(format!("option {key} given twice")))
                 }
-                _ if key.starts_with("routing.") => {
-                    let name = &key["routing.".len()..];
+                _ if key.starts_with("routing.") || key.starts_with("telemetry.") => {
+                    let (section, name) = key.split_once('.').unwrap_or((key, ""));
+                    let list = if section == "routing" {
+                        &mut run.routing
+                    } else {
+                        &mut run.telemetry
+                    };
                     let word = |v: &str| {
                         !v.is_empty()
                             && v.chars()
                                 .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
                     };
-                    if !word(name) || !word(value) || run.routing.iter().any(|(k, _)| k == name) {
+                    if !word(name) || !word(value) || list.iter().any(|(k, _)| k == name) {
                         return Err(bad(format!(
-                            "{option:?}: expected routing.KEY=VALUE, each key once, in letters, \
-                             digits, _ . and -"
+                            "{option:?}: expected {section}.KEY=VALUE, each key once, in \
+                             letters, digits, _ . and -"
                         )));
                     }
-                    run.routing.push((name.to_string(), value.to_string()));
+                    list.push((name.to_string(), value.to_string()));
                 }
                 _ => {
                     return Err(bad(format!(
@@ -298,6 +308,12 @@ pub fn kvroute_yaml(
     }
     for (key, value) in &run.routing {
         let _ = writeln!(yaml, "    {key}: {value}");
+    }
+    if !run.telemetry.is_empty() {
+        yaml.push_str("  telemetry:\n");
+        for (key, value) in &run.telemetry {
+            let _ = writeln!(yaml, "    {key}: {value}");
+        }
     }
     let events = backends
         .iter()
@@ -411,11 +427,18 @@ mod tests {
         let k = config("kv_aware/routing.duplicate_prefill_weight=0/learn=off");
         assert_eq!(k["routing"]["duplicate_prefill_weight"].as_i64(), Some(0));
         assert_eq!(k["routing"]["learn_prefill_rate"].as_bool(), Some(false));
+        assert!(k.get("telemetry").is_none());
+        let k = config("kv_aware/telemetry.interval_ms=250/routing.load_factor=1.5");
+        assert_eq!(k["telemetry"]["interval_ms"].as_i64(), Some(250));
+        assert_eq!(k["routing"]["load_factor"].as_f64(), Some(1.5));
+        assert!(k["routing"].get("interval_ms").is_none());
         for bad in [
             "kv_aware/routing.=1",
             "kv_aware/routing.a=",
             "kv_aware/routing.a=1/routing.a=2",
             "kv_aware/routing.a=x: y",
+            "kv_aware/telemetry.a=1/telemetry.a=2",
+            "kv_aware/telemetry.=1",
         ] {
             assert!(PolicyRun::parse(bad).is_err(), "{bad}");
         }
