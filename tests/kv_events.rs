@@ -481,3 +481,104 @@ async fn a_reload_starts_and_stops_following() {
         common::metric_sum(&m, "kvroute_kv_events_sync", &[("state", "off")]) == 1.0
     });
 }
+
+/// `kv_events.tokenizers`: a model named there is tokenized with its own files, not with the
+/// catch-all tokenizer. The catch-all here renders another model family's template (one more
+/// line before the conversation), so every block it hashes misses the engine's; the model's own
+/// entry predicts the engine's cached tokens exactly. A reload that drops the entry sends the
+/// model to the catch-all, and the prediction falls away from the engine's report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_model_is_tokenized_with_its_own_tokenizer() {
+    let dir = repo().join("bench/data/tokenizer/chatml-bpe8k");
+    let other = std::env::temp_dir().join(format!("kvroute-test-{}-family", std::process::id()));
+    std::fs::create_dir_all(&other).expect("temp dir");
+    let mut config: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("tokenizer_config.json")).expect("the shipped config"),
+    )
+    .expect("json");
+    let template = config["chat_template"]
+        .as_str()
+        .expect("template")
+        .to_string();
+    config["chat_template"] = format!("Another family's preamble.\n{template}").into();
+    let other_config = other.join("tokenizer_config.json");
+    std::fs::write(&other_config, config.to_string()).expect("write");
+
+    let sim = Sim::start(&["--kv-events", "0", "--tokenizer", &chatml_dir()]);
+    let tokenizer = dir.join("tokenizer.json");
+    let catch_all = format!(
+        "  kv_events:\n    tokenizer: \"{}\"\n    tokenizer_config: \"{}\"\n",
+        tokenizer.display(),
+        other_config.display()
+    );
+    let with_entry = format!(
+        "{catch_all}    tokenizers:\n      - models: [sim-llama-8b]\n        tokenizer: \"{}\"\n        tokenizer_config: \"{}\"\n",
+        tokenizer.display(),
+        dir.join("tokenizer_config.json").display()
+    );
+    let k = Kvroute::start_with(&[(sim.addr, endpoints_yaml(&sim))], &with_entry);
+    wait_for("the engine to be synced", Duration::from_secs(10), || {
+        kv_state(&k, sim.addr)["state"] == "synced"
+    });
+    let system = "You are a patient tutor who explains with small examples. ".repeat(20);
+    let messages = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Explain how a sundial tells the time, step by step."},
+    ]);
+    let messages = converse(&k, &sim, messages, 3).await;
+    let (predicted, reported) = (
+        cached_by_index(&k, "predicted"),
+        cached_by_index(&k, "reported"),
+    );
+    assert!(reported > 500.0, "later turns hit the cache: {reported}");
+    assert_eq!(
+        predicted, reported,
+        "the model's own tokenizer predicts the engine exactly"
+    );
+
+    // Without its entry, the model falls to the catch-all and its blocks no longer match.
+    k.write_config(
+        &[],
+        &(common::backends_yaml(&[(sim.addr, endpoints_yaml(&sim))]) + &catch_all),
+    );
+    common::signal(k.pid(), "HUP");
+    k.metrics_when(
+        "kvroute_config_reloads_total",
+        &[("result", "success")],
+        1.0,
+    );
+    wait_for(
+        "the engine to be synced again",
+        Duration::from_secs(10),
+        || kv_state(&k, sim.addr)["state"] == "synced",
+    );
+    converse(&k, &sim, messages, 2).await;
+    let (predicted2, reported2) = (
+        cached_by_index(&k, "predicted") - predicted,
+        cached_by_index(&k, "reported") - reported,
+    );
+    assert!(reported2 > 500.0, "the engine still hits: {reported2}");
+    assert!(
+        predicted2 < reported2 / 2.0,
+        "another family's template misses the engine's blocks: predicted {predicted2}, \
+         reported {reported2}"
+    );
+    let _ = std::fs::remove_dir_all(&other);
+}
+
+/// `count` more turns of `messages`, each answered and followed by the index.
+async fn converse(
+    k: &Kvroute,
+    sim: &Sim,
+    mut messages: serde_json::Value,
+    count: usize,
+) -> serde_json::Value {
+    for turn in 0..count {
+        let reply = chat(k, &messages).await;
+        wait_in_step(k, sim, Duration::from_secs(5));
+        let list = messages.as_array_mut().expect("array");
+        list.push(serde_json::json!({"role": "assistant", "content": reply}));
+        list.push(serde_json::json!({"role": "user", "content": format!("Go on ({turn}).")}));
+    }
+    messages
+}

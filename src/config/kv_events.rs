@@ -44,10 +44,35 @@ pub struct KvEventsConfig {
     #[serde(default = "default_max_bytes")]
     pub tokenize_max_bytes: usize,
     /// The models (and LoRA adapters, by the name requests use) this tokenizer is for; empty:
-    /// every model. Requests for other models are placed on the approximate index: their
-    /// tokens would never match what their engines report.
+    /// every model not named in `tokenizers`. Requests for a model no tokenizer covers are
+    /// placed on the approximate index: their tokens would never match their engines' blocks.
     #[serde(default)]
     pub models: Vec<String>,
+    /// More tokenizers, one per model family, for a fleet serving several models. A model
+    /// named here uses its entry, whatever `models` says.
+    #[serde(default)]
+    pub tokenizers: Vec<ModelTokenizer>,
+}
+
+/// One model family's tokenizer files, for `kv_events.tokenizers`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelTokenizer {
+    /// The models (and adapters) it is for; at least one.
+    pub models: Vec<String>,
+    pub tokenizer: PathBuf,
+    pub tokenizer_config: PathBuf,
+    /// These models' engines' block size, when it differs from `kv_events.block_size`.
+    #[serde(default)]
+    pub block_size: Option<usize>,
+}
+
+/// One tokenizer's files and block size: `kv_events`' own, or one of its `tokenizers`.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenizerFiles<'a> {
+    pub tokenizer: &'a std::path::Path,
+    pub tokenizer_config: &'a std::path::Path,
+    pub block_size: usize,
 }
 
 impl KvEventsConfig {
@@ -60,12 +85,43 @@ impl KvEventsConfig {
             tokenize_budget_ms: default_budget_ms(),
             tokenize_max_bytes: default_max_bytes(),
             models: Vec::new(),
+            tokenizers: Vec::new(),
         }
     }
 
-    /// Whether requests for `model` are tokenized with this tokenizer.
+    /// Every tokenizer: `kv_events`' own first, then `tokenizers` in order. Indexes into this
+    /// list are what [`KvEventsConfig::tokenizer_for`] returns.
+    pub fn all_files(&self) -> Vec<TokenizerFiles<'_>> {
+        let own = TokenizerFiles {
+            tokenizer: &self.tokenizer,
+            tokenizer_config: &self.tokenizer_config,
+            block_size: self.block_size,
+        };
+        std::iter::once(own)
+            .chain(self.tokenizers.iter().map(|t| TokenizerFiles {
+                tokenizer: &t.tokenizer,
+                tokenizer_config: &t.tokenizer_config,
+                block_size: t.block_size.unwrap_or(self.block_size),
+            }))
+            .collect()
+    }
+
+    /// Which tokenizer requests for `model` are tokenized with (an index into
+    /// [`KvEventsConfig::all_files`]), if any.
+    pub fn tokenizer_for(&self, model: &str) -> Option<usize> {
+        if let Some(i) = self
+            .tokenizers
+            .iter()
+            .position(|t| t.models.iter().any(|m| m == model))
+        {
+            return Some(i + 1);
+        }
+        (self.models.is_empty() || self.models.iter().any(|m| m == model)).then_some(0)
+    }
+
+    /// Whether requests for `model` are tokenized at all.
     pub fn covers(&self, model: &str) -> bool {
-        self.models.is_empty() || self.models.iter().any(|m| m == model)
+        self.tokenizer_for(model).is_some()
     }
 }
 
@@ -111,6 +167,35 @@ impl KvEventsConfig {
                 "kvroute.kv_events.models",
                 "model names must not be empty",
             ));
+        }
+        let mut named: Vec<&str> = self.models.iter().map(String::as_str).collect();
+        for (i, t) in self.tokenizers.iter().enumerate() {
+            let key = |k: &str| format!("kvroute.kv_events.tokenizers[{i}].{k}");
+            for (k, p) in [
+                ("tokenizer", &t.tokenizer),
+                ("tokenizer_config", &t.tokenizer_config),
+            ] {
+                if !p.is_absolute() {
+                    return Err(err(key(k), "must be an absolute path"));
+                }
+            }
+            if t.models.is_empty() || t.models.iter().any(|m| m.trim().is_empty()) {
+                return Err(err(
+                    key("models"),
+                    "must name at least one model, and no name may be empty",
+                ));
+            }
+            if t.block_size.is_some_and(|b| !(1..=4096).contains(&b)) {
+                return Err(err(key("block_size"), "must be between 1 and 4096"));
+            }
+            // One model, one tokenizer: which of two would match its engines is a guess.
+            if let Some(m) = t.models.iter().find(|m| named.contains(&m.as_str())) {
+                return Err(err(
+                    key("models"),
+                    format!("{m:?} already has a tokenizer in kv_events"),
+                ));
+            }
+            named.extend(t.models.iter().map(String::as_str));
         }
         if self.tokenize_max_bytes > 64 << 20 {
             return Err(err(
@@ -167,6 +252,60 @@ mod tests {
         assert_eq!(
             empty.validate().expect_err("empty name").key,
             "kvroute.kv_events.models"
+        );
+    }
+
+    #[test]
+    fn a_tokenizer_per_model_family() {
+        let cfg: KvEventsConfig = serde_yaml::from_str(
+            "tokenizer: /t/tokenizer.json\ntokenizer_config: /t/tokenizer_config.json\n\
+             tokenizers:\n\
+             - models: [qwen-7b, qwen-7b-lora]\n  tokenizer: /q/tokenizer.json\n  \
+             tokenizer_config: /q/tokenizer_config.json\n  block_size: 32\n",
+        )
+        .expect("parses");
+        cfg.validate().expect("valid");
+        // Named in an entry: that entry, though the own tokenizer covers every model.
+        assert_eq!(cfg.tokenizer_for("qwen-7b-lora"), Some(1));
+        assert_eq!(cfg.tokenizer_for("llama-8b"), Some(0));
+        let files = cfg.all_files();
+        assert_eq!(files.len(), 2);
+        assert_eq!(
+            files[1].tokenizer,
+            std::path::Path::new("/q/tokenizer.json")
+        );
+        assert_eq!((files[0].block_size, files[1].block_size), (16, 32));
+        let listed = KvEventsConfig {
+            models: vec!["llama-8b".into()],
+            ..cfg.clone()
+        };
+        assert_eq!(listed.tokenizer_for("mistral-7b"), None);
+        assert!(!listed.covers("mistral-7b") && listed.covers("qwen-7b"));
+
+        let twice = KvEventsConfig {
+            models: vec!["qwen-7b".into()],
+            ..cfg.clone()
+        };
+        let e = twice.validate().expect_err("a model with two tokenizers");
+        assert_eq!(e.key, "kvroute.kv_events.tokenizers[0].models");
+        assert!(e.reason.contains("qwen-7b"), "{}", e.reason);
+        let mut bad = cfg.clone();
+        bad.tokenizers[0].models.clear();
+        assert_eq!(
+            bad.validate().expect_err("no models").key,
+            "kvroute.kv_events.tokenizers[0].models"
+        );
+        let mut bad = cfg.clone();
+        bad.tokenizers[0].tokenizer = "q/tokenizer.json".into();
+        assert_eq!(
+            bad.validate().expect_err("relative").key,
+            "kvroute.kv_events.tokenizers[0].tokenizer"
+        );
+        let mut bad = cfg;
+        bad.tokenizers[0].block_size = Some(0);
+        assert_eq!(
+            bad.validate().expect_err("block size").key,
+            "kvroute.kv_events.tokenizers[0].block_size"
         );
     }
 

@@ -7,21 +7,22 @@ use std::sync::Arc;
 
 use super::roster::Fleet;
 use crate::config::Config;
-use crate::request::engine_tokens::EngineTokenizer;
+use crate::request::engine_tokens::EngineTokenizers;
 
 pub struct Generation {
     pub config: Config,
     /// Shared with the scrape loop's tasks, which outlive a generation's swap.
     pub fleet: Arc<Fleet>,
-    /// The engines' chat template and tokenizer (`kvroute.kv_events`), loaded with the config.
-    pub engine_tokens: Option<Arc<EngineTokenizer>>,
+    /// The engines' chat templates and tokenizers (`kvroute.kv_events`), loaded with the
+    /// config.
+    pub engine_tokens: Option<Arc<EngineTokenizers>>,
 }
 
 impl Generation {
     pub fn new(
         config: Config,
         fleet: Fleet,
-        engine_tokens: Option<Arc<EngineTokenizer>>,
+        engine_tokens: Option<Arc<EngineTokenizers>>,
     ) -> Generation {
         Generation {
             config,

@@ -26,9 +26,8 @@ pub(super) async fn exact_blocks(
     {
         return None;
     }
-    if !k.covers(&p.model) {
-        return None;
-    }
+    // The tokenizer of the request's model: another model's tokens never match its engines.
+    let tok = tok.for_model(k, &p.model)?;
     let outcome = |o: &str| m.exact_tokenize.with_label_values(&[o]).inc();
     if body.len() > k.tokenize_max_bytes {
         outcome("too_large");

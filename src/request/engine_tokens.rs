@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use crate::config::{ConfigError, KvEventsConfig};
+use crate::config::{ConfigError, KvEventsConfig, TokenizerFiles};
 
 /// Token ids the piece memo holds before it starts over (about 64 MiB).
 const MEMO_TOKENS: usize = 16 << 20;
@@ -57,8 +57,9 @@ pub struct EngineTokenizer {
     added_ids: Vec<u32>,
     pub block_size: usize,
     memo: Mutex<Memo>,
-    /// Prompts tokenized at once: half the cores, so tokenizing never takes the CPU the
-    /// proxy's threads need. Beyond them a request is placed on the approximate index.
+    /// Prompts tokenized at once, shared by all tokenizers: half the cores, so tokenizing
+    /// never takes the CPU the proxy's threads need. Beyond them a request is placed on the
+    /// approximate index.
     slots: Arc<tokio::sync::Semaphore>,
 }
 
@@ -75,12 +76,65 @@ fn cfg_err(key: &str, reason: impl Into<String>) -> ConfigError {
     }
 }
 
+/// Prompts tokenized at once, over all of kvroute's tokenizers: half the cores.
+fn tokenizing_slots() -> Arc<tokio::sync::Semaphore> {
+    Arc::new(tokio::sync::Semaphore::new(
+        std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+    ))
+}
+
+/// Every tokenizer `kvroute.kv_events` names, chosen per request by its model.
+pub struct EngineTokenizers {
+    /// In [`KvEventsConfig::all_files`]' order.
+    all: Vec<Arc<EngineTokenizer>>,
+}
+
+impl EngineTokenizers {
+    /// Load them all (blocking), sharing one set of tokenizing slots.
+    pub fn load(cfg: &KvEventsConfig) -> Result<EngineTokenizers, ConfigError> {
+        let slots = tokenizing_slots();
+        let all = cfg
+            .all_files()
+            .into_iter()
+            .enumerate()
+            .map(|(i, files)| {
+                EngineTokenizer::load_files(files, slots.clone())
+                    .map(Arc::new)
+                    .map_err(|mut e| {
+                        if i > 0 {
+                            e.key = e.key.replacen(
+                                "kvroute.kv_events.",
+                                &format!("kvroute.kv_events.tokenizers[{}].", i - 1),
+                                1,
+                            );
+                        }
+                        e
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(EngineTokenizers { all })
+    }
+
+    /// The tokenizer for requests for `model` (`cfg` is the config these were loaded from).
+    pub fn for_model(&self, cfg: &KvEventsConfig, model: &str) -> Option<&Arc<EngineTokenizer>> {
+        cfg.tokenizer_for(model).and_then(|i| self.all.get(i))
+    }
+}
+
 impl EngineTokenizer {
-    /// Load the files `cfg` names (blocking: a large tokenizer.json takes a few hundred ms).
+    /// Load `cfg`'s own tokenizer (blocking: a large tokenizer.json takes a few hundred ms).
     pub fn load(cfg: &KvEventsConfig) -> Result<EngineTokenizer, ConfigError> {
-        let tokenizer = tokenizers::Tokenizer::from_file(&cfg.tokenizer)
-            .map_err(|e| cfg_err("tokenizer", format!("{}: {e}", cfg.tokenizer.display())))?;
-        let (template, bos, eos) = read_template(&cfg.tokenizer_config)?;
+        let own = cfg.all_files()[0];
+        EngineTokenizer::load_files(own, tokenizing_slots())
+    }
+
+    fn load_files(
+        files: TokenizerFiles<'_>,
+        slots: Arc<tokio::sync::Semaphore>,
+    ) -> Result<EngineTokenizer, ConfigError> {
+        let tokenizer = tokenizers::Tokenizer::from_file(files.tokenizer)
+            .map_err(|e| cfg_err("tokenizer", format!("{}: {e}", files.tokenizer.display())))?;
+        let (template, bos, eos) = read_template(files.tokenizer_config)?;
         let mut env = Environment::new();
         env.set_syntax(
             minijinja::syntax::SyntaxConfig::builder()
@@ -103,7 +157,7 @@ impl EngineTokenizer {
         env.add_template_owned("chat", template).map_err(|e| {
             cfg_err(
                 "tokenizer_config",
-                format!("{}: chat_template: {e}", cfg.tokenizer_config.display()),
+                format!("{}: chat_template: {e}", files.tokenizer_config.display()),
             )
         })?;
         let (contents, added_ids): (Vec<String>, Vec<u32>) = tokenizer
@@ -128,11 +182,9 @@ impl EngineTokenizer {
             eos,
             added,
             added_ids,
-            block_size: cfg.block_size.max(1),
+            block_size: files.block_size.max(1),
             memo: Mutex::default(),
-            slots: Arc::new(tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
-            )),
+            slots,
         })
     }
 

@@ -16,7 +16,7 @@ use crate::edge::{EdgeState, Listener, Transport};
 use crate::fleet::kv_events::{follow_forever, KvEventMetrics};
 use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
 use crate::proxy::{ProxyMetrics, Router};
-use crate::request::engine_tokens::EngineTokenizer;
+use crate::request::engine_tokens::EngineTokenizers;
 use crate::request::{TokenEstimator, TokenMetrics};
 
 mod admin;
@@ -112,7 +112,7 @@ pub fn run(mut opt: Opt) -> ! {
         .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
     let engine_tokens = cfg.kv_events.as_ref().map(|k| {
         Arc::new(
-            EngineTokenizer::load(k)
+            EngineTokenizers::load(k)
                 .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display()))),
         )
     });

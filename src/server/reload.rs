@@ -26,7 +26,7 @@ use crate::edge::EdgeState;
 use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
 use crate::metrics::{counter_vec, gauge, int_gauge};
 use crate::proxy::ProxyMetrics;
-use crate::request::engine_tokens::EngineTokenizer;
+use crate::request::engine_tokens::EngineTokenizers;
 use crate::request::TokenEstimator;
 
 /// Why a reload changed nothing.
@@ -208,14 +208,14 @@ impl Reloader {
             (Some(_), Some(t)) => Some(tls::load(t).map_err(ReloadError::Tls)?),
             _ => None,
         };
-        // The engines' tokenizer: kept while its settings stay, else loaded (off the runtime:
-        // a large tokenizer.json takes a few hundred ms) before anything is published.
+        // The engines' tokenizers: kept while their settings stay, else loaded (off the
+        // runtime: a large tokenizer.json takes a few hundred ms) before anything is published.
         let engine_tokens = match &cfg.kv_events {
             None => None,
             Some(k) if running.kv_events.as_ref() == Some(k) => old.engine_tokens.clone(),
             Some(k) => {
                 let k = k.clone();
-                let loaded = tokio::task::spawn_blocking(move || EngineTokenizer::load(&k))
+                let loaded = tokio::task::spawn_blocking(move || EngineTokenizers::load(&k))
                     .await
                     .map_err(|e| ReloadError::Config {
                         path: path.clone(),
