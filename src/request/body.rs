@@ -52,10 +52,13 @@ pub(crate) async fn read_body(
         })?;
     }
     let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(max));
+    // Where Pingora's retry buffer starts in the body: it holds every byte read since.
+    let mut buffered_from = None;
     loop {
         let remaining = declared.map(|d| d.saturating_sub(buf.len()));
-        if remaining.is_none_or(|r| r <= RETRY_BUFFER_BYTES) {
+        if buffered_from.is_none() && remaining.is_none_or(|r| r <= RETRY_BUFFER_BYTES) {
             session.enable_retry_buffering();
+            buffered_from = Some(buf.len());
         }
         let wait = per_read.min(deadline.saturating_duration_since(Instant::now()));
         let chunk = match tokio::time::timeout(wait, session.read_request_body()).await {
@@ -83,7 +86,10 @@ pub(crate) async fn read_body(
         }
         buf.extend_from_slice(&chunk);
     }
-    if !buf.is_empty() && session.get_retry_buffer().is_none() {
+    // Whether the retry buffer holds the body's tail, known without copying it out (asking
+    // Pingora for the buffer copies it): empty or overflowed, Pingora would forward nothing.
+    let tail = buffered_from.map_or(0, |from| buf.len() - from);
+    if !buf.is_empty() && (tail == 0 || tail > RETRY_BUFFER_BYTES) {
         return Err(ApiError::length_required(format!(
             "chunked request bodies over {} KiB are not supported; send Content-Length",
             RETRY_BUFFER_BYTES / 1024
