@@ -1,6 +1,6 @@
 //! The shipped dashboard and alert rules only use metrics kvroute exports: every `kvroute_*`
-//! name in their PromQL is in a running kvroute's `/metrics` (with TLS on, telemetry scraped
-//! and one request served). `promtool check rules` runs in `.ci/run`.
+//! name in their PromQL is in a running kvroute's `/metrics` (with TLS on, telemetry scraped,
+//! one backend's KV events followed and one request served). `promtool check rules` runs in `.ci/run`.
 
 mod common;
 
@@ -71,13 +71,32 @@ async fn every_metric_the_dashboard_and_rules_use_is_exported() {
     std::fs::create_dir_all(&dir).expect("dir");
     ca.write_server(&dir, 1, -60, 86_000);
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "1"]);
+    // A second backend whose KV events are followed, so that their families are exported too
+    // (a simulator with fixed timing has no KV pool to publish).
+    let tokenizer = root.join("bench/data/tokenizer/chatml-bpe8k");
+    let tokenizer_arg = tokenizer.display().to_string();
+    let events_sim = Sim::start(&["--kv-events", "0", "--tokenizer", &tokenizer_arg]);
+    let (publish, replay) = events_sim
+        .kv_events
+        .clone()
+        .expect("the sim publishes KV events");
     let tls = free_port();
-    let k = Kvroute::start(
-        &[sim.addr],
+    let k = Kvroute::start_with(
+        &[
+            (sim.addr, String::new()),
+            (
+                events_sim.addr,
+                format!(
+                    "      kv_events:\n        endpoint: \"{publish}\"\n        replay_endpoint: \"{replay}\"\n"
+                ),
+            ),
+        ],
         &format!(
             "  tls:\n    listen: \"127.0.0.1:{tls}\"\n    cert: {d}/cert.pem\n    key: {d}/key.pem\n\
-             \x20 telemetry:\n    interval_ms: 100\n",
-            d = dir.display()
+             \x20 telemetry:\n    interval_ms: 100\n\
+             \x20 kv_events:\n    tokenizer: \"{t}/tokenizer.json\"\n    tokenizer_config: \"{t}/tokenizer_config.json\"\n",
+            d = dir.display(),
+            t = tokenizer.display()
         ),
     );
     let r = client()

@@ -474,12 +474,16 @@ async fn a_reload_starts_and_stops_following() {
         1.0
     );
     assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
-    // Off again: the backend's knowledge is dropped.
+    // Off again: the backend's knowledge is dropped, and so is its sync state (an alert on
+    // `off` means configured but not followed).
     reload(common::backends_yaml(&[(sim.addr, String::new())]), 2.0);
     wait_for("the subscriber to stop", Duration::from_secs(10), || {
-        let m = k.metrics();
-        common::metric_sum(&m, "kvroute_kv_events_sync", &[("state", "off")]) == 1.0
+        !k.metrics().contains("kvroute_kv_events_sync{")
     });
+    assert!(
+        kv_state(&k, sim.addr).is_null(),
+        "/debug/backends no longer shows a kv_events entry"
+    );
 }
 
 /// `kv_events.tokenizers`: a model named there is tokenized with its own files, not with the

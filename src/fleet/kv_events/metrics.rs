@@ -68,6 +68,14 @@ impl KvEventMetrics {
         self.set_sync(backend, SyncState::Off);
     }
 
+    /// A backend no longer followed has no sync state: an alert on `off` then means a stream
+    /// that is configured but not connected.
+    pub(super) fn forget(&self, backend: &str) {
+        for s in STATES {
+            let _ = self.sync.remove_label_values(&[backend, s.as_str()]);
+        }
+    }
+
     pub(super) fn set_sync(&self, backend: &str, state: SyncState) {
         for s in STATES {
             self.sync

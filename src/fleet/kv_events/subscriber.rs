@@ -92,7 +92,7 @@ pub async fn follow_forever(
                 {
                     w.reset(SyncState::Off);
                 }
-                metrics.set_sync(&target.backend, SyncState::Off);
+                metrics.forget(&target.backend);
             }
             keep
         });
