@@ -53,6 +53,12 @@ fn body(messages: &[serde_json::Value]) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
 }
 
+/// What a request pays: its prompt's tokens, then their chain-hashed blocks.
+fn measured(t: &EngineTokenizer, bytes: &[u8]) -> Vec<u64> {
+    let tokens = t.prompt_tokens(bytes, true).expect("tokens");
+    black_box(t.blocks(&tokens, None))
+}
+
 fn tokenize(c: &mut Criterion) {
     let t = tokenizer();
     let mut g = c.benchmark_group("engine_tokens");
@@ -68,10 +74,7 @@ fn tokenize(c: &mut Criterion) {
                         salt += 1;
                         body(&conversation(kb * 1024, salt))
                     },
-                    |bytes| {
-                        let tokens = t.prompt_tokens(&bytes, true).expect("tokens");
-                        black_box(t.blocks(&tokens, None))
-                    },
+                    |bytes| measured(&t, &bytes),
                     criterion::BatchSize::SmallInput,
                 )
             },
@@ -91,10 +94,7 @@ fn tokenize(c: &mut Criterion) {
                         m.push(serde_json::json!({"role": "user", "content": "Go on."}));
                         body(&m)
                     },
-                    |bytes| {
-                        let tokens = t.prompt_tokens(&bytes, true).expect("tokens");
-                        black_box(t.blocks(&tokens, None))
-                    },
+                    |bytes| measured(&t, &bytes),
                     criterion::BatchSize::SmallInput,
                 )
             },

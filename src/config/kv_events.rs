@@ -120,7 +120,8 @@ impl KvEventsConfig {
     }
 
     /// Whether requests for `model` are tokenized at all.
-    pub fn covers(&self, model: &str) -> bool {
+    #[cfg(test)]
+    fn covers(&self, model: &str) -> bool {
         self.tokenizer_for(model).is_some()
     }
 }
