@@ -10,7 +10,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute::config::KvEventsConfig;
-use kvroute::placement::{ExactIndex, SyncState};
+use kvroute::placement::{ExactIndex, Stored, SyncState};
 use kvroute::request::engine_tokens::EngineTokenizer;
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -56,7 +56,7 @@ fn body(messages: &[serde_json::Value]) -> Vec<u8> {
 /// What a request pays: its prompt's tokens, then their chain-hashed blocks.
 fn measured(t: &EngineTokenizer, bytes: &[u8]) -> Vec<u64> {
     let tokens = t.prompt_tokens(bytes, true).expect("tokens");
-    black_box(t.blocks(&tokens, None))
+    black_box(t.blocks(&tokens, None, None))
 }
 
 fn tokenize(c: &mut Criterion) {
@@ -109,7 +109,7 @@ fn matching(c: &mut Criterion) {
     let tokens = t
         .prompt_tokens(&body(&conversation(100 * 1024, 7)), true)
         .unwrap();
-    let blocks = t.blocks(&tokens, None);
+    let blocks = t.blocks(&tokens, None, None);
     let mut ix = ExactIndex::new(64);
     let filler: Vec<u32> = (0..16 * 16_384).map(|i| (i % 8000) as u32).collect();
     for slot in 0..64usize {
@@ -117,10 +117,15 @@ fn matching(c: &mut Criterion) {
         // Each engine holds its own 16k blocks, and part of this prompt.
         let base = (slot as u64) << 32;
         let hashes: Vec<u64> = (0..16_384u64).map(|i| base + i).collect();
-        ix.stored(slot, &hashes, None, &filler, 16, Some(&slot.to_string()));
+        let adapter = slot.to_string();
+        let other = Stored {
+            lora: Some(&adapter),
+            ..Stored::tokens(&filler, 16)
+        };
+        ix.stored(slot, &hashes, None, other);
         let share = blocks.len() * (slot % 4) / 4;
         let own: Vec<u64> = (0..share as u64).map(|i| base + (1 << 20) + i).collect();
-        ix.stored(slot, &own, None, &tokens[..share * 16], 16, None);
+        ix.stored(slot, &own, None, Stored::tokens(&tokens[..share * 16], 16));
     }
     let mut out = vec![None; 64];
     c.bench_function("exact_match/100KB_64backends_1Mblocks", |b| {

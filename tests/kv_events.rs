@@ -106,6 +106,15 @@ async fn reference_publisher_events_reach_the_exact_index() {
             [{"type": "BlockStored", "block_hashes": [900], "parent_block_hash": null,
               "token_ids": tokens[..16], "block_size": 16, "medium": "CPU"}],
             [{"type": "BlockRemoved", "block_hashes": [103]}],
+            // A hybrid model's sliding-window group names blocks as the full-attention group
+            // does: neither its store nor its dropping 101 touches the prompt's blocks.
+            [{"type": "BlockStored", "block_hashes": [101], "parent_block_hash": null,
+              "token_ids": tokens[..16], "block_size": 16, "group_idx": 1,
+              "kv_cache_spec_kind": "sliding_window"}],
+            [{"type": "BlockRemoved", "block_hashes": [101], "group_idx": 1}],
+            // The same first block under a cache salt: another block, for salted prompts only.
+            [{"type": "BlockStored", "block_hashes": [301], "parent_block_hash": null,
+              "token_ids": tokens[..16], "block_size": 16, "extra_keys": [["tenant-a"]]}],
         ]);
         let dir = std::env::temp_dir().join(format!("kvroute-kv-events-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
@@ -134,8 +143,8 @@ async fn reference_publisher_events_reach_the_exact_index() {
         });
         let state = kv_state(&k, sim.addr);
         assert_eq!(
-            state["blocks"], 2,
-            "103 was removed, 900 is not on the GPU: {state}"
+            state["blocks"], 3,
+            "103 was removed, 900 is not on the GPU, group 1 is not followed: {state}"
         );
         let m = k.metrics();
         let b = sim.addr.to_string();
@@ -145,21 +154,21 @@ async fn reference_publisher_events_reach_the_exact_index() {
                 "kvroute_kv_event_batches_total",
                 &[("backend", &b), ("outcome", "replayed")]
             ),
-            4.0
+            7.0
         );
         assert_eq!(
             sum(
                 "kvroute_kv_events_total",
                 &[("backend", &b), ("outcome", "applied")]
             ),
-            3.0
+            4.0
         );
         assert_eq!(
             sum(
                 "kvroute_kv_events_total",
                 &[("backend", &b), ("outcome", "skipped")]
             ),
-            1.0
+            3.0
         );
         assert_eq!(
             sum(
@@ -169,30 +178,42 @@ async fn reference_publisher_events_reach_the_exact_index() {
             1.0
         );
 
-        // A prompt of those tokens: the first two blocks are cached there, exactly.
-        let body = serde_json::json!({"model": "sim-llama-8b", "prompt": tokens, "max_tokens": 2});
-        let r = common::client()
-            .post(k.url("/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .expect("request");
-        assert_eq!(r.status(), 200, "array_events={array_events}");
-        let _ = r.bytes().await;
-        let m = k.metrics_when(
-            "kvroute_cached_prompt_tokens_by_index_total",
-            &[("index", "exact"), ("source", "predicted")],
-            1.0,
-        );
-        assert_eq!(
+        // A prompt of those tokens: the first two blocks are cached there, exactly; under the
+        // salt, only the salted first block.
+        let predicted = |m: &str| {
             common::metric_sum(
-                &m,
+                m,
                 "kvroute_cached_prompt_tokens_by_index_total",
-                &[("index", "exact"), ("source", "predicted")]
-            ),
-            32.0,
-            "array_events={array_events}"
-        );
+                &[("index", "exact"), ("source", "predicted")],
+            )
+        };
+        let mut seen = 0.0;
+        for (salt, cached) in [(None, 32.0), (Some("tenant-a"), 16.0)] {
+            let mut body =
+                serde_json::json!({"model": "sim-llama-8b", "prompt": tokens, "max_tokens": 2});
+            if let Some(s) = salt {
+                body["cache_salt"] = s.into();
+            }
+            let r = common::client()
+                .post(k.url("/v1/completions"))
+                .json(&body)
+                .send()
+                .await
+                .expect("request");
+            assert_eq!(r.status(), 200, "array_events={array_events}");
+            let _ = r.bytes().await;
+            let m = k.metrics_when(
+                "kvroute_cached_prompt_tokens_by_index_total",
+                &[("index", "exact"), ("source", "predicted")],
+                seen + 1.0,
+            );
+            assert_eq!(
+                predicted(&m) - seen,
+                cached,
+                "array_events={array_events}, salt {salt:?}"
+            );
+            seen = predicted(&m);
+        }
         drop(k);
     }
 }
@@ -233,7 +254,16 @@ fn wait_in_step(k: &Kvroute, sim: &Sim, timeout: Duration) -> (u64, u64) {
 }
 
 async fn chat(k: &Kvroute, messages: &serde_json::Value) -> String {
-    let body = serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 24});
+    chat_salted(k, messages, None).await
+}
+
+/// [`chat`] under vLLM's `cache_salt`, if given.
+async fn chat_salted(k: &Kvroute, messages: &serde_json::Value, salt: Option<&str>) -> String {
+    let mut body =
+        serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 24});
+    if let Some(s) = salt {
+        body["cache_salt"] = s.into();
+    }
     let r = common::client()
         .post(k.url("/v1/chat/completions"))
         .json(&body)
@@ -333,6 +363,49 @@ async fn engine_events_predict_the_cache_exactly_and_a_killed_engine_forgets() {
         || kv_state(&k, sim.addr)["state"] == "synced",
     );
     assert_eq!(kv_state(&k, sim.addr)["blocks"], 0);
+}
+
+/// vLLM's `cache_salt`: an engine shares cached blocks only between requests with the same
+/// salt. Its events name the salt in the first block's extra keys, and kvroute salts a
+/// request's blocks the same way, so equal prompts under other salts are predicted to miss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_salt_keeps_equal_prompts_apart() {
+    let sim = Sim::start(&["--kv-events", "0", "--tokenizer", &chatml_dir()]);
+    let k = Kvroute::start_with(&[(sim.addr, endpoints_yaml(&sim))], &tokenizer_yaml());
+    wait_for("the engine to be synced", Duration::from_secs(10), || {
+        kv_state(&k, sim.addr)["state"] == "synced"
+    });
+    let system = "You answer questions about tenancy law in plain words. ".repeat(20);
+    let messages = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "May a landlord enter without notice?"},
+    ]);
+    // (salt, whether the engine holds the prompt under it by then)
+    let turns = [
+        (Some("tenant-a"), false),
+        (Some("tenant-b"), false),
+        (None, false),
+        (Some("tenant-a"), true),
+        (Some("tenant-b"), true),
+    ];
+    for (i, (salt, hit)) in turns.into_iter().enumerate() {
+        let before = (
+            cached_by_index(&k, "predicted"),
+            cached_by_index(&k, "reported"),
+        );
+        chat_salted(&k, &messages, salt).await;
+        let (ours, theirs) = wait_in_step(&k, &sim, Duration::from_secs(5));
+        assert_eq!(ours, theirs, "request {i}: the index follows the engine");
+        let predicted = cached_by_index(&k, "predicted") - before.0;
+        let reported = cached_by_index(&k, "reported") - before.1;
+        eprintln!("request {i} ({salt:?}): predicted {predicted}, engine reported {reported}");
+        assert_eq!(
+            reported > 200.0,
+            hit,
+            "request {i} ({salt:?}): the engine's hit: {reported}"
+        );
+        assert_eq!(predicted, reported, "request {i} ({salt:?})");
+    }
 }
 
 /// 5% of the engine's batches never reach kvroute: every gap is replayed, and the index ends

@@ -17,7 +17,8 @@ encoder and socket library rather than against `kvbench sim --kv-events` alone:
 Events are tagged maps, `{"type": "BlockStored", ...fields}`, as vLLM's KVCacheEvent
 (tag=True) encodes them; with --array-events they are tagged arrays,
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name]`, the array-like form SGLang sends (and vLLM did before its events became maps).
+lora_name, ...]`, the array-like form SGLang sends (and vLLM did before its events became
+maps).
 
 FILE.json lists batches, each a list of events in plain JSON:
 
@@ -27,7 +28,10 @@ FILE.json lists batches, each a list of events in plain JSON:
      [{"type": "AllBlocksCleared"}]]
 
 Omitted fields take these values: parent_block_hash null, block_size 16, lora_id null,
-medium "GPU", lora_name null. One line per sent batch goes to stderr.
+medium "GPU", lora_name null, and null for the fields newer vLLM releases added (extra_keys:
+one entry per block, null or a list of keys; group_idx; kv_cache_spec_kind;
+kv_cache_spec_sliding_window), which msgspec then leaves out. One line per sent batch goes to
+stderr.
 
     /tmp/pyev/bin/python bench/scripts/kv_events_reference.py \\
         --pub tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --events batches.json \\
@@ -72,11 +76,16 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -98,11 +107,16 @@ class ArrayBlockStored(ArrayKVCacheEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class ArrayBlockRemoved(ArrayKVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
+    group_idx: int | None = None
 
 
 class ArrayAllBlocksCleared(ArrayKVCacheEvent, tag="AllBlocksCleared"):
@@ -118,8 +132,12 @@ FIELDS = {
         "lora_id": None,
         "medium": "GPU",
         "lora_name": None,
+        "extra_keys": None,
+        "group_idx": None,
+        "kv_cache_spec_kind": None,
+        "kv_cache_spec_sliding_window": None,
     },
-    "BlockRemoved": {"block_hashes": None, "medium": "GPU"},
+    "BlockRemoved": {"block_hashes": None, "medium": "GPU", "group_idx": None},
     "AllBlocksCleared": {},
 }
 REQUIRED = {"BlockStored": ("block_hashes", "token_ids"), "BlockRemoved": ("block_hashes",)}

@@ -20,7 +20,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::index::{IdMap, MAX_BACKENDS};
-pub use crate::request::engine_tokens::{chain, root};
+pub use crate::request::engine_tokens::{chain, keyed_chain, root};
 
 /// How long a dispatched request's blocks count as cached before the engine says so: longer
 /// than a long prompt's queue and prefill on a busy engine.
@@ -58,6 +58,28 @@ pub struct Applied {
     /// Stored blocks whose parent the index does not know (stored before it followed the
     /// engine): skipped, as their chain hash cannot be computed.
     pub unresolved: usize,
+}
+
+/// What a `BlockStored` event's blocks hold.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stored<'a> {
+    /// `block_size` tokens per block.
+    pub tokens: &'a [u32],
+    pub block_size: usize,
+    /// The LoRA adapter they were computed for.
+    pub lora: Option<&'a str>,
+    /// Each block's extra key (see [`keyed_chain`]); empty when none has one.
+    pub keys: &'a [u64],
+}
+
+impl<'a> Stored<'a> {
+    pub fn tokens(tokens: &'a [u32], block_size: usize) -> Self {
+        Stored {
+            tokens,
+            block_size,
+            ..Stored::default()
+        }
+    }
 }
 
 struct Slot {
@@ -137,16 +159,20 @@ impl ExactIndex {
     }
 
     /// The engine of `slot` caches `engine_hashes` (in chain order after `parent`), holding
-    /// `tokens` in blocks of `block_size`.
+    /// `blocks`.
     pub fn stored(
         &mut self,
         slot: usize,
         engine_hashes: &[u64],
         parent: Option<u64>,
-        tokens: &[u32],
-        block_size: usize,
-        lora: Option<&str>,
+        blocks: Stored<'_>,
     ) -> Applied {
+        let Stored {
+            tokens,
+            block_size,
+            lora,
+            keys,
+        } = blocks;
         let bit = 1u64 << slot;
         let Some((owners, s)) = self.slot_mut(slot) else {
             return Applied::default();
@@ -169,7 +195,7 @@ impl ExactIndex {
                 ..Applied::default()
             };
         }
-        let own = chain(start, tokens, block_size);
+        let own = keyed_chain(start, tokens, block_size, keys);
         let mut applied = Applied::default();
         for (&e, &o) in engine_hashes.iter().zip(&own) {
             // The engine renaming a block it holds: the old name goes.
@@ -353,13 +379,13 @@ mod tests {
         let prompt = tokens(64, 100);
         let want = chain(root(None), &prompt, 16);
         // The engine stores the first two blocks, then two more naming the second as parent.
-        let a = ix.stored(0, &[11, 12], None, &prompt[..32], 16, None);
+        let a = ix.stored(0, &[11, 12], None, Stored::tokens(&prompt[..32], 16));
         assert_eq!(a.blocks_stored, 2);
-        let b = ix.stored(0, &[13, 14], Some(12), &prompt[32..], 16, None);
+        let b = ix.stored(0, &[13, 14], Some(12), Stored::tokens(&prompt[32..], 16));
         assert_eq!(b.blocks_stored, 2);
         assert_eq!(matches(&ix, &want, 3), vec![Some(4), Some(0), None]);
         // A parent the index never saw cannot be chained.
-        let c = ix.stored(1, &[21], Some(99), &prompt[16..32], 16, None);
+        let c = ix.stored(1, &[21], Some(99), Stored::tokens(&prompt[16..32], 16));
         assert_eq!(c.unresolved, 1);
         assert_eq!(matches(&ix, &want, 2), vec![Some(4), Some(0)]);
         // Eviction of the third block cuts the match there.
@@ -375,6 +401,35 @@ mod tests {
     }
 
     #[test]
+    fn extra_keys_keep_equal_tokens_apart() {
+        use crate::request::engine_tokens::{opaque_key, salt_key};
+        let mut ix = ExactIndex::new(1);
+        ix.reset(0, SyncState::Synced);
+        let prompt = tokens(48, 5);
+        let salt = [salt_key("a")];
+        let salted = Stored {
+            keys: &salt,
+            ..Stored::tokens(&prompt, 16)
+        };
+        ix.stored(0, &[1, 2, 3], None, salted);
+        let plain = chain(root(None), &prompt, 16);
+        let same_salt = keyed_chain(root(None), &prompt, 16, &salt);
+        let other_salt = keyed_chain(root(None), &prompt, 16, &[salt_key("b")]);
+        assert_eq!(matches(&ix, &same_salt, 1), vec![Some(3)]);
+        assert_eq!(matches(&ix, &plain, 1), vec![Some(0)]);
+        assert_eq!(matches(&ix, &other_salt, 1), vec![Some(0)]);
+        // An image in the second block: the first still matches a text prompt, nothing after.
+        ix.reset(0, SyncState::Synced);
+        let image = [0, opaque_key(b"img"), 0];
+        let with_image = Stored {
+            keys: &image,
+            ..Stored::tokens(&prompt, 16)
+        };
+        ix.stored(0, &[1, 2, 3], None, with_image);
+        assert_eq!(matches(&ix, &plain, 1), vec![Some(1)]);
+    }
+
+    #[test]
     fn pending_blocks_count_until_their_time_is_up() {
         let mut ix = ExactIndex::new(1);
         let blocks = chain(0, &tokens(48, 0), 16);
@@ -385,13 +440,13 @@ mod tests {
         ix.pending(0, &blocks, t0);
         assert_eq!(matches(&ix, &blocks, 1), vec![Some(3)]);
         // A block the engine already holds is not pending: its eviction ends the claim.
-        ix.stored(0, &[9], None, &tokens(16, 0), 16, None);
+        ix.stored(0, &[9], None, Stored::tokens(&tokens(16, 0), 16));
         ix.pending(0, &blocks[..1], t0);
         ix.removed(0, &[9]);
         assert_eq!(matches(&ix, &blocks, 1), vec![Some(0)]);
         ix.pending(0, &blocks, t0);
         // The engine confirms the first block: evicted at once, it is gone, pending or not.
-        ix.stored(0, &[5], None, &tokens(16, 0), 16, None);
+        ix.stored(0, &[5], None, Stored::tokens(&tokens(16, 0), 16));
         ix.removed(0, &[5]);
         assert_eq!(matches(&ix, &blocks, 1), vec![Some(0)]);
         // The others lapse.
@@ -405,8 +460,8 @@ mod tests {
         ix.reset(0, SyncState::Synced);
         let t = tokens(16, 7);
         let want = chain(0, &t, 16);
-        ix.stored(0, &[1], None, &t, 16, None);
-        ix.stored(0, &[2], None, &t, 16, None);
+        ix.stored(0, &[1], None, Stored::tokens(&t, 16));
+        ix.stored(0, &[2], None, Stored::tokens(&t, 16));
         ix.removed(0, &[1]);
         assert_eq!(matches(&ix, &want, 1), vec![Some(1)]);
         ix.removed(0, &[2]);
@@ -424,7 +479,7 @@ mod tests {
             for (e, store) in ops {
                 let t = tokens(4, e as u32 * 4);
                 if store {
-                    ix.stored(0, &[e], None, &t, 4, None);
+                    ix.stored(0, &[e], None, Stored::tokens(&t, 4));
                     model.insert(e, chain(0, &t, 4)[0]);
                 } else {
                     ix.removed(0, &[e]);

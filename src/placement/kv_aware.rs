@@ -248,6 +248,7 @@ mod tests {
             prompt_bytes: prompt as usize * 4,
             est_prompt_tokens: prompt,
             est_output_tokens: 100,
+            cache_salt: None,
         }
     }
 

@@ -20,7 +20,7 @@ mod snapshot;
 
 pub use crate::config::PolicyKind;
 pub use decision::{Decision, Params, Reason};
-pub use exact::{ExactIndex, SyncState};
+pub use exact::{ExactIndex, Stored, SyncState};
 pub use index::PrefixIndex;
 pub use kv_aware::Terms;
 pub use pool::{choose_in, Pool};
@@ -87,6 +87,7 @@ mod tests {
             prompt_bytes: 0,
             est_prompt_tokens: 0,
             est_output_tokens: 0,
+            cache_salt: None,
         }
     }
 

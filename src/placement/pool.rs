@@ -109,6 +109,7 @@ mod tests {
                     prompt_bytes: 0,
                     est_prompt_tokens: 0,
                     est_output_tokens: 0,
+                    cache_salt: None,
                 };
                 let d = choose_in(&params, &p, &snap, &pool, &[3], key).unwrap();
                 assert!(

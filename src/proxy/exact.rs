@@ -43,13 +43,14 @@ pub(super) async fn exact_blocks(
         .as_ref()
         .is_some_and(|pool| pool.adapter)
         .then(|| p.model.clone());
+    let salt = p.cache_salt.clone();
     let (tok, body, chat) = (tok.clone(), body.clone(), p.endpoint == Endpoint::Chat);
     let started = Instant::now();
     let job = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let tokens = tok.prompt_tokens(&body, chat)?;
         Ok::<_, String>(ExactBlocks {
-            blocks: tok.blocks(&tokens, lora.as_deref()),
+            blocks: tok.blocks(&tokens, lora.as_deref(), salt.as_deref()),
             block_tokens: tok.block_size as u64,
             prompt_tokens: tokens.len() as u64,
         })

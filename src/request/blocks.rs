@@ -29,11 +29,17 @@ pub struct BlockHasher {
 
 impl BlockHasher {
     pub fn new(block: usize) -> Self {
+        BlockHasher::seeded(block, 0)
+    }
+
+    /// A chain that starts from `seed` instead of 0: the same bytes under another seed share
+    /// no block.
+    pub fn seeded(block: usize, seed: u64) -> Self {
         let block = block.max(1);
         BlockHasher {
             block,
             buf: Vec::with_capacity(block),
-            prev: 0,
+            prev: seed,
             hashes: Vec::new(),
         }
     }

@@ -27,16 +27,28 @@ const TEMPLATE_FUEL: u64 = 2_000_000;
 /// kvroute's chain hashes of the full blocks of `tokens`, continuing from `parent` (the root
 /// seed for a prompt's first block).
 pub fn chain(parent: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
+    keyed_chain(parent, tokens, block_size, &[])
+}
+
+/// [`chain`], with block `i`'s extra key `keys[i]` (0 or absent: none) folded in after its
+/// tokens. The engine hashes more than tokens into a block's name (vLLM's `extra_keys`: a LoRA
+/// adapter, multimodal inputs, a request's `cache_salt`), so equal tokens under other keys are
+/// other blocks, and so is everything chained after them.
+pub fn keyed_chain(parent: u64, tokens: &[u32], block_size: usize, keys: &[u64]) -> Vec<u64> {
     let mut prev = parent;
     let mut buf = Vec::with_capacity(block_size * 4);
     tokens
         .chunks_exact(block_size.max(1))
-        .map(|block| {
+        .enumerate()
+        .map(|(i, block)| {
             buf.clear();
             block
                 .iter()
                 .for_each(|t| buf.extend_from_slice(&t.to_le_bytes()));
             prev = xxhash_rust::xxh3::xxh3_64_with_seed(&buf, prev);
+            if let Some(&k) = keys.get(i).filter(|&&k| k != 0) {
+                prev = xxhash_rust::xxh3::xxh3_64_with_seed(&k.to_le_bytes(), prev);
+            }
             prev
         })
         .collect()
@@ -45,6 +57,22 @@ pub fn chain(parent: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
 /// The seed of a prompt's first block: a LoRA adapter's blocks are not the base model's.
 pub fn root(lora: Option<&str>) -> u64 {
     lora.map_or(0, |l| xxhash_rust::xxh3::xxh3_64(l.as_bytes()) | 1)
+}
+
+/// Seeds keep a salt's key apart from an opaque key of the same bytes.
+const SALT_SEED: u64 = 0x7361_6c74;
+const OPAQUE_SEED: u64 = 0x6f70_6171;
+
+/// The extra key of a prompt's first block under a request's `cache_salt` (vLLM salts only the
+/// first block; the chain carries it to the rest). Never 0.
+pub fn salt_key(salt: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(salt.as_bytes(), SALT_SEED) | 1
+}
+
+/// An extra key kvroute cannot reproduce from a request (multimodal inputs, prompt
+/// embeddings), named by its bytes: blocks under it match no request's blocks. Never 0.
+pub fn opaque_key(encoded: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(encoded, OPAQUE_SEED) | 1
 }
 
 pub struct EngineTokenizer {
@@ -246,9 +274,11 @@ impl EngineTokenizer {
         Ok(out)
     }
 
-    /// kvroute's chain hashes of the prompt's full blocks (for adapter `lora`, if any).
-    pub fn blocks(&self, tokens: &[u32], lora: Option<&str>) -> Vec<u64> {
-        chain(root(lora), tokens, self.block_size)
+    /// kvroute's chain hashes of the prompt's full blocks (for adapter `lora`, and under the
+    /// request's `cache_salt`, if any).
+    pub fn blocks(&self, tokens: &[u32], lora: Option<&str>, salt: Option<&str>) -> Vec<u64> {
+        let keys = salt.map(salt_key);
+        keyed_chain(root(lora), tokens, self.block_size, keys.as_slice())
     }
 
     fn piece(&self, text: &str, out: &mut Vec<u32>) -> Result<(), String> {
@@ -372,8 +402,8 @@ mod tests {
                 true,
             )
             .expect("tokens");
-        let blocks_first = t.blocks(&first, None);
-        let blocks_all = t.blocks(&whole, None);
+        let blocks_first = t.blocks(&first, None, None);
+        let blocks_all = t.blocks(&whole, None, None);
         let shared = first.iter().zip(&whole).take_while(|(a, b)| a == b).count();
         assert_eq!(blocks_first[..shared / 16], blocks_all[..shared / 16]);
     }

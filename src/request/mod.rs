@@ -79,6 +79,9 @@ pub struct RequestProfile {
     pub prompt_bytes: usize,
     pub est_prompt_tokens: u64,
     pub est_output_tokens: u64,
+    /// The request's `cache_salt` (vLLM): the engine shares cached blocks only between
+    /// requests with the same salt, so the blocks above are salted with it too.
+    pub cache_salt: Option<String>,
 }
 
 impl RequestProfile {
@@ -136,6 +139,8 @@ struct Body<'a> {
     prompt_cache_key: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -217,8 +222,8 @@ struct Canon {
 }
 
 impl Canon {
-    fn new(block_bytes: usize, body_len: usize, text_limit: usize) -> Self {
-        let mut blocks = BlockHasher::new(block_bytes);
+    fn new(block_bytes: usize, body_len: usize, text_limit: usize, seed: u64) -> Self {
+        let mut blocks = BlockHasher::seeded(block_bytes, seed);
         blocks.reserve_for(body_len);
         Canon {
             blocks,
@@ -349,7 +354,10 @@ fn build(
         None => return Err(bad("missing_model", "`model` is required")),
     };
 
-    let mut canon = Canon::new(block_bytes, body.len(), text_limit);
+    // An empty salt is the engine's to refuse; it salts nothing here.
+    let cache_salt = parsed.cache_salt.as_deref().filter(|s| !s.is_empty());
+    let seed = cache_salt.map_or(0, crate::request::engine_tokens::salt_key);
+    let mut canon = Canon::new(block_bytes, body.len(), text_limit, seed);
     canon.field(model.as_bytes());
     if let Some(tools) = parsed.tools {
         canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
@@ -441,6 +449,7 @@ fn build(
             .max_completion_tokens
             .or(parsed.max_tokens)
             .unwrap_or(DEFAULT_OUTPUT_TOKENS),
+        cache_salt: cache_salt.map(str::to_owned),
     };
     Ok((profile, text))
 }
@@ -588,6 +597,47 @@ mod tests {
         assert!(n > 5);
         assert_eq!(t1.prefix_blocks[..n], t3.prefix_blocks[..n]);
         assert!(t3.stream);
+    }
+
+    #[test]
+    fn a_cache_salt_salts_every_block_and_the_reply() {
+        let salted = |salt: Option<&str>| {
+            let mut body = conv(2);
+            if let Some(s) = salt {
+                body["cache_salt"] = s.into();
+            }
+            chat(body).unwrap()
+        };
+        let (plain, a, a2, b) = (
+            salted(None),
+            salted(Some("a")),
+            salted(Some("a")),
+            salted(Some("b")),
+        );
+        assert_eq!(a.prefix_blocks, a2.prefix_blocks);
+        assert_eq!(a.cache_salt.as_deref(), Some("a"));
+        for other in [&plain, &b] {
+            assert!(a
+                .prefix_blocks
+                .iter()
+                .all(|h| !other.prefix_blocks.contains(h)));
+        }
+        // The conversation, salt and routing key aside, is the same one.
+        assert_eq!(a.session_key, plain.session_key);
+        assert_eq!(a.est_prompt_tokens, plain.est_prompt_tokens);
+        // The reply continues the salted chain, as a re-parse of the body with it does.
+        let body = serde_json::to_vec(&{
+            let mut c = conv(2);
+            c["cache_salt"] = "a".into();
+            c
+        })
+        .unwrap();
+        assert_eq!(
+            a.reply_blocks("the answer"),
+            blocks_with_reply(Endpoint::Chat, &body, "the answer", 64).ok()
+        );
+        // An empty salt salts nothing (the engine refuses it).
+        assert_eq!(salted(Some("")).prefix_blocks, plain.prefix_blocks);
     }
 
     #[test]

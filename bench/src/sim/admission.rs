@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 
 use super::error::ApiError;
 use super::faults::{hits, FAIL_SALT, HANG_SALT};
-use super::kvcache::{block_hashes, BLOCK_TOKENS};
+use super::kvcache::{salt_seed, seeded_block_hashes, BLOCK_TOKENS};
 use super::openai::{self, Endpoint, SimRequest};
 use super::prompt::count_tokens;
 use super::response::Usage;
@@ -21,8 +21,9 @@ pub struct Admitted {
     pub req: SimRequest,
     pub seq: u64,
     pub usage: Usage,
-    /// Chained hashes of the prompt's full blocks.
+    /// Chained hashes of the prompt's full blocks, from `seed` (the request's salt).
     pub blocks: Vec<u64>,
+    pub seed: u64,
 }
 
 pub async fn admit(
@@ -57,10 +58,11 @@ pub async fn admit(
         cached_tokens: 0,
     };
     // Embedding models keep no prefix cache.
+    let seed = salt_seed(req.cache_salt.as_deref());
     let blocks = if endpoint == Endpoint::Embeddings {
         Vec::new()
     } else {
-        block_hashes(&req.prompt)
+        seeded_block_hashes(&req.prompt, seed)
     };
     if endpoint != Endpoint::Embeddings && s.engine.is_none() {
         usage.cached_tokens = s.kv().match_prefix(&blocks) as u64 * BLOCK_TOKENS;
@@ -75,6 +77,7 @@ pub async fn admit(
         seq,
         usage,
         blocks,
+        seed,
     })
 }
 

@@ -45,9 +45,9 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     let tokenizer = &s.config.tokenizer;
     let (endpoint, prompt) = (a.req.endpoint, &a.req.prompt);
     let (reply_hashes, tokens) = if engine.publishes_kv_events() {
-        reply_hashes_and_tokens(endpoint, prompt, &a.blocks, n, tokenizer)
+        reply_hashes_and_tokens(endpoint, prompt, &a.blocks, a.seed, n, tokenizer)
     } else {
-        let hashes = reply_hashes(endpoint, prompt, &a.blocks, n, tokenizer);
+        let hashes = reply_hashes(endpoint, prompt, &a.blocks, a.seed, n, tokenizer);
         (hashes, Arc::default())
     };
     let req = NewRequest {
@@ -56,6 +56,7 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         reply_hashes,
         max_tokens: n,
         tokens,
+        salt: a.req.cache_salt.clone(),
     };
     let Some(rx) = engine.submit(req) else {
         return ApiError::unavailable("kvbench-sim: engine stopped").into_response();

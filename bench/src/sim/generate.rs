@@ -38,6 +38,7 @@ pub fn reply_hashes(
     endpoint: Endpoint,
     prompt: &[u8],
     prompt_hashes: &[u64],
+    seed: u64,
     n: u64,
     tokenizer: &PromptTokenizer,
 ) -> Vec<u64> {
@@ -47,11 +48,12 @@ pub fn reply_hashes(
         return continued_hashes(
             prompt,
             prompt_hashes,
+            seed,
             reply.chain(std::iter::once(end.to_owned())),
         );
     };
     match tokens {
-        Ok(tokens) => continued_hashes(prompt, prompt_hashes, [tokens]),
+        Ok(tokens) => continued_hashes(prompt, prompt_hashes, seed, [tokens]),
         Err(e) => {
             // Only the reply goes uncached: the next turn misses it and computes it again.
             log::warn!("kvbench-sim: reply not cached: {e}");
@@ -76,6 +78,7 @@ pub fn reply_hashes_and_tokens(
     endpoint: Endpoint,
     prompt: &[u8],
     prompt_hashes: &[u64],
+    seed: u64,
     n: u64,
     tokenizer: &PromptTokenizer,
 ) -> (Vec<u64>, Arc<[u8]>) {
@@ -92,7 +95,7 @@ pub fn reply_hashes_and_tokens(
             Vec::new()
         }
     };
-    let hashes = continued_hashes(prompt, prompt_hashes, [&reply]);
+    let hashes = continued_hashes(prompt, prompt_hashes, seed, [&reply]);
     let covered = (prompt_hashes.len() + hashes.len()) * BLOCK_BYTES;
     let mut stream = Vec::with_capacity(covered);
     stream.extend_from_slice(&prompt[..covered.min(prompt.len())]);
@@ -118,8 +121,8 @@ mod tests {
         let prompt: Vec<u8> = (0..64 * 3 + 50).map(|i| b'a' + (i % 26) as u8).collect();
         let hashes = block_hashes(&prompt);
         for endpoint in [Endpoint::Chat, Endpoint::Completions] {
-            let (reply, tokens) = reply_hashes_and_tokens(endpoint, &prompt, &hashes, 40, &tok);
-            assert_eq!(reply, reply_hashes(endpoint, &prompt, &hashes, 40, &tok));
+            let (reply, tokens) = reply_hashes_and_tokens(endpoint, &prompt, &hashes, 0, 40, &tok);
+            assert_eq!(reply, reply_hashes(endpoint, &prompt, &hashes, 0, 40, &tok));
             assert_eq!(tokens.len(), (hashes.len() + reply.len()) * BLOCK_BYTES);
             let mut all = hashes.clone();
             all.extend(&reply);

@@ -129,6 +129,7 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
         arrived,
         processed_tokens: a.usage.prompt_tokens.saturating_sub(a.usage.cached_tokens),
         blocks: a.blocks,
+        seed: a.seed,
         endpoint: a.req.endpoint,
         prompt: a.req.prompt,
     };
@@ -162,6 +163,8 @@ struct Generation {
     processed_tokens: u64,
     /// Prompt blocks, entered into the prefix cache once prefill is done.
     blocks: Vec<u64>,
+    /// Their chain's seed (the request's salt).
+    seed: u64,
     endpoint: Endpoint,
     /// Canonical prompt, to continue the block chain over the reply once it is out.
     prompt: Vec<u8>,
@@ -204,7 +207,14 @@ impl Generation {
         let prompt = std::mem::take(&mut self.prompt);
         let mut blocks = std::mem::take(&mut self.blocks);
         let tokenizer = &self.state.config.tokenizer;
-        blocks.extend(reply_hashes(self.endpoint, &prompt, &blocks, n, tokenizer));
+        blocks.extend(reply_hashes(
+            self.endpoint,
+            &prompt,
+            &blocks,
+            self.seed,
+            n,
+            tokenizer,
+        ));
         self.state.kv().insert(&blocks);
     }
 }

@@ -13,9 +13,16 @@ use std::collections::{HashMap, VecDeque};
 pub const BLOCK_TOKENS: u64 = 16;
 pub const BLOCK_BYTES: usize = 64;
 
-/// Chained hashes of every full block of `canonical`.
+/// Chained hashes of every full block of `canonical` (no salt).
+#[cfg(test)]
 pub fn block_hashes(canonical: &[u8]) -> Vec<u64> {
-    let mut prev = 0u64;
+    seeded_block_hashes(canonical, 0)
+}
+
+/// The chain of a request with a `cache_salt` starts from its seed (`salt_seed`) instead of
+/// 0, so it shares no block with another salt's or an unsalted prompt, as on vLLM.
+pub fn seeded_block_hashes(canonical: &[u8], seed: u64) -> Vec<u64> {
+    let mut prev = seed;
     canonical
         .chunks_exact(BLOCK_BYTES)
         .map(|block| {
@@ -25,17 +32,23 @@ pub fn block_hashes(canonical: &[u8]) -> Vec<u64> {
         .collect()
 }
 
-/// Hashes of the full blocks past `hashes` (= `block_hashes(canonical)`) of `canonical`
-/// followed by the `appended` pieces, continuing the chain: a request's reply extends its
-/// prompt's stream. Only the prompt's last partial block is rehashed, and the appended text is
-/// never held whole, so a long reply costs one block of memory besides the result.
-pub fn continued_hashes<I, B>(canonical: &[u8], hashes: &[u64], appended: I) -> Vec<u64>
+/// The seed of a salted request's chain (0: no salt).
+pub fn salt_seed(salt: Option<&str>) -> u64 {
+    salt.map_or(0, |s| xxhash_rust::xxh3::xxh3_64(s.as_bytes()) | 1)
+}
+
+/// Hashes of the full blocks past `hashes` (= `seeded_block_hashes(canonical, seed)`) of
+/// `canonical` followed by the `appended` pieces, continuing the chain: a request's reply
+/// extends its prompt's stream. Only the prompt's last partial block is rehashed, and the
+/// appended text is never held whole, so a long reply costs one block of memory besides the
+/// result.
+pub fn continued_hashes<I, B>(canonical: &[u8], hashes: &[u64], seed: u64, appended: I) -> Vec<u64>
 where
     I: IntoIterator<Item = B>,
     B: AsRef<[u8]>,
 {
     let start = (hashes.len() * BLOCK_BYTES).min(canonical.len());
-    let mut prev = hashes.last().copied().unwrap_or(0);
+    let mut prev = hashes.last().copied().unwrap_or(seed);
     let mut pending: Vec<u8> = Vec::with_capacity(2 * BLOCK_BYTES);
     let mut out = Vec::new();
     let mut feed = |bytes: &[u8], pending: &mut Vec<u8>| {
@@ -161,12 +174,12 @@ mod tests {
         whole.extend_from_slice(&reply);
         whole.extend_from_slice(b"<end>");
         let h = block_hashes(&prompt);
-        let more = continued_hashes(&prompt, &h, [&reply[..20], &reply[20..], &b"<end>"[..]]);
+        let more = continued_hashes(&prompt, &h, 0, [&reply[..20], &reply[20..], &b"<end>"[..]]);
         let all = block_hashes(&whole);
         assert_eq!(all.len(), 5);
         assert_eq!(&all[..3], &h[..]);
         assert_eq!(&all[3..], &more[..]);
-        assert!(continued_hashes(&prompt, &h, [b""]).is_empty());
+        assert!(continued_hashes(&prompt, &h, 0, [b""]).is_empty());
     }
 
     #[test]

@@ -7,7 +7,10 @@
 //! float64 of Unix seconds, the rank always 0); each event is a tagged map, its class name
 //! under `"type"` and then its fields in declaration order:
 //! - `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size":
-//!   16, "lora_id": nil, "medium": "GPU", "lora_name": nil}`;
+//!   16, "lora_id": nil, "medium": "GPU", "lora_name": nil}`, and for the first block of a
+//!   request with a `cache_salt`, `"extra_keys": [[salt], nil, ...]` (one entry per block, as
+//!   vLLM salts a prompt's first block; omitted when no block has a key, as msgspec omits a
+//!   default);
 //! - `{"type": "BlockRemoved", "block_hashes", "medium": "GPU"}`.
 //!
 //! vLLM's own `AllBlocksCleared` is never sent: the simulated pool is never cleared.
@@ -21,7 +24,7 @@
 //! `--tokenizer` (or a completions prompt of token ids) that is the real id; with the
 //! stand-in tokenizer it is 4 bytes of prompt text read the same way, which is deterministic
 //! and, with the parent, enough to recompute every hash:
-//! `hash = xxh3_64_with_seed(ids as LE bytes, parent or 0)`.
+//! `hash = xxh3_64_with_seed(ids as LE bytes, parent or the salt's seed or 0)`.
 //!
 //! # What is sent, in what order
 //! The pool records every change to its set of named blocks as it happens (`PoolChange`), and
@@ -47,6 +50,8 @@ pub enum KvEvent {
         block_hashes: Vec<u64>,
         parent_block_hash: Option<u64>,
         token_ids: Vec<u32>,
+        /// The request's `cache_salt`, when the first block starts a salted prompt.
+        salt: Option<String>,
     },
     BlockRemoved {
         block_hashes: Vec<u64>,
@@ -59,6 +64,7 @@ pub struct Chain<'a> {
     pub prompt: &'a [u64],
     pub reply: &'a [u64],
     pub tokens: &'a [u8],
+    pub salt: Option<&'a str>,
 }
 
 impl Chain<'_> {
@@ -107,13 +113,14 @@ impl EventLog {
                     match chain.and_then(|(c, _)| Some((c, c.find(h, &mut at)?))) {
                         Some((c, j)) => {
                             let parent = j.checked_sub(1).and_then(|p| c.hash(p));
-                            self.stored(h, parent, c.block_tokens(j));
+                            let salt = c.salt.filter(|_| j == 0);
+                            self.stored(h, parent, salt, c.block_tokens(j));
                         }
                         None => {
                             // A bug, not an input: still announce the name, so that the set
                             // a consumer holds stays the pool's.
                             log::error!("kv events: block {h:016x} named outside its chain");
-                            self.stored(h, None, std::iter::empty());
+                            self.stored(h, None, None, std::iter::empty());
                         }
                     }
                 }
@@ -126,7 +133,13 @@ impl EventLog {
     }
 
     /// Block `h`, which continues the previous event when `parent` is that event's last.
-    fn stored(&mut self, h: u64, parent: Option<u64>, tokens: impl Iterator<Item = u32>) {
+    fn stored(
+        &mut self,
+        h: u64,
+        parent: Option<u64>,
+        salt: Option<&str>,
+        tokens: impl Iterator<Item = u32>,
+    ) {
         if let Some(KvEvent::BlockStored {
             block_hashes,
             token_ids,
@@ -143,6 +156,7 @@ impl EventLog {
             block_hashes: vec![h],
             parent_block_hash: parent,
             token_ids: tokens.collect(),
+            salt: salt.map(str::to_owned),
         });
     }
 
@@ -177,22 +191,35 @@ fn event_value(e: &KvEvent) -> Value {
             block_hashes,
             parent_block_hash,
             token_ids,
-        } => Value::Map(vec![
-            field("type", Value::from("BlockStored")),
-            field("block_hashes", hashes(block_hashes)),
-            field(
-                "parent_block_hash",
-                parent_block_hash.map_or(Value::Nil, Value::from),
-            ),
-            field(
-                "token_ids",
-                Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
-            ),
-            field("block_size", Value::from(BLOCK_TOKENS)),
-            field("lora_id", Value::Nil),
-            field("medium", Value::from(MEDIUM)),
-            field("lora_name", Value::Nil),
-        ]),
+            salt,
+        } => Value::Map(
+            [
+                field("type", Value::from("BlockStored")),
+                field("block_hashes", hashes(block_hashes)),
+                field(
+                    "parent_block_hash",
+                    parent_block_hash.map_or(Value::Nil, Value::from),
+                ),
+                field(
+                    "token_ids",
+                    Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+                ),
+                field("block_size", Value::from(BLOCK_TOKENS)),
+                field("lora_id", Value::Nil),
+                field("medium", Value::from(MEDIUM)),
+                field("lora_name", Value::Nil),
+            ]
+            .into_iter()
+            .chain(salt.as_ref().map(|s| {
+                let first = Value::Array(vec![Value::from(s.as_str())]);
+                let rest = (1..block_hashes.len()).map(|_| Value::Nil);
+                field(
+                    "extra_keys",
+                    Value::Array(std::iter::once(first).chain(rest).collect()),
+                )
+            }))
+            .collect(),
+        ),
         KvEvent::BlockRemoved { block_hashes } => Value::Map(vec![
             field("type", Value::from("BlockRemoved")),
             field("block_hashes", hashes(block_hashes)),
@@ -252,11 +279,26 @@ fn decode_event(v: &Value) -> Result<KvEvent, String> {
                 "lora_id",
                 "medium",
                 "lora_name",
+                "extra_keys",
             ];
             let constants = get("block_size").and_then(Value::as_u64) == Some(BLOCK_TOKENS)
                 && get("lora_id").is_some_and(Value::is_nil)
                 && get("lora_name").is_some_and(Value::is_nil);
-            if keys != want || !constants {
+            // extra_keys only when a block has one: the salt, on the first block alone.
+            let salt = match get("extra_keys") {
+                None => None,
+                Some(Value::Array(per_block)) => match per_block.split_first() {
+                    Some((Value::Array(first), rest))
+                        if first.len() == 1 && rest.iter().all(Value::is_nil) =>
+                    {
+                        first[0].as_str().map(str::to_owned)
+                    }
+                    _ => return Err(format!("extra_keys other than a salt: {v}")),
+                },
+                Some(other) => return Err(format!("extra_keys {other}")),
+            };
+            let n = if salt.is_some() { 9 } else { 8 };
+            if keys != want[..n] || !constants {
                 return Err(format!("not vLLM's BlockStored: {v}"));
             }
             let parent = get("parent_block_hash").ok_or("no parent_block_hash")?;
@@ -272,6 +314,7 @@ fn decode_event(v: &Value) -> Result<KvEvent, String> {
                     .into_iter()
                     .map(|t| u32::try_from(t).map_err(|e| e.to_string()))
                     .collect::<Result<_, _>>()?,
+                salt,
             })
         }
         Some("BlockRemoved") if keys == ["type", "block_hashes", "medium"] => {

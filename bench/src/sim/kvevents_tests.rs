@@ -7,7 +7,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::*;
 use crate::sim::generate::{completion_text, reply_hashes, reply_hashes_and_tokens};
-use crate::sim::kvcache::block_hashes;
+use crate::sim::kvcache::{block_hashes, salt_seed};
 use crate::sim::openai::Endpoint;
 use crate::sim::profile::{Profile, ProfileName};
 use crate::sim::prompt::{count_tokens, render_chat, TURN_END};
@@ -36,11 +36,13 @@ fn golden_events() -> Vec<KvEvent> {
             block_hashes: vec![1, u64::MAX],
             parent_block_hash: None,
             token_ids: (100..132).collect(),
+            salt: None,
         },
         KvEvent::BlockStored {
             block_hashes: vec![7],
             parent_block_hash: Some(0xDEAD_BEEF_1234_5678),
             token_ids: odd,
+            salt: None,
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![2, 3],
@@ -64,6 +66,28 @@ fn payload_is_byte_for_byte_what_msgspec_encodes() {
     assert_eq!(events, golden_events());
 }
 
+/// `encode_batch` with vLLM's newer fields, on one salted prompt's two blocks (extra keys
+/// `[["tenant-a"], null]`) at ts 1757500000.25.
+const MSGSPEC_SALTED_HEX: &str = concat!(
+    "93cb41da3054981000009189a474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573920102b170",
+    "6172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc00206465666768696a6b6c6d6e6f7071727374",
+    "75767778797a7b7c7d7e7fcc80cc81cc82cc83aa626c6f636b5f73697a6510a76c6f72615f6964c0a66d656469756d",
+    "a3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739291a874656e616e742d61c000",
+);
+
+#[test]
+fn a_salted_prompt_names_its_salt_as_vllm_does() {
+    let events = vec![KvEvent::BlockStored {
+        block_hashes: vec![1, 2],
+        parent_block_hash: None,
+        token_ids: (100..132).collect(),
+        salt: Some("tenant-a".into()),
+    }];
+    let ours = encode_batch(1_757_500_000.25, &events).unwrap();
+    assert_eq!(ours, unhex(MSGSPEC_SALTED_HEX));
+    assert_eq!(decode_batch(&ours).unwrap().1, events);
+}
+
 /// What a consumer of the stream holds: applies `events`, checking that each stored block
 /// is new and its hash follows from its parent and token ids, and each removed one is held.
 fn apply(held: &mut HashSet<u64>, events: &[KvEvent], tally: &mut Tally) {
@@ -73,12 +97,13 @@ fn apply(held: &mut HashSet<u64>, events: &[KvEvent], tally: &mut Tally) {
                 block_hashes,
                 parent_block_hash,
                 token_ids,
+                salt,
             } => {
                 assert_eq!(token_ids.len(), 16 * block_hashes.len(), "{e:?}");
                 tally.stored_events += 1;
                 tally.longest_run = tally.longest_run.max(block_hashes.len());
                 tally.roots += usize::from(parent_block_hash.is_none());
-                let mut parent = parent_block_hash.unwrap_or(0);
+                let mut parent = parent_block_hash.unwrap_or_else(|| salt_seed(salt.as_deref()));
                 for (&h, ids) in block_hashes.iter().zip(token_ids.chunks(16)) {
                     let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
                     assert_eq!(h, xxh3_64_with_seed(&bytes, parent), "{e:?}");
@@ -125,13 +150,14 @@ impl Rng {
 fn request(prompt: &[u8], max_tokens: u64, tokenizer: &PromptTokenizer) -> NewRequest {
     let hashes = block_hashes(prompt);
     let (reply, tokens) =
-        reply_hashes_and_tokens(Endpoint::Chat, prompt, &hashes, max_tokens, tokenizer);
+        reply_hashes_and_tokens(Endpoint::Chat, prompt, &hashes, 0, max_tokens, tokenizer);
     NewRequest {
         prompt_tokens: count_tokens(prompt.len()),
         hashes,
         reply_hashes: reply,
         max_tokens,
         tokens,
+        salt: None,
     }
 }
 
@@ -226,7 +252,7 @@ fn token_ids_are_the_tokenizers_ids() {
     let stream = tok.stream(render_chat(&messages).unwrap()).unwrap();
     let req = request(&stream, 24, &tok);
     let prompt_blocks = req.hashes.len();
-    let want_reply = reply_hashes(Endpoint::Chat, &stream, &req.hashes, 24, &tok);
+    let want_reply = reply_hashes(Endpoint::Chat, &stream, &req.hashes, 0, 24, &tok);
     assert_eq!(req.reply_hashes, want_reply);
     let reply_blocks = req.reply_hashes.len();
     assert!(prompt_blocks >= 2 && reply_blocks >= 1);

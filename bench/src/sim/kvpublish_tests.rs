@@ -24,6 +24,7 @@ fn batch(n: u64) -> Vec<KvEvent> {
             block_hashes: vec![n + 1, n + 2],
             parent_block_hash: (n > 0).then_some(n),
             token_ids: (0..32).map(|t| t + n as u32).collect(),
+            salt: None,
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![n + 1000],

@@ -36,6 +36,8 @@ pub struct SimRequest {
     pub prompt: Vec<u8>,
     /// The prompt was sent as token ids: `prompt` is already a token stream.
     pub token_ids: bool,
+    /// vLLM's `cache_salt`: only requests with the same salt share cached blocks.
+    pub cache_salt: Option<String>,
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
@@ -75,6 +77,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
     if max_tokens == 0 {
         return Err(ApiError::bad_request("max_tokens must be at least 1"));
     }
+    // vLLM's own check and message.
+    let cache_salt = match v.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ))
+        }
+    };
     Ok(SimRequest {
         endpoint,
         model,
@@ -83,6 +95,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
         max_tokens,
         prompt,
         token_ids,
+        cache_salt,
     })
 }
 

@@ -43,6 +43,8 @@ pub struct NewRequest {
     /// The token stream `hashes` and `reply_hashes` name, 64 bytes a block: the token ids of
     /// the KV events. Empty unless the engine publishes them.
     pub tokens: Arc<[u8]>,
+    /// The request's `cache_salt`: the KV events name it in the first block's extra keys.
+    pub salt: Option<String>,
 }
 
 impl NewRequest {
@@ -51,6 +53,7 @@ impl NewRequest {
             prompt: &self.hashes,
             reply: &self.reply_hashes,
             tokens: &self.tokens,
+            salt: self.salt.as_deref(),
         }
     }
 }

@@ -26,6 +26,7 @@ fn request(seed: u64, prompt_tokens: u64, max_tokens: u64) -> NewRequest {
         reply_hashes: Vec::new(),
         max_tokens,
         tokens: Arc::default(),
+        salt: None,
     }
 }
 
@@ -48,10 +49,11 @@ fn chat_counted_by(messages: &Value, max_tokens: u64, tokenizer: &PromptTokenize
     let hashes = block_hashes(&prompt);
     NewRequest {
         prompt_tokens: count_tokens(prompt.len()),
-        reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, max_tokens, tokenizer),
+        reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, 0, max_tokens, tokenizer),
         hashes,
         max_tokens,
         tokens: Arc::default(),
+        salt: None,
     }
 }
 

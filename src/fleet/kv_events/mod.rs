@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::roster::Fleet;
 use crate::placement::exact::Applied;
-use crate::placement::SyncState;
+use crate::placement::{Stored, SyncState};
 
 mod metrics;
 mod subscriber;
@@ -105,6 +105,34 @@ impl Fleet {
     }
 }
 
+/// Which of an engine's KV cache groups its events are followed in. A hybrid model (sliding
+/// window or Mamba layers beside full attention) caches one group per layer kind, and its
+/// events name a block by the same hash in each: a sliding-window group dropping a block it
+/// has slid past must not remove the full-attention copy a prompt's prefix reuses. So one
+/// full-attention group is followed (the first one stored to), and events of no group (a
+/// single-group engine) always are.
+#[derive(Debug, Default)]
+pub struct Groups {
+    followed: Option<u32>,
+}
+
+impl Groups {
+    fn follows_store(&mut self, group: Option<u32>, kind: Option<&str>) -> bool {
+        let Some(g) = group else { return true };
+        // Kinds are vLLM's `KVCacheSpecKind`: full_attention, mla_attention, sink_full_attention
+        // hold a prefix whole; sliding windows, chunked local attention and Mamba states do not.
+        let whole_prefix = kind.is_none_or(|k| k.contains("full") || k.contains("mla"));
+        if self.followed.is_none() && whole_prefix {
+            self.followed = Some(g);
+        }
+        self.follows(group)
+    }
+
+    fn follows(&self, group: Option<u32>) -> bool {
+        group.is_none() || group == self.followed
+    }
+}
+
 /// Writes one backend's events into the exact index.
 pub(crate) struct ExactWriter {
     fleet_shared: std::sync::Arc<super::roster::Shared>,
@@ -130,8 +158,14 @@ impl ExactWriter {
         self.with(|x, s| x.sync(s)).unwrap_or(SyncState::Off)
     }
 
-    /// Apply a decoded batch; `None` when the backend no longer holds its slot.
-    pub fn apply(&self, batch: &wire::Batch, block_size: usize) -> Option<(Applied, usize)> {
+    /// Apply a decoded batch; `None` when the backend no longer holds its slot. `groups`
+    /// remembers, for this engine, which KV cache group its events are followed in.
+    pub fn apply(
+        &self,
+        batch: &wire::Batch,
+        block_size: usize,
+        groups: &mut Groups,
+    ) -> Option<(Applied, usize)> {
         self.with(|x, s| {
             let mut total = Applied::default();
             let mut skipped = 0;
@@ -144,16 +178,32 @@ impl ExactWriter {
                         block_size: bs,
                         lora,
                         medium,
+                        keys,
+                        group,
+                        kind,
                     } => {
                         // Another block size cannot be matched against kvroute's blocks.
-                        if *bs != block_size || !wire::on_gpu(medium.as_deref()) {
+                        if *bs != block_size
+                            || !wire::on_gpu(medium.as_deref())
+                            || !groups.follows_store(*group, kind.as_deref())
+                        {
                             skipped += 1;
                             continue;
                         }
-                        x.stored(s, hashes, *parent, token_ids, *bs, lora.as_deref())
+                        let blocks = Stored {
+                            tokens: token_ids,
+                            block_size: *bs,
+                            lora: lora.as_deref(),
+                            keys,
+                        };
+                        x.stored(s, hashes, *parent, blocks)
                     }
-                    wire::Event::Removed { hashes, medium } => {
-                        if !wire::on_gpu(medium.as_deref()) {
+                    wire::Event::Removed {
+                        hashes,
+                        medium,
+                        group,
+                    } => {
+                        if !wire::on_gpu(medium.as_deref()) || !groups.follows(*group) {
                             skipped += 1;
                             continue;
                         }

@@ -25,7 +25,7 @@ use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocke
 
 use super::metrics::KvEventMetrics;
 use super::wire;
-use super::ExactWriter;
+use super::{ExactWriter, Groups};
 use crate::config::BackendKvEvents;
 use crate::fleet::generation::Current;
 use crate::placement::SyncState;
@@ -125,6 +125,7 @@ async fn follow(target: Target, writer: ExactWriter, metrics: KvEventMetrics) {
             metrics: &metrics,
             expected: None,
             replayed_upto: None,
+            groups: Groups::default(),
         };
         match f.session().await {
             Ok(()) => {
@@ -150,6 +151,8 @@ struct Follower<'a> {
     expected: Option<u64>,
     /// Live batches up to this were already applied from a replay.
     replayed_upto: Option<u64>,
+    /// The engine's KV cache group that is followed (learnt anew for each connection).
+    groups: Groups,
 }
 
 impl Follower<'_> {
@@ -316,11 +319,14 @@ impl Follower<'_> {
         self.replayed_upto = batches.last().map(|(s, _)| *s);
     }
 
-    fn apply(&self, payload: &Bytes) {
+    fn apply(&mut self, payload: &Bytes) {
         let backend = &self.target.backend;
         match wire::decode(payload) {
             Ok(batch) => {
-                if let Some((a, skipped)) = self.writer.apply(&batch, self.target.block_size) {
+                if let Some((a, skipped)) =
+                    self.writer
+                        .apply(&batch, self.target.block_size, &mut self.groups)
+                {
                     let m = self.metrics;
                     let applied = batch.events.len() - skipped;
                     m.events

@@ -9,11 +9,16 @@
 //! - a block hash: an integer (older vLLM, SGLang) or bytes (vLLM's sha256 hashes), folded to
 //!   a u64 here: the index only ever compares hashes for equality.
 //!
-//! Fields past the ones routing uses (`lora_id`, `medium`, `extra_keys`, ...) are skipped, so a
-//! newer engine that appends fields still decodes. Anything else is an error the subscriber
-//! counts and skips.
+//! A block's `extra_keys` (what vLLM hashes besides its tokens: the adapter's name, multimodal
+//! inputs, the request's `cache_salt` on a prompt's first block) become one key per block
+//! (`Event::Stored::keys`): the adapter is already the chain's root, a salt is the key a
+//! salted request computes too, and anything else is opaque, so its blocks match no request's.
+//! Fields past the ones routing uses are skipped, so a newer engine that appends fields still
+//! decodes. Anything else is an error the subscriber counts and skips.
 
 use rmpv::Value;
+
+use crate::request::engine_tokens::{opaque_key, salt_key};
 
 /// An engine's name for a block.
 pub type EngineHash = u64;
@@ -32,10 +37,17 @@ pub enum Event {
         lora: Option<String>,
         /// Where the blocks are: `None` or "GPU" for the engine's own KV cache.
         medium: Option<String>,
+        /// Each block's extra key past the adapter (0: none), or empty when no block has one.
+        keys: Vec<u64>,
+        /// The KV cache group (hybrid models keep one per attention kind), and its kind
+        /// (`kv_cache_spec_kind`: "full_attention", "sliding_window", ...).
+        group: Option<u32>,
+        kind: Option<String>,
     },
     Removed {
         hashes: Vec<EngineHash>,
         medium: Option<String>,
+        group: Option<u32>,
     },
     Cleared,
 }
@@ -44,6 +56,8 @@ pub enum Event {
 pub struct Batch {
     pub ts: f64,
     pub events: Vec<Event>,
+    /// The data-parallel rank that published it (vLLM: one publisher per rank).
+    pub dp_rank: Option<u32>,
 }
 
 /// Why a payload was skipped.
@@ -72,11 +86,18 @@ pub fn decode(payload: &[u8]) -> Result<Batch, WireError> {
     if !rd.is_empty() {
         return bad(format!("{} bytes after the batch", rd.len()));
     }
-    let (ts, events) = match &v {
-        Value::Array(a) => (a.first(), a.get(1)),
-        Value::Map(m) => (field(m, "ts"), field(m, "events")),
+    let (ts, events, rank) = match &v {
+        Value::Array(a) => (a.first(), a.get(1), a.get(2)),
+        Value::Map(m) => (
+            field(m, "ts"),
+            field(m, "events"),
+            field(m, "data_parallel_rank"),
+        ),
         _ => return bad("a batch is an array or a map"),
     };
+    let dp_rank = rank
+        .and_then(Value::as_u64)
+        .and_then(|r| u32::try_from(r).ok());
     let ts = ts.and_then(Value::as_f64).unwrap_or(0.0);
     let Some(Value::Array(list)) = events else {
         return bad("a batch has no event list");
@@ -86,7 +107,11 @@ pub fn decode(payload: &[u8]) -> Result<Batch, WireError> {
         .enumerate()
         .map(|(i, e)| event(e).map_err(|WireError(w)| WireError(format!("event {i}: {w}"))))
         .collect::<Result<_, _>>()?;
-    Ok(Batch { ts, events })
+    Ok(Batch {
+        ts,
+        events,
+        dp_rank,
+    })
 }
 
 fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
@@ -153,10 +178,20 @@ fn event(v: &Value) -> Result<Event, WireError> {
                     hashes.len()
                 ));
             }
-            let lora = match (f.get("lora_name", 6), f.get("lora_id", 4)) {
+            let (name, id) = (f.get("lora_name", 6), f.get("lora_id", 4));
+            let lora = match (name, id) {
                 (Some(name), _) => name.as_str().map(str::to_owned),
                 (None, Some(id)) => id.as_i64().map(|i| format!("lora-id-{i}")),
                 _ => None,
+            };
+            let keys = match f.get("extra_keys", 7) {
+                None => Vec::new(),
+                Some(Value::Array(per_block)) if per_block.len() == hashes.len() => per_block
+                    .iter()
+                    .enumerate()
+                    .map(|(i, k)| block_key(k, name.or(id), i == 0 && parent.is_none()))
+                    .collect(),
+                Some(_) => return bad("extra_keys is not one entry per block"),
             };
             Ok(Event::Stored {
                 hashes,
@@ -164,22 +199,59 @@ fn event(v: &Value) -> Result<Event, WireError> {
                 token_ids,
                 block_size,
                 lora,
-                medium: f
-                    .get("medium", 5)
-                    .and_then(Value::as_str)
-                    .map(str::to_owned),
+                medium: text(f.get("medium", 5)),
+                keys,
+                group: index(f.get("group_idx", 8)),
+                kind: text(f.get("kv_cache_spec_kind", 9)),
             })
         }
         "BlockRemoved" => Ok(Event::Removed {
             hashes: hashes(f.get("block_hashes", 0))?,
-            medium: f
-                .get("medium", 1)
-                .and_then(Value::as_str)
-                .map(str::to_owned),
+            medium: text(f.get("medium", 1)),
+            group: index(f.get("group_idx", 2)),
         }),
         "AllBlocksCleared" => Ok(Event::Cleared),
         "" => bad("an event without a type tag"),
         other => bad(format!("unknown event type {other:?}")),
+    }
+}
+
+fn text(v: Option<&Value>) -> Option<String> {
+    v.and_then(Value::as_str).map(str::to_owned)
+}
+
+fn index(v: Option<&Value>) -> Option<u32> {
+    v.and_then(Value::as_u64)
+        .and_then(|i| u32::try_from(i).ok())
+}
+
+/// One block's extra keys as one key (0: none). vLLM writes a tuple: the adapter's name (or
+/// older, its id) first when there is one, then multimodal identifiers, then the request's
+/// `cache_salt` on a prompt's first block (`first`), then prompt-embedding hashes.
+fn block_key(v: &Value, lora: Option<&Value>, first: bool) -> u64 {
+    let items: &[Value] = match v {
+        Value::Nil => return 0,
+        Value::Array(a) => a,
+        other => std::slice::from_ref(other),
+    };
+    let rest = match (items.split_first(), lora) {
+        (Some((head, rest)), Some(l)) if head == l => rest,
+        _ => items,
+    };
+    match rest {
+        [] => 0,
+        [Value::String(salt)] if first && salt.as_str().is_some() => {
+            salt.as_str().map_or(0, salt_key)
+        }
+        _ => {
+            let mut bytes = Vec::new();
+            for k in rest {
+                // Writing to a Vec cannot fail; a key that somehow did not encode still
+                // leaves the block opaque, which is what matters.
+                let _ = rmpv::encode::write_value(&mut bytes, k);
+            }
+            opaque_key(&bytes)
+        }
     }
 }
 
@@ -282,10 +354,14 @@ pub(crate) mod tests {
                     block_size: 16,
                     lora: None,
                     medium: Some("GPU".into()),
+                    keys: vec![],
+                    group: None,
+                    kind: None,
                 },
                 Event::Removed {
                     hashes: vec![7],
-                    medium: Some("GPU".into())
+                    medium: Some("GPU".into()),
+                    group: None,
                 },
                 Event::Cleared,
             ]
@@ -321,13 +397,17 @@ pub(crate) mod tests {
                 block_size: 4,
                 lora: Some("lora-id-3".into()),
                 medium: None,
+                keys: vec![],
+                group: None,
+                kind: None,
             }
         );
         assert_eq!(
             b.events[1],
             Event::Removed {
                 hashes: vec![xxhash_rust::xxh3::xxh3_64(&[9; 32])],
-                medium: None
+                medium: None,
+                group: None,
             }
         );
         // A negative (signed) hash keeps its bits.
@@ -342,9 +422,71 @@ pub(crate) mod tests {
             b.events[1],
             Event::Removed {
                 hashes: vec![(-2i64) as u64],
-                medium: None
+                medium: None,
+                group: None,
             }
         );
+    }
+
+    /// vLLM's newest `BlockStored`: extra keys per block, a KV cache group and its kind.
+    #[test]
+    fn extra_keys_become_one_key_per_block() {
+        let tokens: Vec<u64> = (0..48).collect();
+        let with = |extra: Value, lora: Value, parent: Option<u64>| {
+            let mut m = stored_map(&[1, 2, 3], parent, &tokens);
+            if let Value::Map(f) = &mut m {
+                f[7].1 = lora;
+                f.push((s("extra_keys"), extra));
+                f.push((s("group_idx"), Value::from(1)));
+                f.push((s("kv_cache_spec_kind"), s("sliding_window")));
+            }
+            let b = decode(&vllm_batch(vec![m])).expect("decodes");
+            assert_eq!(b.dp_rank, Some(0));
+            match &b.events[0] {
+                Event::Stored {
+                    keys, group, kind, ..
+                } => {
+                    assert_eq!((*group, kind.as_deref()), (Some(1), Some("sliding_window")));
+                    keys.clone()
+                }
+                other => panic!("not a store: {other:?}"),
+            }
+        };
+        let tuple = |xs: Vec<Value>| Value::Array(xs);
+        // A salted prompt: its first block carries the salt, under the adapter's name.
+        let salted = tuple(vec![
+            tuple(vec![s("ad"), s("tenant-a")]),
+            tuple(vec![s("ad")]),
+            Value::Nil,
+        ]);
+        assert_eq!(
+            with(salted, s("ad"), None),
+            vec![salt_key("tenant-a"), 0, 0]
+        );
+        // The same string past a prompt's first block is no salt: a multimodal hash.
+        let later = tuple(vec![Value::Nil, tuple(vec![s("tenant-a")]), Value::Nil]);
+        let keys = with(later, Value::Nil, Some(9));
+        assert_eq!(keys[0], 0);
+        assert!(keys[1] != 0 && keys[1] != salt_key("tenant-a"));
+        // An image's (identifier, offset) at a prompt's start is opaque, salt or not.
+        let image = tuple(vec![
+            tuple(vec![tuple(vec![s("img"), Value::from(3)])]),
+            Value::Nil,
+            Value::Nil,
+        ]);
+        let keys = with(image, Value::Nil, None);
+        assert!(keys[0] != 0 && keys[1..] == [0, 0]);
+        // No keys at all: none to fold in.
+        assert_eq!(with(Value::Nil, Value::Nil, None), Vec::<u64>::new());
+        // A list that is not one entry per block is refused.
+        let short = {
+            let mut m = stored_map(&[1, 2, 3], None, &tokens);
+            if let Value::Map(f) = &mut m {
+                f.push((s("extra_keys"), tuple(vec![Value::Nil])));
+            }
+            vllm_batch(vec![m])
+        };
+        assert!(decode(&short).is_err());
     }
 
     #[test]
