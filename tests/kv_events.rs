@@ -218,6 +218,109 @@ async fn reference_publisher_events_reach_the_exact_index() {
     }
 }
 
+/// Two free ports in a row (a data-parallel engine's rank 0 and rank 1).
+fn free_port_pair() -> u16 {
+    (0..50)
+        .map(|_| free_port())
+        .find(|&p| p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok())
+        .expect("two free ports in a row")
+}
+
+/// vLLM with `--data-parallel-size 2` behind one HTTP endpoint: each rank publishes its own
+/// cache on the configured ports + rank. kvroute follows both and pins each request with
+/// `X-Data-Parallel-Rank` to the rank holding its prefix (a client's own header is replaced),
+/// and a prefix no rank holds to one rank per conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_are_followed_and_requests_pinned() {
+    let Some(py) = python() else { return };
+    let sim = Sim::start(&[]);
+    let (publish, replay) = (free_port_pair(), free_port_pair());
+    let on_rank_1: Vec<u32> = (2000..2048).collect();
+    let on_rank_0: Vec<u32> = (3000..3032).collect();
+    let dir = std::env::temp_dir().join(format!("kvroute-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let mut publishers = Vec::new();
+    for (rank, tokens) in [(0u16, &on_rank_0), (1, &on_rank_1)] {
+        let hashes: Vec<u64> = (0..tokens.len() as u64 / 16)
+            .map(|b| 1000 * u64::from(rank) + b)
+            .collect();
+        let batches = serde_json::json!([[{"type": "BlockStored", "block_hashes": hashes,
+            "parent_block_hash": null, "token_ids": tokens, "block_size": 16}]]);
+        let file = dir.join(format!("rank-{rank}.json"));
+        std::fs::write(&file, batches.to_string()).expect("write");
+        let child = Command::new(&py)
+            .arg(repo().join("bench/scripts/kv_events_reference.py"))
+            .args(["--pub", &format!("tcp://127.0.0.1:{}", publish + rank)])
+            .args(["--replay", &format!("tcp://127.0.0.1:{}", replay + rank)])
+            .arg("--events")
+            .arg(&file)
+            .args(["--data-parallel-rank", &rank.to_string()])
+            .args(["--repeat-seconds", "60"])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start a reference publisher");
+        publishers.push(Publisher(child));
+    }
+    let events = kv_events_yaml(publish, replay) + "        data_parallel_size: 2\n";
+    let k = Kvroute::start_with(&[(sim.addr, events)], &tokenizer_yaml());
+    wait_for("both ranks' history", Duration::from_secs(10), || {
+        let s = kv_state(&k, sim.addr);
+        s["state"] == "synced" && s["ranks"][0]["blocks"] == 2 && s["ranks"][1]["blocks"] == 3
+    });
+    let b = sim.addr.to_string();
+    assert_eq!(
+        k.metric_sum(
+            "kvroute_kv_events_sync",
+            &[("backend", &b), ("rank", "1"), ("state", "synced")]
+        ),
+        1.0
+    );
+    // The rank the sim saw the request pinned to, and the cached tokens kvroute predicted.
+    let sent = std::sync::atomic::AtomicU64::new(0);
+    let send = |prompt: serde_json::Value, client_rank: Option<&'static str>| {
+        let (k, sim, sent) = (&k, &sim, &sent);
+        async move {
+            let before = cached_by_index(k, "predicted");
+            let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let mut req = common::client().post(k.url("/v1/completions")).json(
+                &serde_json::json!({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 2}),
+            );
+            if let Some(r) = client_rank {
+                req = req.header("X-Data-Parallel-Rank", r);
+            }
+            let r = req.send().await.expect("request");
+            assert_eq!(r.status(), 200);
+            let _ = r.bytes().await;
+            // Counted after its other metrics: then the prediction is in too.
+            let m = k.metrics_when("kvroute_requests_total", &[], n as f64);
+            let predicted = common::metric_sum(
+                &m,
+                "kvroute_cached_prompt_tokens_by_index_total",
+                &[("index", "exact"), ("source", "predicted")],
+            ) - before;
+            let log = sim.requests();
+            let rank = log.last().expect("the request reached the sim")["dp_rank"].clone();
+            (rank, predicted)
+        }
+    };
+    let (rank, predicted) = send(serde_json::json!(on_rank_1), Some("0")).await;
+    assert_eq!(
+        rank, "1",
+        "pinned to the rank holding the prefix, not the client's"
+    );
+    assert_eq!(predicted, 48.0, "all three blocks, on rank 1");
+    let (rank, predicted) = send(serde_json::json!(on_rank_0), None).await;
+    assert_eq!((rank, predicted), ("0".into(), 32.0));
+    // A prompt no rank holds: pinned all the same, the same rank each time.
+    let unknown = serde_json::json!((5000..5040).collect::<Vec<u32>>());
+    let (first, _) = send(unknown.clone(), None).await;
+    assert!(first == "0" || first == "1", "pinned: {first}");
+    for _ in 0..3 {
+        assert_eq!(send(unknown.clone(), Some("7")).await.0, first);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 fn chatml_dir() -> String {
     repo()
         .join("bench/data/tokenizer/chatml-bpe8k")
@@ -406,6 +509,21 @@ async fn a_cache_salt_keeps_equal_prompts_apart() {
         );
         assert_eq!(predicted, reported, "request {i} ({salt:?})");
     }
+    // A client does not pick the engine's data-parallel rank: its header never reaches it.
+    let r = common::client()
+        .post(k.url("/v1/chat/completions"))
+        .header("X-Data-Parallel-Rank", "3")
+        .json(&serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 2}))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 200);
+    let _ = r.bytes().await;
+    let log = sim.requests();
+    assert_eq!(
+        log.last().expect("logged")["dp_rank"],
+        serde_json::Value::Null
+    );
 }
 
 /// 5% of the engine's batches never reach kvroute: every gap is replayed, and the index ends

@@ -7,7 +7,7 @@ encoder and socket library rather than against `kvbench sim --kv-events` alone:
 
 - a PUB socket bound at --pub sends each batch as `[topic, seq, payload]`: seq an 8-byte
   big-endian unsigned integer from 0, payload the msgpack of a KVEventBatch, array-like
-  `[ts, events, data_parallel_rank]` (rank 0);
+  `[ts, events, data_parallel_rank]` (rank 0, or --data-parallel-rank);
 - a ROUTER socket bound at --replay keeps the last 10,000 batches. A request
   `[identity, b"", start_seq]` (a DEALER sends `[b"", start_seq]`) gets
   `[identity, b"", seq, payload]` for every kept batch with seq >= start_seq, then
@@ -166,10 +166,10 @@ def make_event(raw: dict, array_events: bool):
     return cls(**fields)
 
 
-def encode_batch(raw_events: list, array_events: bool, ts: float) -> bytes:
+def encode_batch(raw_events: list, array_events: bool, ts: float, rank: int = 0) -> bytes:
     """The payload of one batch, as the publisher thread encodes it."""
     events = [make_event(e, array_events) for e in raw_events]
-    return msgspec.msgpack.encode(EventBatch(ts=ts, events=events, data_parallel_rank=0))
+    return msgspec.msgpack.encode(EventBatch(ts=ts, events=events, data_parallel_rank=rank))
 
 
 def load_batches(path: str, array_events: bool) -> list:
@@ -248,6 +248,8 @@ def main() -> int:
     ap.add_argument("--array-events", action="store_true",
                     help="encode events as tagged arrays (SGLang's form) instead of tagged maps")
     ap.add_argument("--interval-ms", type=float, default=50.0, help="wait between batches (default 50)")
+    ap.add_argument("--data-parallel-rank", type=int, default=0,
+                    help="the rank every batch names (vLLM: one publisher per rank, default 0)")
     ap.add_argument("--repeat-seconds", type=float, default=0.0,
                     help="serve replay until this many seconds after start (default 0: exit after the last batch)")
     args = ap.parse_args()
@@ -262,7 +264,7 @@ def main() -> int:
         for i, batch in enumerate(batches):
             if i > 0:
                 publisher.serve_until(time.monotonic() + args.interval_ms / 1000)
-            payload = encode_batch(batch, args.array_events, time.time())
+            payload = encode_batch(batch, args.array_events, time.time(), args.data_parallel_rank)
             seq = publisher.send(payload)
             kinds = ",".join(e["type"] for e in batch) or "-"
             print(f"kv-events-reference: sent seq {seq}: {len(batch)} event(s) [{kinds}], "

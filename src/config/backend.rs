@@ -4,7 +4,7 @@ use serde::Deserialize;
 use std::path::PathBuf;
 
 use super::error::{err, parse_addr, ConfigError};
-use super::kv_events::{validate_endpoint, BackendKvEvents};
+use super::kv_events::BackendKvEvents;
 
 /// Which engine's metric names a backend's `/metrics` uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -135,16 +135,7 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
             ));
         }
         if let Some(k) = &b.kv_events {
-            validate_endpoint(
-                &format!("kvroute.backends[{i}].kv_events.endpoint"),
-                &k.endpoint,
-            )?;
-            if let Some(r) = &k.replay_endpoint {
-                validate_endpoint(
-                    &format!("kvroute.backends[{i}].kv_events.replay_endpoint"),
-                    r,
-                )?;
-            }
+            k.validate(&format!("kvroute.backends[{i}].kv_events"))?;
         }
         if let Some(t) = &b.tls {
             if t.sni.trim().is_empty() {

@@ -21,6 +21,76 @@ pub struct BackendKvEvents {
     /// The topic the engine publishes on (vLLM's default: empty).
     #[serde(default)]
     pub topic: String,
+    /// Data-parallel ranks behind this backend's one HTTP endpoint (vLLM's
+    /// `--data-parallel-size` with its internal load balancer). Each rank keeps its own KV
+    /// cache and publishes on its own sockets, `endpoint`'s port + rank and `replay_endpoint`'s
+    /// port + rank, as vLLM offsets them; kvroute follows each and pins a request to a rank with
+    /// `X-Data-Parallel-Rank` (vLLM and SGLang honour it).
+    #[serde(default = "one_rank")]
+    pub data_parallel_size: u32,
+}
+
+/// Ranks one backend may have: past any data-parallel engine's size.
+pub const MAX_DP_RANKS: u32 = 64;
+
+fn one_rank() -> u32 {
+    1
+}
+
+impl BackendKvEvents {
+    /// Where rank `rank` publishes: the ports offset by the rank (vLLM's
+    /// `offset_endpoint_port`). An `ipc://` endpoint is only ever rank 0's.
+    pub fn for_rank(&self, rank: u32) -> BackendKvEvents {
+        let offset = |e: &str| match e.rsplit_once(':') {
+            Some((head, port)) if e.starts_with("tcp://") => port
+                .parse::<u32>()
+                .map_or_else(|_| e.to_string(), |p| format!("{head}:{}", p + rank)),
+            _ => e.to_string(),
+        };
+        BackendKvEvents {
+            endpoint: offset(&self.endpoint),
+            replay_endpoint: self.replay_endpoint.as_deref().map(offset),
+            topic: self.topic.clone(),
+            data_parallel_size: 1,
+        }
+    }
+
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        validate_endpoint(&format!("{key}.endpoint"), &self.endpoint)?;
+        if let Some(r) = &self.replay_endpoint {
+            validate_endpoint(&format!("{key}.replay_endpoint"), r)?;
+        }
+        let n = self.data_parallel_size;
+        if !(1..=MAX_DP_RANKS).contains(&n) {
+            return Err(err(
+                format!("{key}.data_parallel_size"),
+                format!("must be between 1 and {MAX_DP_RANKS}"),
+            ));
+        }
+        if n > 1 {
+            for (k, e) in std::iter::once(("endpoint", &self.endpoint))
+                .chain(self.replay_endpoint.iter().map(|r| ("replay_endpoint", r)))
+            {
+                let last = e
+                    .strip_prefix("tcp://")
+                    .and_then(|r| r.rsplit_once(':'))
+                    .and_then(|(_, p)| p.parse::<u32>().ok())
+                    .map(|p| p + n - 1);
+                if last.is_none_or(|p| p > u32::from(u16::MAX)) {
+                    return Err(err(
+                        format!("{key}.{k}"),
+                        format!(
+                            "{e:?}: with data_parallel_size {n}, rank r publishes at this \
+                             port + r, so this must be tcp://host:port with port + {} \
+                             at most 65535",
+                            n - 1
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How requests are tokenized to match the engines' blocks. Required for any backend's
@@ -232,6 +302,49 @@ pub(super) fn validate_endpoint(key: &str, endpoint: &str) -> Result<(), ConfigE
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_parallel_ranks_publish_at_offset_ports() {
+        let k: BackendKvEvents = serde_yaml::from_str(
+            "endpoint: tcp://10.0.0.5:5557\nreplay_endpoint: tcp://10.0.0.5:5600\ndata_parallel_size: 4\n",
+        )
+        .expect("parses");
+        assert!(k.validate("k").is_ok());
+        let r3 = k.for_rank(3);
+        assert_eq!(r3.endpoint, "tcp://10.0.0.5:5560");
+        assert_eq!(r3.replay_endpoint.as_deref(), Some("tcp://10.0.0.5:5603"));
+        assert_eq!(
+            (r3.data_parallel_size, k.for_rank(0).endpoint.as_str()),
+            (1, "tcp://10.0.0.5:5557")
+        );
+        let one: BackendKvEvents = serde_yaml::from_str("endpoint: tcp://h:1\n").expect("parses");
+        assert_eq!(one.data_parallel_size, 1);
+        for (bad, key) in [
+            (
+                "endpoint: tcp://h:65534\ndata_parallel_size: 3\n",
+                "k.endpoint",
+            ),
+            (
+                "endpoint: ipc:///tmp/ev\ndata_parallel_size: 2\n",
+                "k.endpoint",
+            ),
+            (
+                "endpoint: tcp://h:1\nreplay_endpoint: tcp://h:65535\ndata_parallel_size: 2\n",
+                "k.replay_endpoint",
+            ),
+            (
+                "endpoint: tcp://h:1\ndata_parallel_size: 0\n",
+                "k.data_parallel_size",
+            ),
+            (
+                "endpoint: tcp://h:1\ndata_parallel_size: 65\n",
+                "k.data_parallel_size",
+            ),
+        ] {
+            let k: BackendKvEvents = serde_yaml::from_str(bad).expect("parses");
+            assert_eq!(k.validate("k").expect_err(bad).key, key, "{bad}");
+        }
+    }
 
     #[test]
     fn models_it_covers() {

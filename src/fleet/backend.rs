@@ -109,6 +109,8 @@ pub struct BackendState {
     pub dcgm: Option<SocketAddr>,
     /// Configured KV capacity; `None` lets telemetry set it.
     pub kv_capacity_configured: Option<u64>,
+    /// Data-parallel ranks behind it whose KV events are followed (1: one engine).
+    pub dp_size: u32,
     /// Its slot in the prefix index (`None` past the index's 64 slots).
     pub(super) slot: Option<usize>,
     pub(super) live: Arc<Live>,

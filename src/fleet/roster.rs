@@ -27,8 +27,9 @@ use crate::placement::{BackendLoad, ExactIndex, Pool, PrefixIndex, Ring, SyncSta
 /// write, so a request placed by an older fleet cannot teach a reassigned slot.
 pub(super) struct Beliefs {
     pub(super) index: PrefixIndex,
-    /// What the engines' KV events say they cache.
-    pub(super) exact: ExactIndex,
+    /// What the engines' KV events say they cache: one index per data-parallel rank (rank r
+    /// of the backend in slot s is slot s of `exact[r]`), at least rank 0's.
+    pub(super) exact: Vec<ExactIndex>,
     pub(super) owner: Vec<Option<SocketAddr>>,
 }
 
@@ -114,7 +115,7 @@ impl Fleet {
             models_version: AtomicU64::new(0),
             beliefs: Mutex::new(Beliefs {
                 index: PrefixIndex::new(&[]),
-                exact: ExactIndex::default(),
+                exact: vec![ExactIndex::default()],
                 owner: Vec::new(),
             }),
         });
@@ -172,11 +173,21 @@ impl Fleet {
                 exact,
                 owner,
             } = &mut *beliefs;
+            let ranks = cfg
+                .backends
+                .iter()
+                .filter_map(|b| b.kv_events.as_ref())
+                .map(|k| k.data_parallel_size as usize)
+                .max()
+                .unwrap_or(1);
+            while exact.len() < ranks {
+                exact.push(ExactIndex::default());
+            }
             // Free the slots of removed backends first so added ones can reuse them.
             for b in previous.iter().filter(|b| !kept.contains(&b.addr)) {
                 if let Some(s) = b.slot {
                     index.purge(s);
-                    exact.reset(s, SyncState::Off);
+                    exact.iter_mut().for_each(|x| x.reset(s, SyncState::Off));
                     owner[s] = None;
                 }
             }
@@ -205,7 +216,7 @@ impl Fleet {
                         if let Some(s) = slot {
                             owner[s] = Some(addr);
                             index.open_slot(s, capacity_blocks(b, None, block_tokens));
-                            exact.reset(s, SyncState::Off);
+                            exact.iter_mut().for_each(|x| x.reset(s, SyncState::Off));
                         }
                         (slot, Arc::new(Live::new()))
                     }
@@ -220,6 +231,7 @@ impl Fleet {
                     metrics_path: b.metrics_path.clone(),
                     dcgm,
                     kv_capacity_configured: b.kv_capacity_tokens,
+                    dp_size: b.kv_events.as_ref().map_or(1, |k| k.data_parallel_size),
                     slot,
                     live,
                     lb_backend,
@@ -443,15 +455,23 @@ impl Fleet {
 
     /// Believe that backend `i` now caches `blocks` (it is being sent them).
     /// `token_blocks`: the same prompt as the engines' KV events name it (empty when not
-    /// tokenized), counted there until the engine's events say (see `placement::exact`).
-    pub fn record(&self, i: usize, blocks: &[u64], token_blocks: &[u64]) {
+    /// tokenized), counted there until the engine's events say (see `placement::exact`), on
+    /// data-parallel rank `rank` (a backend of several ranks: only the one it was pinned to).
+    pub fn record(&self, i: usize, blocks: &[u64], token_blocks: &[u64], rank: Option<u32>) {
         let b = &self.backends[i];
         let Some(slot) = b.slot else { return };
+        let rank = match rank {
+            Some(r) => Some(r as usize),
+            None => (b.dp_size <= 1).then_some(0),
+        };
         if let Ok(mut beliefs) = self.shared.beliefs.lock() {
             if beliefs.owner.get(slot) == Some(&Some(b.addr)) {
                 beliefs.index.insert(slot, blocks);
-                if !token_blocks.is_empty() {
-                    beliefs.exact.pending(slot, token_blocks, Instant::now());
+                if let (false, Some(x)) = (
+                    token_blocks.is_empty(),
+                    rank.and_then(|r| beliefs.exact.get_mut(r)),
+                ) {
+                    x.pending(slot, token_blocks, Instant::now());
                 }
             }
         }
@@ -722,8 +742,8 @@ mod tests {
         let (a, b, c) = ("127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4");
         let f1 = Fleet::new(&cfg(&[a, b])).unwrap();
         let blocks = [11, 12, 13];
-        f1.record(0, &blocks, &[]);
-        f1.record(1, &blocks[..1], &[]);
+        f1.record(0, &blocks, &[], None);
+        f1.record(1, &blocks[..1], &[], None);
         let held = f1.charge(0, 700);
 
         // Drop b, add c: c takes b's freed slot and must not inherit its beliefs.
@@ -731,7 +751,7 @@ mod tests {
         assert_eq!(f2.backends()[1].name, a);
         let bt = BLOCK_BYTES as u64 / 4;
         assert_eq!(
-            f2.matches(&blocks, None).tokens,
+            f2.matches(&blocks, None, 0).tokens,
             vec![0, 3 * bt],
             "a keeps its prefix, c starts empty"
         );
@@ -751,10 +771,10 @@ mod tests {
         );
 
         // A request placed by the old fleet on b cannot teach c's slot.
-        f1.record(1, &blocks, &[]);
-        assert_eq!(f2.matches(&blocks, None).tokens[0], 0);
-        f2.record(0, &blocks, &[]);
-        assert_eq!(f2.matches(&blocks, None).tokens, vec![3 * bt, 3 * bt]);
+        f1.record(1, &blocks, &[], None);
+        assert_eq!(f2.matches(&blocks, None, 0).tokens[0], 0);
+        f2.record(0, &blocks, &[], None);
+        assert_eq!(f2.matches(&blocks, None, 0).tokens, vec![3 * bt, 3 * bt]);
         assert_eq!(f2.index_size().0, 6);
     }
 }

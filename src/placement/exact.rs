@@ -333,6 +333,22 @@ impl ExactIndex {
     }
 }
 
+/// The data-parallel rank a request is pinned to, given the leading blocks each rank holds:
+/// the one holding most; among equals (most often: none holds any) the conversation's own,
+/// from its session `key`, so its later turns and every replica pin it alike. Pinning even
+/// then, rather than leaving it to the engine's balancer, is what lets the next turn find
+/// this one's blocks where kvroute expects them.
+pub fn pick_rank(held: &[u32], key: u64) -> u32 {
+    let n = held.len().max(1) as u64;
+    // Not `key % n` alone: the ring already cut the keys by their value.
+    let own = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % n;
+    let best = held.iter().copied().max().unwrap_or(0);
+    if held.get(own as usize) == Some(&best) {
+        return own as u32;
+    }
+    held.iter().position(|&m| m == best).unwrap_or(0) as u32
+}
+
 /// Drop one reference to `h`; whether it was the last.
 fn release(refs: &mut IdMap<u32>, h: u64) -> bool {
     match refs.get_mut(&h) {
@@ -427,6 +443,24 @@ mod tests {
         };
         ix.stored(0, &[1, 2, 3], None, with_image);
         assert_eq!(matches(&ix, &plain, 1), vec![Some(1)]);
+    }
+
+    #[test]
+    fn a_rank_holding_more_wins_and_equals_go_by_the_key() {
+        assert_eq!(pick_rank(&[3, 9, 9, 1], 0), 1);
+        // Among equals the key decides, the same way every time.
+        let spread: std::collections::BTreeSet<u32> = (0..64u64)
+            .map(|k| pick_rank(&[0; 4], k.wrapping_mul(0x1234_5678_9abc_def1)))
+            .collect();
+        assert_eq!(spread.len(), 4, "conversations spread over the ranks");
+        for k in 0..64u64 {
+            let r = pick_rank(&[0; 4], k);
+            assert_eq!(pick_rank(&[0; 4], k), r);
+            let mut held = [2; 4];
+            held[r as usize] = 2;
+            assert_eq!(pick_rank(&held, k), r, "a tie keeps the key's rank");
+        }
+        assert_eq!(pick_rank(&[], 7), 0);
     }
 
     #[test]

@@ -20,7 +20,7 @@ mod snapshot;
 
 pub use crate::config::PolicyKind;
 pub use decision::{Decision, Params, Reason};
-pub use exact::{ExactIndex, Stored, SyncState};
+pub use exact::{pick_rank, ExactIndex, Stored, SyncState};
 pub use index::PrefixIndex;
 pub use kv_aware::Terms;
 pub use pool::{choose_in, Pool};

@@ -52,6 +52,9 @@ pub(super) struct Route {
     pub exact: Option<ExactBlocks>,
     /// Which index kv_aware's prediction for the chosen backend came from.
     pub index: Option<IndexMode>,
+    /// The chosen backend's data-parallel rank this request is pinned to (a backend of
+    /// several ranks whose events kvroute follows).
+    pub dp_rank: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

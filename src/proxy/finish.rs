@@ -64,7 +64,7 @@ pub(super) fn end_request(
     ) {
         if !reply.is_empty() {
             if let Some(blocks) = p.reply_blocks(reply) {
-                fleet.record(i, &blocks, &[]);
+                fleet.record(i, &blocks, &[], None);
             }
         }
     }

@@ -38,6 +38,9 @@ pub use metrics::ProxyMetrics;
 use failures::{FailureKind, FailurePolicy};
 use placement::Placer;
 
+/// vLLM's and SGLang's header pinning a request to one data-parallel rank of the engine.
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
 
@@ -361,6 +364,12 @@ impl ProxyHttp for Router {
             upstream.remove_header(&http::header::EXPECT);
             upstream.remove_header(&http::header::TRANSFER_ENCODING);
             upstream.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())?;
+        }
+        // Which engine rank serves a request is kvroute's to say, never a client's: a pinned
+        // rank bypasses the engine's own balancing.
+        upstream.remove_header(DP_RANK_HEADER);
+        if let Some(r) = ctx.route.dp_rank {
+            upstream.insert_header(DP_RANK_HEADER, r.to_string())?;
         }
         Ok(())
     }

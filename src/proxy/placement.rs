@@ -69,7 +69,11 @@ impl Placer<'_> {
             }
         }
         let matched = if params.policy == PolicyKind::KvAware {
-            fleet.matches(&profile.prefix_blocks, ctx.route.exact.as_ref())
+            fleet.matches(
+                &profile.prefix_blocks,
+                ctx.route.exact.as_ref(),
+                profile.session_key,
+            )
         } else {
             Matches::default()
         };
@@ -101,6 +105,7 @@ impl Placer<'_> {
             ctx.attempts.tried,
         );
         ctx.attempts.reason = Some(d.reason);
+        ctx.route.dp_rank = matched.rank.get(d.backend).copied().flatten();
         ctx.route.index = (params.policy == PolicyKind::KvAware).then(|| {
             if matched.exact.get(d.backend) == Some(&true) {
                 IndexMode::Exact
@@ -139,9 +144,12 @@ impl Placer<'_> {
         }
         if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
             let token_blocks = ctx.route.exact.as_ref().map_or(&[][..], |e| &e.blocks);
-            ctx.generation
-                .fleet
-                .record(d.backend, &p.prefix_blocks, token_blocks);
+            ctx.generation.fleet.record(
+                d.backend,
+                &p.prefix_blocks,
+                token_blocks,
+                ctx.route.dp_rank,
+            );
             self.metrics
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);

@@ -86,12 +86,25 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                 "telemetry_age_seconds": b.telemetry().age().map(|a| a.as_secs_f64()),
                 "prefix_index_blocks": fleet.index_blocks_of(i),
                 "kv_events": cfg.backends.get(i).and_then(|c| c.kv_events.as_ref()).map(|k| {
-                    let (state, blocks) = fleet.exact_state(i);
-                    serde_json::json!({
+                    let ranks = fleet.exact_state(i);
+                    // Several data-parallel ranks: the state of the one known least, their
+                    // blocks together, and each rank's own.
+                    let state = ranks.iter().map(|r| r.0).min_by_key(|s| *s as u8);
+                    let mut v = serde_json::json!({
                         "endpoint": k.endpoint,
-                        "state": state.as_str(),
-                        "blocks": blocks,
-                    })
+                        "state": state.unwrap_or(crate::placement::SyncState::Off).as_str(),
+                        "blocks": ranks.iter().map(|r| r.1).sum::<usize>(),
+                    });
+                    if ranks.len() > 1 {
+                        v["ranks"] = ranks
+                            .iter()
+                            .enumerate()
+                            .map(|(r, (s, blocks))| {
+                                serde_json::json!({"rank": r, "state": s.as_str(), "blocks": blocks})
+                            })
+                            .collect();
+                    }
+                    v
                 }),
                 "models": b.models().map(|l| l.iter().map(|m| match &m.parent {
                     Some(p) => serde_json::json!({"id": m.id, "parent": p}),

@@ -68,7 +68,11 @@ async fn handle(
         .get(SESSION_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let entry = Entry::arrival(endpoint.path(), session, body.len(), hash.clone());
+    let mut entry = Entry::arrival(endpoint.path(), session, body.len(), hash.clone());
+    entry.dp_rank = headers
+        .get(DP_RANK_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let seq = s.log().push(entry);
     let mut res = match admit(&s, seq, endpoint, &body).await {
         Ok(admitted) => {
@@ -105,6 +109,9 @@ fn held_until_body_ends<G: Send + Sync + 'static>(res: Response, guard: G) -> Re
         axum::body::Body::from_stream(stream)
     })
 }
+
+/// vLLM's and SGLang's header pinning a request to one data-parallel rank.
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
     let answer = Answer::new(a.req.endpoint, s.index, a.seq, &a.req.model);

@@ -20,6 +20,8 @@ pub struct Entry {
     pub cached_tokens: Option<u64>,
     /// Unset while the request is held (hang fault) or its answer is not yet decided.
     pub status: Option<u16>,
+    /// The `X-Data-Parallel-Rank` header a router pinned the request with, as sent.
+    pub dp_rank: Option<String>,
 }
 
 impl Entry {
@@ -39,6 +41,7 @@ impl Entry {
             stream: false,
             prompt_tokens: None,
             cached_tokens: None,
+            dp_rank: None,
             status: None,
         }
     }

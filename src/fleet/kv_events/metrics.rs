@@ -28,63 +28,77 @@ impl KvEventMetrics {
                 "kvroute_kv_event_batches_total",
                 "Engine KV-event batches by backend: received live, replayed after a gap, \
                  malformed (skipped), lost (a gap replay could not fill).",
-                &["backend", "outcome"],
+                &["backend", "rank", "outcome"],
             )?,
             events: counter_vec(
                 r,
                 "kvroute_kv_events_total",
                 "Engine KV events by backend: applied to the exact index, or skipped (another \
                  block size, or blocks not on the GPU).",
-                &["backend", "outcome"],
+                &["backend", "rank", "outcome"],
             )?,
             blocks: counter_vec(
                 r,
                 "kvroute_kv_event_blocks_total",
                 "Blocks the engine's events stored and removed, and stored blocks whose parent \
                  kvroute did not know (not indexed).",
-                &["backend", "change"],
+                &["backend", "rank", "change"],
             )?,
             sync: int_gauge_vec(
                 r,
                 "kvroute_kv_events_sync",
                 "1 for the state kvroute's knowledge of a backend's cache is in: synced (every \
                  block known), partial (followed since a later point), off (not followed).",
-                &["backend", "state"],
+                &["backend", "rank", "state"],
             )?,
         })
     }
 
-    /// Export a backend's families at zero, so alerts see them before the first event.
-    pub(super) fn known(&self, backend: &str) {
+    /// Export a backend's (rank's) families at zero, so alerts see them before the first
+    /// event. `who`: the backend and its data-parallel rank ("0" for a single engine).
+    pub(super) fn known(&self, who: [&str; 2]) {
+        let [backend, rank] = who;
         for o in BATCH_OUTCOMES {
-            self.batches.with_label_values(&[backend, o]);
+            self.batches.with_label_values(&[backend, rank, o]);
         }
         for o in EVENT_OUTCOMES {
-            self.events.with_label_values(&[backend, o]);
+            self.events.with_label_values(&[backend, rank, o]);
         }
         for c in BLOCK_CHANGES {
-            self.blocks.with_label_values(&[backend, c]);
+            self.blocks.with_label_values(&[backend, rank, c]);
         }
-        self.set_sync(backend, SyncState::Off);
+        self.set_sync(who, SyncState::Off);
     }
 
     /// A backend no longer followed has no sync state: an alert on `off` then means a stream
     /// that is configured but not connected.
-    pub(super) fn forget(&self, backend: &str) {
+    pub(super) fn forget(&self, [backend, rank]: [&str; 2]) {
         for s in STATES {
-            let _ = self.sync.remove_label_values(&[backend, s.as_str()]);
+            let _ = self.sync.remove_label_values(&[backend, rank, s.as_str()]);
         }
     }
 
-    pub(super) fn set_sync(&self, backend: &str, state: SyncState) {
+    pub(super) fn set_sync(&self, [backend, rank]: [&str; 2], state: SyncState) {
         for s in STATES {
             self.sync
-                .with_label_values(&[backend, s.as_str()])
+                .with_label_values(&[backend, rank, s.as_str()])
                 .set(i64::from(*s == state));
         }
     }
 
-    pub(super) fn batch(&self, backend: &str, outcome: &str) {
-        self.batches.with_label_values(&[backend, outcome]).inc();
+    pub(super) fn batch(&self, [backend, rank]: [&str; 2], outcome: &str) {
+        self.batches
+            .with_label_values(&[backend, rank, outcome])
+            .inc();
+    }
+
+    pub(super) fn count(
+        &self,
+        vec: &IntCounterVec,
+        [backend, rank]: [&str; 2],
+        what: &str,
+        n: u64,
+    ) {
+        vec.with_label_values(&[backend, rank, what]).inc_by(n);
     }
 }

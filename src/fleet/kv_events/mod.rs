@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use super::roster::Fleet;
 use crate::placement::exact::Applied;
-use crate::placement::{Stored, SyncState};
+use crate::placement::{self, Stored, SyncState};
 
 mod metrics;
 mod subscriber;
@@ -30,38 +30,66 @@ pub struct Matches {
     pub tokens: Vec<u64>,
     /// Whether the engine's own events said so (the backend follows them).
     pub exact: Vec<bool>,
+    /// For a backend of several data-parallel ranks, the rank to pin the request to (whose
+    /// cache `tokens` counts; see `placement::pick_rank`).
+    pub rank: Vec<Option<u32>>,
 }
 
 impl Fleet {
     /// Per backend, how many prompt tokens it is believed to cache: from the engine's KV
     /// events where kvroute follows them and the prompt is tokenized (`exact`), else from the
-    /// approximate index of what kvroute sent it (`blocks`).
-    pub fn matches(&self, blocks: &[u64], exact: Option<&ExactBlocks>) -> Matches {
+    /// approximate index of what kvroute sent it (`blocks`). `key`: the request's session
+    /// key, which picks a rank where none holds more of the prompt than another.
+    pub fn matches(&self, blocks: &[u64], exact: Option<&ExactBlocks>, key: u64) -> Matches {
         let backends = self.backends();
         let n = backends.len();
         let mut out = Matches {
             tokens: vec![0; n],
             exact: vec![false; n],
+            rank: vec![None; n],
         };
         let Ok(mut beliefs) = self.shared.beliefs.lock() else {
             return out;
         };
         let mut by_slot = vec![0; beliefs.index.slots()];
         beliefs.index.longest_matches(blocks, &mut by_slot);
-        let mut exact_by_slot = Vec::new();
+        // Per rank, per slot: the leading blocks that rank's engine holds.
+        let mut exact_by_rank: Vec<Vec<Option<(u32, SyncState)>>> = Vec::new();
         if let Some(e) = exact {
             let now = Instant::now();
-            for s in backends.iter().filter_map(|b| b.slot) {
-                beliefs.exact.expire(s, now);
+            let ranks = backends
+                .iter()
+                .map(|b| b.dp_size as usize)
+                .max()
+                .unwrap_or(1);
+            for x in beliefs.exact.iter_mut().take(ranks) {
+                for s in backends.iter().filter_map(|b| b.slot) {
+                    x.expire(s, now);
+                }
+                let mut held = vec![None; by_slot.len().max(1)];
+                x.longest_matches(&e.blocks, &mut held);
+                exact_by_rank.push(held);
             }
-            exact_by_slot = vec![None; by_slot.len().max(1)];
-            beliefs.exact.longest_matches(&e.blocks, &mut exact_by_slot);
         }
         let block_tokens = exact.map_or(0, |e| e.block_tokens);
+        let mut held = Vec::new();
         for (i, b) in backends.iter().enumerate() {
             let Some(s) = b.slot else { continue };
             let approx = by_slot.get(s).map_or(0, |&m| m as u64 * self.block_tokens);
-            out.tokens[i] = match exact_by_slot.get(s).copied().flatten() {
+            let of_rank = |r: usize| {
+                exact_by_rank
+                    .get(r)
+                    .and_then(|v| v.get(s).copied().flatten())
+            };
+            let mut rank = 0;
+            if b.dp_size > 1 && exact.is_some() {
+                held.clear();
+                held.extend((0..b.dp_size as usize).map(|r| of_rank(r).map_or(0, |m| m.0)));
+                let r = placement::pick_rank(&held, key);
+                out.rank[i] = Some(r);
+                rank = r as usize;
+            }
+            out.tokens[i] = match of_rank(rank) {
                 Some((m, SyncState::Synced)) => {
                     out.exact[i] = true;
                     m as u64 * block_tokens
@@ -78,28 +106,44 @@ impl Fleet {
         out
     }
 
-    /// What kvroute knows from backend `i`'s events: how, and how many blocks.
-    pub fn exact_state(&self, i: usize) -> (SyncState, usize) {
-        let Some(slot) = self.backends().get(i).and_then(|b| b.slot) else {
-            return (SyncState::Off, 0);
+    /// What kvroute knows from each data-parallel rank of backend `i` (one for most): how,
+    /// and how many blocks.
+    pub fn exact_state(&self, i: usize) -> Vec<(SyncState, usize)> {
+        let Some(b) = self.backends().get(i) else {
+            return Vec::new();
         };
-        self.shared.beliefs.lock().map_or((SyncState::Off, 0), |b| {
-            (b.exact.sync(slot), b.exact.blocks_of(slot))
-        })
+        let ranks = b.dp_size.max(1) as usize;
+        let off = vec![(SyncState::Off, 0); ranks];
+        let Some(slot) = b.slot else { return off };
+        let Ok(beliefs) = self.shared.beliefs.lock() else {
+            return off;
+        };
+        (0..ranks)
+            .map(|r| {
+                beliefs
+                    .exact
+                    .get(r)
+                    .map_or((SyncState::Off, 0), |x| (x.sync(slot), x.blocks_of(slot)))
+            })
+            .collect()
     }
 
     /// Bytes the exact index holds.
     pub fn exact_bytes(&self) -> usize {
-        self.shared.beliefs.lock().map_or(0, |b| b.exact.bytes())
+        self.shared
+            .beliefs
+            .lock()
+            .map_or(0, |b| b.exact.iter().map(|x| x.bytes()).sum())
     }
 
-    /// A handle that applies events to backend `i`'s part of the exact index for as long as
-    /// the backend keeps its slot: it outlives this generation, as the index does.
-    pub(crate) fn exact_writer(&self, i: usize) -> Option<ExactWriter> {
+    /// A handle that applies events to rank `rank` of backend `i` in the exact index for as
+    /// long as the backend keeps its slot: it outlives this generation, as the index does.
+    pub(crate) fn exact_writer(&self, i: usize, rank: u32) -> Option<ExactWriter> {
         let b = self.backends().get(i)?;
         Some(ExactWriter {
             fleet_shared: self.shared.clone(),
             slot: b.slot?,
+            rank: rank as usize,
             addr: b.addr,
         })
     }
@@ -133,21 +177,27 @@ impl Groups {
     }
 }
 
-/// Writes one backend's events into the exact index.
+/// Writes one backend's (one rank's) events into the exact index.
 pub(crate) struct ExactWriter {
     fleet_shared: std::sync::Arc<super::roster::Shared>,
     slot: usize,
+    rank: usize,
     pub(crate) addr: std::net::SocketAddr,
 }
 
 impl ExactWriter {
-    /// Run `f` on the exact index and this backend's slot, if the slot is still the backend's.
+    /// Run `f` on the rank's exact index and this backend's slot, if the slot is still the
+    /// backend's.
     fn with<R>(&self, f: impl FnOnce(&mut crate::placement::ExactIndex, usize) -> R) -> Option<R> {
         let mut beliefs = self.fleet_shared.beliefs.lock().ok()?;
         if beliefs.owner.get(self.slot) != Some(&Some(self.addr)) {
             return None;
         }
-        Some(f(&mut beliefs.exact, self.slot))
+        let exact = &mut beliefs.exact;
+        while exact.len() <= self.rank {
+            exact.push(crate::placement::ExactIndex::default());
+        }
+        exact.get_mut(self.rank).map(|x| f(x, self.slot))
     }
 
     pub fn reset(&self, sync: SyncState) {

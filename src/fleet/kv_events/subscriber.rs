@@ -48,8 +48,20 @@ const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 #[derive(Clone, PartialEq)]
 struct Target {
     backend: String,
+    /// The data-parallel rank followed (0 for a single engine), and as a label.
+    rank: u32,
+    rank_label: String,
+    /// The backend, and its rank when it has several: how logs name this stream.
+    name: String,
+    /// This rank's own endpoints.
     events: BackendKvEvents,
     block_size: usize,
+}
+
+impl Target {
+    fn who(&self) -> [&str; 2] {
+        [&self.backend, &self.rank_label]
+    }
 }
 
 /// Follow every backend the config in force says publishes KV events, until `shutdown`.
@@ -58,51 +70,62 @@ pub async fn follow_forever(
     metrics: KvEventMetrics,
     shutdown: &mut ShutdownWatch,
 ) {
-    let mut running: HashMap<std::net::SocketAddr, (Target, tokio::task::JoinHandle<()>)> =
-        HashMap::new();
+    type Stream = (std::net::SocketAddr, u32);
+    let mut running: HashMap<Stream, (Target, tokio::task::JoinHandle<()>)> = HashMap::new();
     loop {
         let generation = current.load();
         let mut wanted = HashMap::new();
         if let Some(k) = &generation.config.kv_events {
             for (i, b) in generation.config.backends.iter().enumerate() {
-                let (Some(events), Some(writer)) =
-                    (b.kv_events.clone(), generation.fleet.exact_writer(i))
-                else {
-                    continue;
-                };
-                let target = Target {
-                    backend: b.addr.clone(),
-                    events,
-                    block_size: k.block_size,
-                };
-                wanted.insert(writer.addr, (target, writer));
+                let Some(events) = &b.kv_events else { continue };
+                let ranks = events.data_parallel_size;
+                for rank in 0..ranks {
+                    let Some(writer) = generation.fleet.exact_writer(i, rank) else {
+                        continue;
+                    };
+                    let target = Target {
+                        backend: b.addr.clone(),
+                        rank,
+                        rank_label: rank.to_string(),
+                        name: if ranks > 1 {
+                            format!("{} rank {rank}", b.addr)
+                        } else {
+                            b.addr.clone()
+                        },
+                        events: events.for_rank(rank),
+                        block_size: k.block_size,
+                    };
+                    wanted.insert((writer.addr, rank), (target, writer));
+                }
             }
         }
-        running.retain(|addr, (target, task)| {
-            let keep = wanted.get(addr).is_some_and(|(t, _)| t == target);
+        running.retain(|(addr, rank), (target, task)| {
+            let keep = wanted
+                .get(&(*addr, *rank))
+                .is_some_and(|(t, _)| t == target);
             if !keep {
                 task.abort();
-                log::info!("kv events: no longer following {}", target.backend);
+                log::info!("kv events: no longer following {}", target.name);
                 if let Some(w) = generation
                     .fleet
                     .backends()
                     .iter()
                     .position(|b| b.addr == *addr)
-                    .and_then(|i| generation.fleet.exact_writer(i))
+                    .and_then(|i| generation.fleet.exact_writer(i, *rank))
                 {
                     w.reset(SyncState::Off);
                 }
-                metrics.forget(&target.backend);
+                metrics.forget(target.who());
             }
             keep
         });
-        for (addr, (target, writer)) in wanted {
-            if running.contains_key(&addr) {
+        for (stream, (target, writer)) in wanted {
+            if running.contains_key(&stream) {
                 continue;
             }
-            metrics.known(&target.backend);
+            metrics.known(target.who());
             let task = tokio::spawn(follow(target.clone(), writer, metrics.clone()));
-            running.insert(addr, (target, task));
+            running.insert(stream, (target, task));
         }
         tokio::select! {
             _ = tokio::time::sleep(RECONCILE) => {}
@@ -126,16 +149,17 @@ async fn follow(target: Target, writer: ExactWriter, metrics: KvEventMetrics) {
             expected: None,
             replayed_upto: None,
             groups: Groups::default(),
+            rank_mismatch: false,
         };
         match f.session().await {
             Ok(()) => {
                 log::warn!(
                     "kv events: {} disconnected; its blocks are forgotten until it is back",
-                    target.backend
+                    target.name
                 );
                 backoff = Duration::from_millis(100);
             }
-            Err(e) => log::warn!("kv events: {}: {e}", target.backend),
+            Err(e) => log::warn!("kv events: {}: {e}", target.name),
         }
         f.set(SyncState::Off);
         tokio::time::sleep(backoff).await;
@@ -153,13 +177,15 @@ struct Follower<'a> {
     replayed_upto: Option<u64>,
     /// The engine's KV cache group that is followed (learnt anew for each connection).
     groups: Groups,
+    /// The stream said it is another rank (warned once per connection).
+    rank_mismatch: bool,
 }
 
 impl Follower<'_> {
     /// Forget the backend's blocks; what is known of it from here on is `state`.
     fn set(&self, state: SyncState) {
         self.writer.reset(state);
-        self.metrics.set_sync(&self.target.backend, state);
+        self.metrics.set_sync(self.target.who(), state);
     }
 
     /// Connected until the engine goes away (`Ok`) or the socket fails (`Err`).
@@ -180,7 +206,7 @@ impl Follower<'_> {
             .map_err(|e| format!("subscribe: {e}"))?;
         log::info!(
             "kv events: following {} at {}",
-            self.target.backend,
+            self.target.name,
             self.target.events.endpoint
         );
         // Nothing known yet, and nothing stale: what the stream stores from here is cached.
@@ -217,10 +243,10 @@ impl Follower<'_> {
     async fn on_message(&mut self, msg: ZmqMessage) {
         let frames = msg.into_vec();
         let (Some(seq), Some(payload)) = (frames.get(1).and_then(seq_of), frames.get(2)) else {
-            self.metrics.batch(&self.target.backend, "malformed");
+            self.metrics.batch(self.target.who(), "malformed");
             return;
         };
-        self.metrics.batch(&self.target.backend, "received");
+        self.metrics.batch(self.target.who(), "received");
         if self.replayed(seq) {
             return;
         }
@@ -231,7 +257,7 @@ impl Follower<'_> {
             Some(_) => {
                 log::warn!(
                     "kv events: {} restarted its sequence at {seq}; its blocks are forgotten",
-                    self.target.backend
+                    self.target.name
                 );
                 self.set(SyncState::Partial);
                 self.catch_up(0, false).await;
@@ -271,22 +297,19 @@ impl Follower<'_> {
             Ok(b) => b,
             Err(e) => {
                 if probe {
-                    log::debug!(
-                        "kv events: {}: replay probe failed: {e}",
-                        self.target.backend
-                    );
+                    log::debug!("kv events: {}: replay probe failed: {e}", self.target.name);
                 } else if self.expected.is_some() {
-                    self.metrics.batch(&self.target.backend, "lost");
+                    self.metrics.batch(self.target.who(), "lost");
                     log::warn!(
                         "kv events: {} skipped batches from {from} and the replay failed ({e}); \
                          its blocks are forgotten and followed from here",
-                        self.target.backend
+                        self.target.name
                     );
                     self.set(SyncState::Partial);
                 } else {
                     log::info!(
                         "kv events: {}: no history ({e}); partial until the engine clears or restarts",
-                        self.target.backend
+                        self.target.name
                     );
                 }
                 return;
@@ -297,22 +320,21 @@ impl Follower<'_> {
             || (first.is_none() && (probe || (from == 0 && self.expected.is_none())));
         if !whole {
             if let Some(f) = first {
+                let lost = f.saturating_sub(from).max(1);
                 self.metrics
-                    .batches
-                    .with_label_values(&[&self.target.backend, "lost"])
-                    .inc_by(f.saturating_sub(from).max(1));
+                    .count(&self.metrics.batches, self.target.who(), "lost", lost);
             }
             log::warn!(
                 "kv events: {} missed batches from {from} its replay buffer no longer holds; \
                  its blocks are forgotten and followed from here",
-                self.target.backend
+                self.target.name
             );
             self.set(SyncState::Partial);
         } else if from == 0 {
             self.set(SyncState::Synced);
         }
         for (seq, payload) in &batches {
-            self.metrics.batch(&self.target.backend, "replayed");
+            self.metrics.batch(self.target.who(), "replayed");
             self.apply(payload);
             self.expected = Some(seq + 1);
         }
@@ -320,42 +342,48 @@ impl Follower<'_> {
     }
 
     fn apply(&mut self, payload: &Bytes) {
-        let backend = &self.target.backend;
+        let who = self.target.who();
         match wire::decode(payload) {
             Ok(batch) => {
+                // Ports offset otherwise than vLLM does would put one rank's blocks under
+                // another's name, and pin requests to a rank that lacks them.
+                if let Some(r) = batch.dp_rank.filter(|&r| r != self.target.rank) {
+                    if !self.rank_mismatch {
+                        self.rank_mismatch = true;
+                        log::warn!(
+                            "kv events: {} publishes as data-parallel rank {r}: its endpoints \
+                             are not rank {}'s (kv_events.data_parallel_size)",
+                            self.target.name,
+                            self.target.rank
+                        );
+                    }
+                }
                 if let Some((a, skipped)) =
                     self.writer
                         .apply(&batch, self.target.block_size, &mut self.groups)
                 {
                     let m = self.metrics;
-                    let applied = batch.events.len() - skipped;
-                    m.events
-                        .with_label_values(&[backend, "applied"])
-                        .inc_by(applied as u64);
-                    m.events
-                        .with_label_values(&[backend, "skipped"])
-                        .inc_by(skipped as u64);
-                    m.blocks
-                        .with_label_values(&[backend, "stored"])
-                        .inc_by(a.blocks_stored as u64);
-                    m.blocks
-                        .with_label_values(&[backend, "removed"])
-                        .inc_by(a.blocks_removed as u64);
-                    m.blocks
-                        .with_label_values(&[backend, "unresolved"])
-                        .inc_by(a.unresolved as u64);
+                    let applied = (batch.events.len() - skipped) as u64;
+                    m.count(&m.events, who, "applied", applied);
+                    m.count(&m.events, who, "skipped", skipped as u64);
+                    m.count(&m.blocks, who, "stored", a.blocks_stored as u64);
+                    m.count(&m.blocks, who, "removed", a.blocks_removed as u64);
+                    m.count(&m.blocks, who, "unresolved", a.unresolved as u64);
                     if batch
                         .events
                         .iter()
                         .any(|e| matches!(e, wire::Event::Cleared))
                     {
-                        m.set_sync(backend, self.writer.sync());
+                        m.set_sync(who, self.writer.sync());
                     }
                 }
             }
             Err(e) => {
-                self.metrics.batch(backend, "malformed");
-                log::debug!("kv events: {backend}: malformed batch skipped: {e}");
+                self.metrics.batch(who, "malformed");
+                log::debug!(
+                    "kv events: {}: malformed batch skipped: {e}",
+                    self.target.name
+                );
             }
         }
     }
