@@ -54,6 +54,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         peer_venv: PathBuf::new(),
         sim_tokenizer: None,
         kv_events: false,
+        dp_size: 1,
     };
     compare::run(args).await
 }

@@ -139,6 +139,11 @@ pub struct CompareArgs {
     /// tokenizer (bench/data/tokenizer/chatml-bpe8k), whose chat template kvroute renders.
     #[arg(long)]
     pub kv_events: bool,
+    /// Engines behind each simulated server (`sim --dp-size`, vLLM's data parallelism with
+    /// its internal balancer): --servers 4 --dp-size 2 is eight GPUs behind four endpoints.
+    /// `events=on` runs follow every rank and pin requests to one.
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: u16,
 }
 
 /// One workload's runs, one per policy.
@@ -337,6 +342,9 @@ fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
     }
     if args.kv_events {
         sim_args.extend(["--kv-events".to_string(), "0".to_string()]);
+    }
+    if args.dp_size > 1 {
+        sim_args.extend(["--dp-size".to_string(), args.dp_size.to_string()]);
     }
     sim_args
 }

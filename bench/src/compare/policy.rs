@@ -287,6 +287,8 @@ pub struct KvEndpoints {
     pub replay: String,
     /// Absolute: a Hugging Face tokenizer directory with a chat template.
     pub tokenizer: std::path::PathBuf,
+    /// Data-parallel ranks behind the server (`sim --dp-size`), each at these ports + rank.
+    pub ranks: u32,
 }
 
 pub fn kvroute_yaml(
@@ -336,6 +338,9 @@ pub fn kvroute_yaml(
                 "      kv_events:\n        endpoint: \"{}\"\n        replay_endpoint: \"{}\"",
                 e.publish, e.replay
             );
+            if e.ranks > 1 {
+                let _ = writeln!(yaml, "        data_parallel_size: {}", e.ranks);
+            }
         }
         if let Some(rate) = run.rate_for(m.profile) {
             let _ = writeln!(yaml, "      prefill_tokens_per_s: {rate}");

@@ -101,6 +101,12 @@ impl SimFleet {
             .position(|a| a == "--tokenizer")
             .and_then(|i| sim_args.get(i + 1))
             .and_then(|p| std::fs::canonicalize(p).ok());
+        let ranks = sim_args
+            .iter()
+            .position(|a| a == "--dp-size")
+            .and_then(|i| sim_args.get(i + 1))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1);
         let ready = async {
             while let Ok(Some(line)) = lines.next_line().await {
                 if let (Some(rest), Some(tok)) = (
@@ -118,6 +124,7 @@ impl SimFleet {
                                 publish: publish.to_string(),
                                 replay: replay.to_string(),
                                 tokenizer: tok.clone(),
+                                ranks,
                             },
                         );
                     }

@@ -57,8 +57,13 @@ pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
             text.push_str(&metrics::render_lora(&cfg.lora, &lora));
         }
     }
-    if let Some(counters) = s.engine.as_ref().and_then(|e| e.kv_event_counters()) {
-        text.push_str(&metrics::render_kv_events(counters));
+    if let Some(counters) = s
+        .engine
+        .as_ref()
+        .map(|e| e.kv_event_counters())
+        .filter(|c| !c.is_empty())
+    {
+        text.push_str(&metrics::render_kv_events(&counters));
     }
     (
         [(

@@ -24,6 +24,8 @@ pub struct Admitted {
     /// Chained hashes of the prompt's full blocks, from `seed` (the request's salt).
     pub blocks: Vec<u64>,
     pub seed: u64,
+    /// The engine rank the request's `X-Data-Parallel-Rank` pins it to (`--dp-size`).
+    pub dp_rank: Option<usize>,
 }
 
 pub async fn admit(
@@ -78,6 +80,7 @@ pub async fn admit(
         usage,
         blocks,
         seed,
+        dp_rank: None,
     })
 }
 

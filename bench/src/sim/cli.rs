@@ -80,8 +80,10 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 200.0)]
     pub lora_load_ms: f64,
     /// Publish each engine's KV cache events as vLLM does (ZMQ, msgpack): server k binds a PUB
-    /// socket at PORT + 2k and a ROUTER replay socket at PORT + 2k + 1 on --host. 0 binds
-    /// ephemeral ports, printed on stdout. Engine mode only.
+    /// socket at PORT + 2k and a ROUTER replay socket at PORT + 2k + 1 on --host (with
+    /// --dp-size N, rank r of server k: PORT + 2kN + r and PORT + 2kN + N + r, so each rank is
+    /// at its server's ports + r, as vLLM offsets them). 0 binds ephemeral ports (ranks of one
+    /// server still consecutive), printed on stdout. Engine mode only.
     #[arg(long, value_name = "PORT")]
     pub kv_events: Option<u16>,
     /// Topic frame of every KV event message (vLLM's `topic`).
@@ -91,11 +93,21 @@ pub struct SimArgs {
     /// number); they still take their number and stay available for replay.
     #[arg(long, value_name = "P", default_value_t = 0.0, requires = "kv_events")]
     pub kv_events_drop_percent: f64,
+    /// Engines per server (vLLM's --data-parallel-size with its internal load balancer):
+    /// each an engine of the server's profile with its own KV pool and clock, behind the
+    /// server's one port. A request goes to the rank its `X-Data-Parallel-Rank` header names,
+    /// else to the rank with the fewest requests in flight. Engine mode only.
+    #[arg(long, default_value_t = 1)]
+    pub dp_size: u16,
 }
 
-/// `--kv-events`: per server, the PUB and ROUTER addresses, and the options they share.
+/// Ranks one server may run.
+const MAX_DP_SIZE: u16 = 16;
+
+/// `--kv-events`: per server, per rank, the PUB and ROUTER addresses, and the options they
+/// share.
 pub struct KvEventsPlan {
-    pub addrs: Vec<(SocketAddr, SocketAddr)>,
+    pub addrs: Vec<Vec<(SocketAddr, SocketAddr)>>,
     pub options: KvEventsOptions,
 }
 
@@ -155,6 +167,16 @@ impl SimArgs {
                 "--lora-adapters: names must be non-empty and differ from --model",
             ));
         }
+        if !(1..=MAX_DP_SIZE).contains(&self.dp_size) {
+            return Err(SimError::new(format!(
+                "--dp-size must be between 1 and {MAX_DP_SIZE}"
+            )));
+        }
+        if fixed && self.dp_size > 1 {
+            return Err(SimError::new(
+                "--dp-size runs several engines: it cannot go with --ttft-ms or --itl-ms",
+            ));
+        }
         let listen = self.listen_addrs(host, fleet.len())?;
         let kv_events = self.kv_events_plan(host, fleet.len(), fixed)?;
         let tokenizer = match &self.tokenizer {
@@ -182,6 +204,7 @@ impl SimArgs {
                 max_loras: self.max_loras,
                 load: scaled(self.lora_load_ms, self.time_scale),
             },
+            dp_size: usize::from(self.dp_size),
         };
         let configs = fleet
             .iter()
@@ -215,20 +238,27 @@ impl SimArgs {
                 "--kv-events-drop-percent must be in 0..=100, got {p}"
             )));
         }
-        let at = |k: usize, socket: usize| -> Option<SocketAddr> {
+        let ranks = usize::from(self.dp_size);
+        // Rank r of server k; `socket` 0 is the PUB, 1 the ROUTER.
+        let at = |k: usize, r: usize, socket: usize| -> Option<SocketAddr> {
             if port == 0 {
                 return Some(SocketAddr::new(host, 0));
             }
-            let p = usize::from(port) + 2 * k + socket;
+            let p = usize::from(port) + 2 * k * ranks + socket * ranks + r;
             u16::try_from(p).ok().map(|p| SocketAddr::new(host, p))
         };
         let addrs = (0..n)
-            .map(|k| Some((at(k, 0)?, at(k, 1)?)))
+            .map(|k| {
+                (0..ranks)
+                    .map(|r| Some((at(k, r, 0)?, at(k, r, 1)?)))
+                    .collect::<Option<Vec<_>>>()
+            })
             .collect::<Option<Vec<_>>>()
             .ok_or_else(|| {
                 SimError::new(format!(
-                    "--kv-events {port} with {n} servers needs ports up to {}, past 65535",
-                    usize::from(port) + 2 * n - 1
+                    "--kv-events {port} with {n} servers of {ranks} rank(s) needs ports up to \
+                     {}, past 65535",
+                    usize::from(port) + 2 * n * ranks - 1
                 ))
             })?;
         Ok(Some(KvEventsPlan {
@@ -413,11 +443,16 @@ mod tests {
         assert!(parse(&[]).unwrap().kv_events.is_none());
         let plan = parse(&["--kv-events", "5557", "--kv-events-topic", "kv"]).unwrap();
         let kv = plan.kv_events.unwrap();
-        let ports: Vec<(u16, u16)> = kv.addrs.iter().map(|(p, r)| (p.port(), r.port())).collect();
+        let ports: Vec<(u16, u16)> = kv
+            .addrs
+            .iter()
+            .map(|a| (a[0].0.port(), a[0].1.port()))
+            .collect();
         assert_eq!(ports, [(5557, 5558), (5559, 5560), (5561, 5562)]);
         assert!(kv
             .addrs
             .iter()
+            .flatten()
             .all(|(p, r)| p.ip().is_loopback() && r.ip().is_loopback()));
         assert_eq!(kv.options.topic, "kv");
         assert_eq!(kv.options.drop_percent, 0.0);
@@ -425,12 +460,13 @@ mod tests {
         assert!(ephemeral
             .addrs
             .iter()
+            .flatten()
             .all(|(p, r)| p.port() == 0 && r.port() == 0));
         let lossy = parse(&["--kv-events", "5557", "--kv-events-drop-percent", "12.5"]).unwrap();
         assert_eq!(lossy.kv_events.unwrap().options.drop_percent, 12.5);
         // Three servers take six ports: 65530..=65535 fit, one more does not.
         let last = parse(&["--kv-events", "65530"]).unwrap().kv_events.unwrap();
-        assert_eq!(last.addrs[2].1.port(), 65535);
+        assert_eq!(last.addrs[2][0].1.port(), 65535);
         let err = parse(&["--kv-events", "65531"]).err().unwrap().to_string();
         assert!(err.contains("past 65535"), "{err}");
         let fixed = parse(&["--kv-events", "5557", "--ttft-ms", "5"])
@@ -444,6 +480,38 @@ mod tests {
         // The topic and the loss knob mean nothing without the sockets.
         assert!(parse(&["--kv-events-topic", "kv"]).is_err());
         assert!(parse(&["--kv-events-drop-percent", "5"]).is_err());
+    }
+
+    #[test]
+    fn data_parallel_ranks_publish_at_their_servers_ports_plus_rank() {
+        let plan = parse(&["--kv-events", "6000", "--dp-size", "2"]).unwrap();
+        assert!(plan.configs.iter().all(|c| c.dp_size == 2));
+        let kv = plan.kv_events.unwrap();
+        let ports: Vec<Vec<(u16, u16)>> = kv
+            .addrs
+            .iter()
+            .map(|ranks| ranks.iter().map(|(p, r)| (p.port(), r.port())).collect())
+            .collect();
+        // vLLM's layout: rank r at the server's ports + r.
+        assert_eq!(
+            ports,
+            [
+                [(6000, 6002), (6001, 6003)],
+                [(6004, 6006), (6005, 6007)],
+                [(6008, 6010), (6009, 6011)]
+            ]
+        );
+        assert_eq!(
+            plan.configs[0].num_gpu_blocks(),
+            2 * plan.configs[0].profile.kv_blocks
+        );
+        for bad in [
+            &["--dp-size", "0"][..],
+            &["--dp-size", "17"],
+            &["--dp-size", "2", "--ttft-ms", "5"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct SimConfig {
     pub tokenizer: Arc<PromptTokenizer>,
     /// LoRA adapters this server can load (`--lora-adapters`), on top of `model`.
     pub lora: LoraConfig,
+    /// Engines (data-parallel ranks) behind the server's port, each of `profile` (`--dp-size`).
+    pub dp_size: usize,
 }
 
 impl SimConfig {
@@ -58,6 +60,7 @@ impl SimConfig {
             fixed_timing: true,
             tokenizer: Arc::default(),
             lora: LoraConfig::default(),
+            dp_size: 1,
         }
     }
 
@@ -73,8 +76,9 @@ impl SimConfig {
     }
 
     /// KV pool size in 16-token blocks.
+    /// The server's KV blocks: every rank's pool together.
     pub fn num_gpu_blocks(&self) -> usize {
-        self.profile.kv_blocks
+        self.profile.kv_blocks * self.dp_size.max(1)
     }
 
     /// The same settings for a server with another profile (mixed fleets); a `--kv-tokens`

@@ -23,7 +23,7 @@ impl Sim {
 
     async fn with_config(config: SimConfig) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = server::spawn(listener, 3, Arc::new(config), None).unwrap();
+        let addr = server::spawn(listener, 3, Arc::new(config), Vec::new()).unwrap();
         Self {
             base: format!("http://{addr}"),
             http: reqwest::Client::new(),
@@ -710,4 +710,43 @@ async fn usage_counts_with_the_tokenizer_when_given() {
         let shared = hf.encode(sent_back.as_str(), false).unwrap().len() as u64;
         assert_eq!(cached, shared / 16 * 16, "{prompt} {cached} {shared}");
     }
+}
+
+/// `--dp-size 2`: two engines behind one port, each with its own pool. A pinned request
+/// reuses only its rank's cache; an unpinned one goes to the rank with fewer in flight.
+#[tokio::test]
+async fn data_parallel_ranks_keep_their_own_caches() {
+    let sim = Sim::with_config(SimConfig {
+        dp_size: 2,
+        ..SimConfig::for_engine_tests(64_000, 10.0)
+    })
+    .await;
+    let body = chat_body(false);
+    let cached = |rank: Option<&'static str>| {
+        let (sim, body) = (&sim, &body);
+        async move {
+            let mut req = sim
+                .http
+                .post(format!("{}/v1/chat/completions", sim.base))
+                .json(body);
+            if let Some(r) = rank {
+                req = req.header("X-Data-Parallel-Rank", r);
+            }
+            let v: Value = req.send().await.unwrap().json().await.unwrap();
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+        }
+    };
+    assert_eq!(cached(Some("1")).await, 0);
+    assert!(cached(Some("1")).await > 100, "rank 1 holds the prompt");
+    assert_eq!(cached(Some("0")).await, 0, "rank 0 has its own pool");
+    let state = sim.get_json("/debug/state").await;
+    assert_eq!(
+        state["engine"]["num_gpu_blocks"],
+        2 * 64_000 / 16,
+        "the server's blocks are both ranks'"
+    );
+    // A rank past the last is no pin: the balancer places it, on a rank that holds it.
+    assert!(cached(Some("9")).await > 100);
 }

@@ -14,9 +14,14 @@
 //! KV events (`--kv-events`): a step that changed the pool's named blocks publishes them as
 //! one batch when it ends, before its tokens are delivered, as vLLM's engine core does after
 //! each model step; `kvpublish::Publisher::publish` never waits.
+//!
+//! Data parallelism (`--dp-size N`): a server runs N such engines (ranks), each with its own
+//! pool, step clock and publisher, behind its one HTTP port, as vLLM's `--data-parallel-size`
+//! with its internal load balancer. A request goes to the rank its `X-Data-Parallel-Rank`
+//! header names, else to the rank with the fewest requests in flight (ties rotate).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -65,9 +70,16 @@ pub struct EngineState {
 }
 
 pub struct EngineHandle {
-    tx: mpsc::UnboundedSender<Submission>,
-    pub gauges: Arc<EngineGauges>,
+    ranks: Vec<Rank>,
     profile: Profile,
+    /// Where the balancer starts looking, so ties rotate over the ranks.
+    next: AtomicUsize,
+}
+
+/// One data-parallel rank: an engine task.
+struct Rank {
+    tx: mpsc::UnboundedSender<Submission>,
+    gauges: Arc<EngineGauges>,
     kv_events: Option<Arc<KvEventCounters>>,
 }
 
@@ -76,46 +88,61 @@ pub struct EngineHandle {
 const LATE: Duration = Duration::from_millis(2);
 
 impl EngineHandle {
-    /// Spawns the engine task on the current runtime; it publishes into `stats.engine`, and
-    /// its KV events into `kv_events` when given.
+    /// Spawns one engine task per rank (`stats.engine` holds their gauges) on the current
+    /// runtime; rank r publishes its KV events into `kv_events[r]` when given.
     pub fn spawn(
         profile: Profile,
         time_scale: f64,
         stats: Arc<Stats>,
-        kv_events: Option<Publisher>,
+        mut kv_events: Vec<Publisher>,
     ) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let gauges = stats.engine.clone();
-        let mut sched = Scheduler::new(profile);
-        if kv_events.is_some() {
-            sched.record_kv_events();
-        }
-        let counters = kv_events.as_ref().map(Publisher::counters);
-        let engine = Engine {
-            sched,
-            rx,
-            senders: HashMap::new(),
-            gauges: gauges.clone(),
-            stats,
-            time_scale,
-            kv_events,
-        };
-        tokio::spawn(engine.run());
+        let mut publishers = kv_events.drain(..).map(Some);
+        let ranks = stats
+            .engine
+            .iter()
+            .map(|gauges| {
+                let kv_events = publishers.next().flatten();
+                let (tx, rx) = mpsc::unbounded_channel();
+                let mut sched = Scheduler::new(profile);
+                if kv_events.is_some() {
+                    sched.record_kv_events();
+                }
+                let counters = kv_events.as_ref().map(Publisher::counters);
+                let engine = Engine {
+                    sched,
+                    rx,
+                    senders: HashMap::new(),
+                    gauges: gauges.clone(),
+                    stats: stats.clone(),
+                    time_scale,
+                    kv_events,
+                };
+                tokio::spawn(engine.run());
+                Rank {
+                    tx,
+                    gauges: gauges.clone(),
+                    kv_events: counters,
+                }
+            })
+            .collect();
         Self {
-            tx,
-            gauges,
+            ranks,
             profile,
-            kv_events: counters,
+            next: AtomicUsize::new(0),
         }
     }
 
     /// Whether this engine publishes KV events, so its requests must carry their tokens.
     pub fn publishes_kv_events(&self) -> bool {
-        self.kv_events.is_some()
+        self.ranks.iter().any(|r| r.kv_events.is_some())
     }
 
-    pub fn kv_event_counters(&self) -> Option<&KvEventCounters> {
-        self.kv_events.as_deref()
+    /// Each publishing rank's batch counts.
+    pub fn kv_event_counters(&self) -> Vec<&KvEventCounters> {
+        self.ranks
+            .iter()
+            .filter_map(|r| r.kv_events.as_deref())
+            .collect()
     }
 
     pub fn num_gpu_blocks(&self) -> usize {
@@ -127,30 +154,64 @@ impl EngineHandle {
         self.profile.fits(prompt_tokens, max_tokens)
     }
 
-    /// Queues a request; its progress arrives on the returned receiver. None if the engine
-    /// task is gone (only at shutdown).
-    pub fn submit(&self, req: NewRequest) -> Option<watch::Receiver<Progress>> {
+    /// Queues a request on rank `rank` (if it has one), else on the least loaded; its
+    /// progress arrives on the returned receiver. None if the engine task is gone (only at
+    /// shutdown).
+    pub fn submit(
+        &self,
+        req: NewRequest,
+        rank: Option<usize>,
+    ) -> Option<watch::Receiver<Progress>> {
+        let r = self.ranks.get(
+            rank.filter(|&r| r < self.ranks.len())
+                .unwrap_or_else(|| self.least_loaded()),
+        )?;
         let (progress, rx) = watch::channel(Progress::default());
-        self.tx.send(Submission { req, progress }).ok()?;
+        r.gauges.assigned.fetch_add(1, Relaxed);
+        if r.tx.send(Submission { req, progress }).is_err() {
+            r.gauges.assigned.fetch_sub(1, Relaxed);
+            return None;
+        }
         Some(rx)
     }
 
+    fn least_loaded(&self) -> usize {
+        let n = self.ranks.len().max(1);
+        let start = self.next.fetch_add(1, Relaxed) % n;
+        (0..n)
+            .map(|k| (start + k) % n)
+            .min_by_key(|&r| {
+                self.ranks
+                    .get(r)
+                    .map_or(u64::MAX, |r| r.gauges.assigned.load(Relaxed))
+            })
+            .unwrap_or(0)
+    }
+
+    /// The server's engines together (one unless `--dp-size`).
     pub fn state(&self) -> EngineState {
-        let g = &self.gauges;
+        let sum = |f: fn(&EngineGauges) -> &std::sync::atomic::AtomicU64| -> u64 {
+            self.ranks.iter().map(|r| f(&r.gauges).load(Relaxed)).sum()
+        };
+        let steps = sum(|g| &g.steps);
         EngineState {
             profile: self.profile.name.as_str(),
             prefill_tokens_per_s: self.profile.prefill_rate,
-            num_gpu_blocks: self.profile.kv_blocks,
-            used_blocks: g.used_blocks.load(Relaxed),
-            cached_blocks: g.cached_blocks.load(Relaxed),
-            preemptions_total: g.preemptions.load(Relaxed),
-            steps_total: g.steps.load(Relaxed),
-            prefill_tokens_total: g.prefill_tokens.load(Relaxed),
-            late_steps: g.late_steps.load(Relaxed),
-            max_late_ms: g.max_late_us.load(Relaxed) as f64 / 1e3,
-            mean_late_ms: g.late_us_total.load(Relaxed) as f64
-                / 1e3
-                / g.steps.load(Relaxed).max(1) as f64,
+            num_gpu_blocks: self.profile.kv_blocks * self.ranks.len(),
+            used_blocks: sum(|g| &g.used_blocks),
+            cached_blocks: sum(|g| &g.cached_blocks),
+            preemptions_total: sum(|g| &g.preemptions),
+            steps_total: steps,
+            prefill_tokens_total: sum(|g| &g.prefill_tokens),
+            late_steps: sum(|g| &g.late_steps),
+            max_late_ms: self
+                .ranks
+                .iter()
+                .map(|r| r.gauges.max_late_us.load(Relaxed))
+                .max()
+                .unwrap_or(0) as f64
+                / 1e3,
+            mean_late_ms: sum(|g| &g.late_us_total) as f64 / 1e3 / steps.max(1) as f64,
         }
     }
 }
@@ -214,8 +275,8 @@ impl Engine {
                 if let Some(tx) = self.senders.get(&e.id) {
                     tx.send_modify(|p| p.generated = e.generated);
                 }
-                if e.finished {
-                    self.senders.remove(&e.id);
+                if e.finished && self.senders.remove(&e.id).is_some() {
+                    self.gauges.assigned.fetch_sub(1, Relaxed);
                 }
             }
             self.stats.generated(tokens);
@@ -228,11 +289,12 @@ impl Engine {
     }
 
     fn drop_disconnected(&mut self) {
-        let sched = &mut self.sched;
+        let (sched, gauges) = (&mut self.sched, &self.gauges);
         self.senders.retain(|&id, tx| {
             let gone = tx.is_closed();
             if gone {
                 sched.abort(id);
+                gauges.assigned.fetch_sub(1, Relaxed);
             }
             !gone
         });

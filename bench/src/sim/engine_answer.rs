@@ -58,7 +58,7 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         tokens,
         salt: a.req.cache_salt.clone(),
     };
-    let Some(rx) = engine.submit(req) else {
+    let Some(rx) = engine.submit(req, a.dp_rank) else {
         return ApiError::unavailable("kvbench-sim: engine stopped").into_response();
     };
     let mut watcher = Watcher {

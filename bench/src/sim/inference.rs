@@ -73,9 +73,11 @@ async fn handle(
         .get(DP_RANK_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    let dp_rank = entry.dp_rank.as_deref().and_then(|r| r.trim().parse().ok());
     let seq = s.log().push(entry);
     let mut res = match admit(&s, seq, endpoint, &body).await {
-        Ok(admitted) => {
+        Ok(mut admitted) => {
+            admitted.dp_rank = dp_rank;
             // An adapter not loaded is loaded first: its load time is part of the TTFT.
             let (adapter, wait) =
                 AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model).await;

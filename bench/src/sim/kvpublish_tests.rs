@@ -252,7 +252,7 @@ async fn engine_server_publishes_the_blocks_its_pool_names() {
     let (_sub, mut dealer) = connect(&bound).await;
     let config = SimConfig::for_engine_tests(64_000, 20.0);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = server::spawn(listener, 0, Arc::new(config), Some(publisher)).unwrap();
+    let addr = server::spawn(listener, 0, Arc::new(config), vec![publisher]).unwrap();
     let messages = json!([
         {"role": "system", "content": "You are a helpful assistant. ".repeat(30)},
         {"role": "user", "content": "What does a KV event carry?"},

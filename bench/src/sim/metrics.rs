@@ -39,13 +39,17 @@ pub fn render_lora(cfg: &LoraConfig, slots: &LoraSlots) -> String {
 /// The simulator's own counts of KV event batches (`--kv-events`): numbered, handed to the PUB
 /// socket, skipped by `--kv-events-drop-percent`, skipped because the PUB task was behind.
 /// Every batch is one of the last three, and all stay replayable.
-pub fn render_kv_events(c: &KvEventCounters) -> String {
-    use std::sync::atomic::Ordering::Relaxed;
+/// With several data-parallel ranks, their counts together.
+pub fn render_kv_events(ranks: &[&KvEventCounters]) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    let sum = |f: fn(&KvEventCounters) -> &AtomicU64| -> u64 {
+        ranks.iter().map(|c| f(c).load(Relaxed)).sum()
+    };
     let mut t = Text::default();
-    t.counter("kvbench_kv_events_batches", "", c.batches.load(Relaxed));
-    t.counter("kvbench_kv_events_published", "", c.published.load(Relaxed));
-    t.counter("kvbench_kv_events_dropped", "", c.dropped.load(Relaxed));
-    t.counter("kvbench_kv_events_overflow", "", c.overflow.load(Relaxed));
+    t.counter("kvbench_kv_events_batches", "", sum(|c| &c.batches));
+    t.counter("kvbench_kv_events_published", "", sum(|c| &c.published));
+    t.counter("kvbench_kv_events_dropped", "", sum(|c| &c.dropped));
+    t.counter("kvbench_kv_events_overflow", "", sum(|c| &c.overflow));
     t.out
 }
 

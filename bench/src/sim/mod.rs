@@ -117,14 +117,14 @@ pub async fn run(args: SimArgs) -> Result<(), SimError> {
         profiles.push(config.profile.name.as_str());
         let kv_events = match &plan.kv_events {
             Some(kv) => {
-                let (publish, replay) = kv.addrs[index];
-                let publisher = kvpublish::Publisher::bind(publish, replay, &kv.options)
-                    .await
-                    .map_err(SimError::new)?;
-                kv_bound.push(publisher.bound().clone());
-                Some(publisher)
+                let ranks = kv.addrs.get(index).map_or(&[][..], Vec::as_slice);
+                let publishers = bind_ranks(ranks, &kv.options).await?;
+                if let Some(first) = publishers.first() {
+                    kv_bound.push(first.bound().clone());
+                }
+                publishers
             }
-            None => None,
+            None => Vec::new(),
         };
         let local = server::spawn(listener, index, Arc::new(config), kv_events)
             .map_err(|e| SimError::new(format!("cannot serve on {addr}: {e}")))?;
@@ -136,6 +136,65 @@ pub async fn run(args: SimArgs) -> Result<(), SimError> {
     wait_for_shutdown().await;
     log::info!("kvbench-sim: shutting down");
     Ok(())
+}
+
+/// One server's publishers, rank by rank. Ephemeral ports (0) are still consecutive, rank r
+/// at rank 0's ports + r, as a router following vLLM's layout expects: rank 0 takes what the
+/// kernel gives, the others the ports after it, tried again with fresh ones if taken.
+async fn bind_ranks(
+    ranks: &[(SocketAddr, SocketAddr)],
+    options: &kvpublish::KvEventsOptions,
+) -> Result<Vec<kvpublish::Publisher>, SimError> {
+    let ephemeral = ranks.iter().all(|(p, r)| p.port() == 0 && r.port() == 0);
+    if !ephemeral || ranks.len() < 2 {
+        let mut out = Vec::with_capacity(ranks.len());
+        for &(publish, replay) in ranks {
+            out.push(
+                kvpublish::Publisher::bind(publish, replay, options)
+                    .await
+                    .map_err(SimError::new)?,
+            );
+        }
+        return Ok(out);
+    }
+    let port = |endpoint: &str| {
+        endpoint
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok())
+    };
+    let mut last = String::new();
+    for _ in 0..20 {
+        let (publish, replay) = ranks[0];
+        let first = kvpublish::Publisher::bind(publish, replay, options)
+            .await
+            .map_err(SimError::new)?;
+        let (Some(p0), Some(r0)) = (port(&first.bound().publish), port(&first.bound().replay))
+        else {
+            return Err(SimError::new("kv events: a bound endpoint without a port"));
+        };
+        let mut out = vec![first];
+        for r in 1..ranks.len() as u16 {
+            let (Some(p), Some(q)) = (p0.checked_add(r), r0.checked_add(r)) else {
+                break;
+            };
+            let at = |port| SocketAddr::new(publish.ip(), port);
+            match kvpublish::Publisher::bind(at(p), at(q), options).await {
+                Ok(x) => out.push(x),
+                Err(e) => {
+                    last = e;
+                    break;
+                }
+            }
+        }
+        if out.len() == ranks.len() {
+            return Ok(out);
+        }
+    }
+    Err(SimError::new(format!(
+        "--kv-events 0 --dp-size {}: no run of free ports found ({last})",
+        ranks.len()
+    )))
 }
 
 /// Tests learn ports and readiness from these lines, so they are printed only once every

@@ -58,12 +58,12 @@ async fn not_found() -> Response {
 }
 
 /// Serves `listener` on the current runtime until the process exits; returns its address.
-/// The engine publishes its KV events into `kv_events` when given.
+/// Engine rank r publishes its KV events into `kv_events[r]`, if there is one.
 pub fn spawn(
     listener: tokio::net::TcpListener,
     index: usize,
     config: Arc<SimConfig>,
-    kv_events: Option<Publisher>,
+    kv_events: Vec<Publisher>,
 ) -> std::io::Result<SocketAddr> {
     use axum::serve::ListenerExt;
 

@@ -38,16 +38,22 @@ pub struct ServerState {
 }
 
 impl ServerState {
-    /// Must run inside a tokio runtime: in engine mode it spawns the engine task, which
-    /// publishes its KV events into `kv_events` (fixed timing has no KV pool to publish).
+    /// Must run inside a tokio runtime: in engine mode it spawns the engine tasks (one per
+    /// data-parallel rank), rank r publishing its KV events into `kv_events[r]` (fixed timing
+    /// has no KV pool to publish).
     pub fn new(
         index: usize,
         addr: SocketAddr,
         config: Arc<SimConfig>,
-        kv_events: Option<Publisher>,
+        kv_events: Vec<Publisher>,
     ) -> Self {
         let (faults, _) = watch::channel(config.faults);
-        let stats = Arc::new(Stats::default());
+        let ranks = if config.fixed_timing {
+            0
+        } else {
+            config.dp_size
+        };
+        let stats = Arc::new(Stats::with_ranks(ranks));
         let engine = (!config.fixed_timing).then(|| {
             EngineHandle::spawn(config.profile, config.time_scale, stats.clone(), kv_events)
         });

@@ -46,6 +46,9 @@ pub struct EngineGauges {
     pub max_late_us: AtomicU64,
     pub late_us_total: AtomicU64,
     pub prefill_tokens: AtomicU64,
+    /// Requests handed to this engine and not yet finished or abandoned (its balancer's
+    /// measure of load, current between steps).
+    pub assigned: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -62,9 +65,9 @@ pub struct Stats {
     /// One lock for both histograms and the processed-token count, so that a scrape sees
     /// prompt tokens and prompt seconds of the same requests.
     timings: Mutex<Timings>,
-    /// Published by the engine task in engine mode; zeros in fixed-timing mode, so the
-    /// snapshot can simply add both sources.
-    pub engine: Arc<EngineGauges>,
+    /// Published by the engine tasks in engine mode, one per data-parallel rank; none in
+    /// fixed-timing mode, so the snapshot can simply add both sources.
+    pub engine: Vec<Arc<EngineGauges>>,
 }
 
 #[derive(Debug, Clone)]
@@ -156,6 +159,19 @@ pub struct Snapshot {
 }
 
 impl Stats {
+    /// A server's statistics with `ranks` engines' gauges (0: fixed timing).
+    pub fn with_ranks(ranks: usize) -> Stats {
+        Stats {
+            engine: (0..ranks).map(|_| Arc::default()).collect(),
+            ..Stats::default()
+        }
+    }
+
+    /// The engines' gauge `f`, summed over the ranks.
+    fn engines(&self, f: impl Fn(&EngineGauges) -> &AtomicU64) -> u64 {
+        self.engine.iter().map(|e| f(e).load(Relaxed)).sum()
+    }
+
     /// Counts an admitted request's prompt against the prefix cache.
     pub fn admitted(&self, prompt_tokens: u64, cached_tokens: u64) {
         self.requests_total.fetch_add(1, Relaxed);
@@ -211,13 +227,12 @@ impl Stats {
     }
 
     pub fn snapshot(&self, num_gpu_blocks: usize) -> Snapshot {
-        let e = &self.engine;
-        let blocks = self.blocks_in_use.load(Relaxed) + e.used_blocks.load(Relaxed);
+        let blocks = self.blocks_in_use.load(Relaxed) + self.engines(|e| &e.used_blocks);
         let used = blocks as f64 / num_gpu_blocks.max(1) as f64;
         let timings = self.timings().clone();
         Snapshot {
-            running: self.running.load(Relaxed) + e.running.load(Relaxed),
-            waiting: self.waiting.load(Relaxed) + e.waiting.load(Relaxed),
+            running: self.running.load(Relaxed) + self.engines(|e| &e.running),
+            waiting: self.waiting.load(Relaxed) + self.engines(|e| &e.waiting),
             kv_cache_usage: used.min(1.0),
             kv_tokens_used: blocks * BLOCK_TOKENS,
             requests_total: self.requests_total.load(Relaxed),
@@ -225,7 +240,7 @@ impl Stats {
             generation_tokens_total: self.generation_tokens_total.load(Relaxed),
             prefix_cache_queries_total: self.prefix_queries_total.load(Relaxed),
             prefix_cache_hits_total: self.prefix_hits_total.load(Relaxed),
-            preemptions_total: e.preemptions.load(Relaxed),
+            preemptions_total: self.engines(|e| &e.preemptions),
             prompt_tokens_processed_total: timings.computed.sum as u64,
             prompt_seconds_total: timings.prefill.sum,
             ttft: timings.ttft,
