@@ -22,7 +22,9 @@ pub use backend::{
 pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
 pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
-pub use kv_events::{BackendKvEvents, KvEventsConfig, ModelTokenizer, TokenizerFiles};
+pub use kv_events::{
+    BackendKvEvents, KvEventsConfig, ModelTokenizer, TokenizerFiles, MAX_DP_RANKS,
+};
 pub use limits::{LimitsConfig, TimeoutsConfig};
 pub use log::{LogConfig, LogFormat};
 pub use passthrough::{path_matches, AllowRule, PassthroughConfig};

@@ -43,6 +43,8 @@ pub(super) struct Live {
     pub(super) learned_kv_capacity: AtomicU64,
     pub(super) inflight: AtomicU64,
     pub(super) queued_prefill: AtomicU64,
+    /// The part of `queued_prefill` pinned to each data-parallel rank.
+    pub(super) rank_prefill: Box<[AtomicU64]>,
     pub(super) decoding: AtomicU64,
     pub(super) outlier: Mutex<Outlier>,
     /// End of the current ejection in ms since [`epoch`]: read on every placement without the
@@ -83,6 +85,9 @@ impl Live {
             learned_kv_capacity: AtomicU64::new(0),
             inflight: AtomicU64::new(0),
             queued_prefill: AtomicU64::new(0),
+            rank_prefill: (0..crate::config::MAX_DP_RANKS)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             decoding: AtomicU64::new(0),
             outlier: Mutex::new(Outlier::default()),
             ejected_until_ms: AtomicU64::new(0),
@@ -125,6 +130,14 @@ impl BackendState {
     /// A Pingora peer for this backend (TLS when configured); callers set its timeouts.
     pub fn peer(&self) -> HttpPeer {
         http_peer(self.addr, self.tls.as_deref())
+    }
+
+    /// Prefill tokens queued on data-parallel rank `rank` by requests kvroute pinned there.
+    pub fn rank_prefill(&self, rank: usize) -> u64 {
+        self.live
+            .rank_prefill
+            .get(rank)
+            .map_or(0, |q| q.load(Ordering::Relaxed))
     }
 
     pub fn inflight(&self) -> u64 {
@@ -365,16 +378,33 @@ impl BackendState {
 pub struct InflightGuard {
     live: Arc<Live>,
     prefill: u64,
+    /// The data-parallel rank the request is pinned to, whose queue it is in too.
+    rank: Option<usize>,
     decoding: bool,
 }
 
 impl InflightGuard {
-    pub(super) fn new(live: Arc<Live>, prefill: u64) -> InflightGuard {
+    pub(super) fn new(live: Arc<Live>, prefill: u64, rank: Option<u32>) -> InflightGuard {
         live.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
+        let rank = rank
+            .map(|r| r as usize)
+            .filter(|&r| r < live.rank_prefill.len());
+        if let Some(q) = rank.and_then(|r| live.rank_prefill.get(r)) {
+            q.fetch_add(prefill, Ordering::Relaxed);
+        }
         InflightGuard {
             live,
             prefill,
+            rank,
             decoding: false,
+        }
+    }
+
+    fn prefill_done(&self) {
+        let l = &self.live;
+        l.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
+        if let Some(q) = self.rank.and_then(|r| l.rank_prefill.get(r)) {
+            q.fetch_sub(self.prefill, Ordering::Relaxed);
         }
     }
 
@@ -382,9 +412,7 @@ impl InflightGuard {
     pub fn first_byte(&mut self) {
         if !self.decoding {
             self.decoding = true;
-            self.live
-                .queued_prefill
-                .fetch_sub(self.prefill, Ordering::Relaxed);
+            self.prefill_done();
             self.live.decoding.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -397,7 +425,7 @@ impl Drop for InflightGuard {
         if self.decoding {
             l.decoding.fetch_sub(1, Ordering::Relaxed);
         } else {
-            l.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
+            self.prefill_done();
         }
     }
 }

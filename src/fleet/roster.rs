@@ -430,17 +430,23 @@ impl Fleet {
         self.tickets.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Count a request with `prefill` estimated uncached tokens against backend `i` until the
-    /// guard drops.
-    pub fn charge(&self, i: usize, prefill: u64) -> InflightGuard {
+    /// Count a request with `prefill` estimated uncached tokens against backend `i` (and its
+    /// data-parallel rank `rank`, when pinned to one) until the guard drops.
+    pub fn charge(&self, i: usize, prefill: u64, rank: Option<u32>) -> InflightGuard {
         let live = self.backends[i].live.clone();
         live.inflight.fetch_add(1, Ordering::Relaxed);
-        InflightGuard::new(live, prefill)
+        InflightGuard::new(live, prefill, rank)
     }
 
     /// Like [`Fleet::charge`], but only while backend `i` has fewer than `cap` (per unit of
     /// weight) requests in flight; the check and the charge are one atomic step.
-    pub fn try_charge(&self, i: usize, prefill: u64, cap: u64) -> Option<InflightGuard> {
+    pub fn try_charge(
+        &self,
+        i: usize,
+        prefill: u64,
+        rank: Option<u32>,
+        cap: u64,
+    ) -> Option<InflightGuard> {
         let backend = &self.backends[i];
         let limit = cap.saturating_mul(backend.weight as u64);
         backend
@@ -450,7 +456,7 @@ impl Fleet {
                 (v < limit).then_some(v + 1)
             })
             .ok()?;
-        Some(InflightGuard::new(backend.live.clone(), prefill))
+        Some(InflightGuard::new(backend.live.clone(), prefill, rank))
     }
 
     /// Believe that backend `i` now caches `blocks` (it is being sent them).
@@ -711,7 +717,7 @@ mod tests {
     #[test]
     fn charges_are_released_however_requests_end() {
         let f = fleet();
-        let mut g = f.charge(0, 1000);
+        let mut g = f.charge(0, 1000, None);
         assert_eq!(
             (f.backends()[0].inflight(), f.backends()[0].queued_prefill()),
             (1, 1000)
@@ -721,12 +727,24 @@ mod tests {
             (f.backends()[0].queued_prefill(), f.backends()[0].decoding()),
             (0, 1)
         );
-        let before_answer = f.try_charge(0, 500, 2).unwrap();
-        assert!(f.try_charge(0, 1, 2).is_none(), "cap of 2 reached");
+        // Pinned to a data-parallel rank: queued there too, until answered or dropped.
+        let before_answer = f.try_charge(0, 500, Some(3), 2).unwrap();
+        assert_eq!(
+            (
+                f.backends()[0].rank_prefill(3),
+                f.backends()[0].rank_prefill(0)
+            ),
+            (500, 0)
+        );
+        assert!(f.try_charge(0, 1, None, 2).is_none(), "cap of 2 reached");
         drop(g);
         drop(before_answer);
         let b = &f.backends()[0];
         assert_eq!((b.inflight(), b.queued_prefill(), b.decoding()), (0, 0, 0));
+        assert_eq!(b.rank_prefill(3), 0);
+        let mut answered = f.charge(0, 200, Some(1));
+        answered.first_byte();
+        assert_eq!(f.backends()[0].rank_prefill(1), 0);
     }
 
     fn cfg(addrs: &[&str]) -> Config {
@@ -744,7 +762,7 @@ mod tests {
         let blocks = [11, 12, 13];
         f1.record(0, &blocks, &[], None);
         f1.record(1, &blocks[..1], &[], None);
-        let held = f1.charge(0, 700);
+        let held = f1.charge(0, 700, None);
 
         // Drop b, add c: c takes b's freed slot and must not inherit its beliefs.
         let f2 = f1.reload(&cfg(&[c, a])).unwrap();

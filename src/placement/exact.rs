@@ -333,20 +333,23 @@ impl ExactIndex {
     }
 }
 
-/// The data-parallel rank a request is pinned to, given the leading blocks each rank holds:
-/// the one holding most; among equals (most often: none holds any) the conversation's own,
-/// from its session `key`, so its later turns and every replica pin it alike. Pinning even
-/// then, rather than leaving it to the engine's balancer, is what lets the next turn find
-/// this one's blocks where kvroute expects them.
-pub fn pick_rank(held: &[u32], key: u64) -> u32 {
-    let n = held.len().max(1) as u64;
+/// The data-parallel rank a request is pinned to, given for each rank the prefill tokens it
+/// must get through before this request's first token (its uncached part of the prompt plus
+/// what is queued there): the one where it finishes soonest, as placement chooses backends
+/// (the ranks of one backend are alike). Among equals (most often: an idle backend none of
+/// whose ranks holds the prompt) the conversation's own, from its session `key`, so its later
+/// turns and every replica pin it alike. Pinning even then, rather than leaving it to the
+/// engine's balancer, is what lets the next turn find this one's blocks where kvroute expects
+/// them.
+pub fn pick_rank(cost: &[u64], key: u64) -> u32 {
+    let n = cost.len().max(1) as u64;
     // Not `key % n` alone: the ring already cut the keys by their value.
     let own = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % n;
-    let best = held.iter().copied().max().unwrap_or(0);
-    if held.get(own as usize) == Some(&best) {
+    let best = cost.iter().copied().min().unwrap_or(0);
+    if cost.get(own as usize) == Some(&best) {
         return own as u32;
     }
-    held.iter().position(|&m| m == best).unwrap_or(0) as u32
+    cost.iter().position(|&c| c == best).unwrap_or(0) as u32
 }
 
 /// Drop one reference to `h`; whether it was the last.
@@ -446,19 +449,23 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_holding_more_wins_and_equals_go_by_the_key() {
-        assert_eq!(pick_rank(&[3, 9, 9, 1], 0), 1);
+    fn the_rank_finishing_first_wins_and_equals_go_by_the_key() {
+        // Rank 1 holds most of the prompt: the least prefill before its first token.
+        assert_eq!(pick_rank(&[900, 100, 100, 1000], 0) % 4, 1);
+        // ... unless its queue outweighs what it holds.
+        assert_eq!(pick_rank(&[900, 100 + 5000, 950, 1000], 0), 0);
         // Among equals the key decides, the same way every time.
         let spread: std::collections::BTreeSet<u32> = (0..64u64)
-            .map(|k| pick_rank(&[0; 4], k.wrapping_mul(0x1234_5678_9abc_def1)))
+            .map(|k| pick_rank(&[7; 4], k.wrapping_mul(0x1234_5678_9abc_def1)))
             .collect();
         assert_eq!(spread.len(), 4, "conversations spread over the ranks");
         for k in 0..64u64 {
-            let r = pick_rank(&[0; 4], k);
-            assert_eq!(pick_rank(&[0; 4], k), r);
-            let mut held = [2; 4];
-            held[r as usize] = 2;
-            assert_eq!(pick_rank(&held, k), r, "a tie keeps the key's rank");
+            let r = pick_rank(&[7; 4], k);
+            let mut cost = [9; 4];
+            cost[r as usize] = 7;
+            assert_eq!(pick_rank(&cost, k), r);
+            cost[(r as usize + 1) % 4] = 7;
+            assert_eq!(pick_rank(&cost, k), r, "a tie keeps the key's rank");
         }
         assert_eq!(pick_rank(&[], 7), 0);
     }

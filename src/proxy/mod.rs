@@ -328,8 +328,8 @@ impl ProxyHttp for Router {
                 return Err(err.into_pingora());
             };
             let guard = match decision {
-                Some(_) => fleet.try_charge(idx, ctx.charge.prefill, cap),
-                None => Some(fleet.charge(idx, ctx.charge.prefill)),
+                Some(_) => fleet.try_charge(idx, ctx.charge.prefill, ctx.route.dp_rank, cap),
+                None => Some(fleet.charge(idx, ctx.charge.prefill, ctx.route.dp_rank)),
             };
             if let Some(g) = guard {
                 if let Some(d) = decision {

@@ -72,7 +72,7 @@ impl Fleet {
             }
         }
         let block_tokens = exact.map_or(0, |e| e.block_tokens);
-        let mut held = Vec::new();
+        let mut cost = Vec::new();
         for (i, b) in backends.iter().enumerate() {
             let Some(s) = b.slot else { continue };
             let approx = by_slot.get(s).map_or(0, |&m| m as u64 * self.block_tokens);
@@ -82,10 +82,14 @@ impl Fleet {
                     .and_then(|v| v.get(s).copied().flatten())
             };
             let mut rank = 0;
-            if b.dp_size > 1 && exact.is_some() {
-                held.clear();
-                held.extend((0..b.dp_size as usize).map(|r| of_rank(r).map_or(0, |m| m.0)));
-                let r = placement::pick_rank(&held, key);
+            if let (true, Some(e)) = (b.dp_size > 1, exact) {
+                // Per rank: the prompt's uncached tokens there, plus what kvroute queued there.
+                cost.clear();
+                cost.extend((0..b.dp_size as usize).map(|r| {
+                    let held = of_rank(r).map_or(0, |m| u64::from(m.0) * block_tokens);
+                    e.prompt_tokens.saturating_sub(held) + b.rank_prefill(r)
+                }));
+                let r = placement::pick_rank(&cost, key);
                 out.rank[i] = Some(r);
                 rank = r as usize;
             }
