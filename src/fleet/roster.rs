@@ -769,7 +769,7 @@ mod tests {
         assert_eq!(f2.backends()[1].name, a);
         let bt = BLOCK_BYTES as u64 / 4;
         assert_eq!(
-            f2.matches(&blocks, None, 0).tokens,
+            f2.matches(&blocks, None, 0, 1.0).tokens,
             vec![0, 3 * bt],
             "a keeps its prefix, c starts empty"
         );
@@ -790,9 +790,12 @@ mod tests {
 
         // A request placed by the old fleet on b cannot teach c's slot.
         f1.record(1, &blocks, &[], None);
-        assert_eq!(f2.matches(&blocks, None, 0).tokens[0], 0);
+        assert_eq!(f2.matches(&blocks, None, 0, 1.0).tokens[0], 0);
         f2.record(0, &blocks, &[], None);
-        assert_eq!(f2.matches(&blocks, None, 0).tokens, vec![3 * bt, 3 * bt]);
+        assert_eq!(
+            f2.matches(&blocks, None, 0, 1.0).tokens,
+            vec![3 * bt, 3 * bt]
+        );
         assert_eq!(f2.index_size().0, 6);
     }
 }

@@ -333,14 +333,12 @@ impl ExactIndex {
     }
 }
 
-/// The data-parallel rank a request is pinned to, given for each rank the prefill tokens it
-/// must get through before this request's first token (its uncached part of the prompt plus
-/// what is queued there): the one where it finishes soonest, as placement chooses backends
-/// (the ranks of one backend are alike). Among equals (most often: an idle backend none of
-/// whose ranks holds the prompt) the conversation's own, from its session `key`, so its later
-/// turns and every replica pin it alike. Pinning even then, rather than leaving it to the
-/// engine's balancer, is what lets the next turn find this one's blocks where kvroute expects
-/// them.
+/// The data-parallel rank a request is pinned to, given each rank's cost in prefill tokens
+/// (priced as `kv_aware` prices backends; the ranks of one backend are alike): the cheapest.
+/// Among equals (most often: an idle backend none of whose ranks holds the prompt) the
+/// conversation's own, from its session `key`, so its later turns and every replica pin it
+/// alike. Pinning even then, rather than leaving it to the engine's balancer, is what lets the
+/// next turn find this one's blocks where kvroute expects them.
 pub fn pick_rank(cost: &[u64], key: u64) -> u32 {
     let n = cost.len().max(1) as u64;
     // Not `key % n` alone: the ring already cut the keys by their value.

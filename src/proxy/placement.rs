@@ -73,6 +73,7 @@ impl Placer<'_> {
                 &profile.prefix_blocks,
                 ctx.route.exact.as_ref(),
                 profile.session_key,
+                params.duplicate_prefill_weight,
             )
         } else {
             Matches::default()

@@ -39,8 +39,16 @@ impl Fleet {
     /// Per backend, how many prompt tokens it is believed to cache: from the engine's KV
     /// events where kvroute follows them and the prompt is tokenized (`exact`), else from the
     /// approximate index of what kvroute sent it (`blocks`). `key`: the request's session
-    /// key, which picks a rank where none holds more of the prompt than another.
-    pub fn matches(&self, blocks: &[u64], exact: Option<&ExactBlocks>, key: u64) -> Matches {
+    /// key, which picks a rank where none is better than another; `dup_weight`:
+    /// `routing.duplicate_prefill_weight`, the price of recomputing a prefix a sibling rank
+    /// holds.
+    pub fn matches(
+        &self,
+        blocks: &[u64],
+        exact: Option<&ExactBlocks>,
+        key: u64,
+        dup_weight: f64,
+    ) -> Matches {
         let backends = self.backends();
         let n = backends.len();
         let mut out = Matches {
@@ -83,11 +91,20 @@ impl Fleet {
             };
             let mut rank = 0;
             if let (true, Some(e)) = (b.dp_size > 1, exact) {
-                // Per rank: the prompt's uncached tokens there, plus what kvroute queued there.
+                // Per rank, in prefill tokens as kv_aware prices backends: what kvroute queued
+                // there, the prompt's uncached part, and the part a sibling holds computed
+                // again (a second copy, and the group's requests split between two ranks).
+                let ranks = b.dp_size as usize;
+                let held = |r: usize| {
+                    of_rank(r)
+                        .map_or(0, |m| u64::from(m.0) * block_tokens)
+                        .min(e.prompt_tokens)
+                };
+                let best = (0..ranks).map(held).max().unwrap_or(0);
                 cost.clear();
-                cost.extend((0..b.dp_size as usize).map(|r| {
-                    let held = of_rank(r).map_or(0, |m| u64::from(m.0) * block_tokens);
-                    e.prompt_tokens.saturating_sub(held) + b.rank_prefill(r)
+                cost.extend((0..ranks).map(|r| {
+                    let dup = (dup_weight * (best - held(r)) as f64) as u64;
+                    b.rank_prefill(r) + (e.prompt_tokens - held(r)) + dup
                 }));
                 let r = placement::pick_rank(&cost, key);
                 out.rank[i] = Some(r);
