@@ -1,5 +1,6 @@
-//! One subscriber per backend that publishes KV events: a ZMQ SUB on the engine's PUB socket,
-//! and a DEALER on its replay socket to ask for the batches a gap skipped.
+//! One subscriber per backend that publishes KV events (per rank of a data-parallel engine, at
+//! the configured ports + rank): a ZMQ SUB on the engine's PUB socket, and a DEALER on its
+//! replay socket to ask for the batches a gap skipped.
 //!
 //! On connecting, kvroute asks the replay socket for the engine's history from seq 0, then
 //! follows the live stream, asking again for any gap in the sequence numbers. What it knows
