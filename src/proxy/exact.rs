@@ -33,7 +33,10 @@ pub(super) async fn exact_blocks(
         outcome("too_large");
         return None;
     }
-    let Some(permit) = tok.try_slot() else {
+    // The budget covers waiting for a slot and tokenizing.
+    let started = Instant::now();
+    let budget = Duration::from_millis(k.tokenize_budget_ms);
+    let Ok(Some(permit)) = tokio::time::timeout(budget, tok.slot()).await else {
         outcome("busy");
         return None;
     };
@@ -45,7 +48,6 @@ pub(super) async fn exact_blocks(
         .then(|| p.model.clone());
     let salt = p.cache_salt.clone();
     let (tok, body, chat) = (tok.clone(), body.clone(), p.endpoint == Endpoint::Chat);
-    let started = Instant::now();
     let job = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let tokens = tok.prompt_tokens(&body, chat)?;
@@ -55,7 +57,7 @@ pub(super) async fn exact_blocks(
             prompt_tokens: tokens.len() as u64,
         })
     });
-    match tokio::time::timeout(Duration::from_millis(k.tokenize_budget_ms), job).await {
+    match tokio::time::timeout(budget.saturating_sub(started.elapsed()), job).await {
         Ok(Ok(Ok(blocks))) => {
             outcome("tokenized");
             m.exact_tokenize_seconds

@@ -136,7 +136,8 @@ impl ProxyMetrics {
                 r,
                 "kvroute_exact_tokenize_total",
                 "Prompts tokenized as the engines do, for the exact index: tokenized, late (not \
-                 within kv_events.tokenize_budget_ms), busy (every slot taken), failed, \
+                 within kv_events.tokenize_budget_ms), busy (every slot taken and one request \
+                 already waiting per slot, or none freed within the budget), failed, \
                  too_large. All but tokenized are placed on the approximate index.",
                 &["outcome"],
             )?,

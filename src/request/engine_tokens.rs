@@ -85,10 +85,51 @@ pub struct EngineTokenizer {
     added_ids: Vec<u32>,
     pub block_size: usize,
     memo: Mutex<Memo>,
-    /// Prompts tokenized at once, shared by all tokenizers: half the cores, so tokenizing
-    /// never takes the CPU the proxy's threads need. Beyond them a request is placed on the
-    /// approximate index.
-    slots: Arc<tokio::sync::Semaphore>,
+    /// Prompts tokenized at once, shared by all tokenizers.
+    slots: Arc<Slots>,
+}
+
+/// Tokenizing slots, shared by all tokenizers: half the cores, so tokenizing never takes the
+/// CPU the proxy's threads need. A request finding them all taken may wait behind at most one
+/// other waiter per slot (about one tokenization): arrivals in a burst are smoothed, while a
+/// sustained overload sends requests to the approximate index at once rather than each
+/// waiting out its budget.
+pub struct Slots {
+    sem: Arc<tokio::sync::Semaphore>,
+    waiting: std::sync::atomic::AtomicUsize,
+    size: usize,
+}
+
+impl Slots {
+    fn new(size: usize) -> Slots {
+        Slots {
+            sem: Arc::new(tokio::sync::Semaphore::new(size)),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+            size,
+        }
+    }
+
+    /// A slot, now or after the short wait described above; `None` when the queue is full.
+    pub async fn acquire(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        use std::sync::atomic::Ordering::AcqRel;
+        if let Ok(p) = self.sem.clone().try_acquire_owned() {
+            return Some(p);
+        }
+        /// Counts a waiter until it has its slot or gives up (its future dropped).
+        struct Waiter<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Waiter<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, AcqRel);
+            }
+        }
+        let waiter = Waiter(&self.waiting);
+        if self.waiting.fetch_add(1, AcqRel) >= self.size {
+            return None;
+        }
+        let permit = self.sem.clone().acquire_owned().await.ok();
+        drop(waiter);
+        permit
+    }
 }
 
 #[derive(Default)]
@@ -105,8 +146,8 @@ fn cfg_err(key: &str, reason: impl Into<String>) -> ConfigError {
 }
 
 /// Prompts tokenized at once, over all of kvroute's tokenizers: half the cores.
-fn tokenizing_slots() -> Arc<tokio::sync::Semaphore> {
-    Arc::new(tokio::sync::Semaphore::new(
+fn tokenizing_slots() -> Arc<Slots> {
+    Arc::new(Slots::new(
         std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
     ))
 }
@@ -158,7 +199,7 @@ impl EngineTokenizer {
 
     fn load_files(
         files: TokenizerFiles<'_>,
-        slots: Arc<tokio::sync::Semaphore>,
+        slots: Arc<Slots>,
     ) -> Result<EngineTokenizer, ConfigError> {
         let tokenizer = tokenizers::Tokenizer::from_file(files.tokenizer)
             .map_err(|e| cfg_err("tokenizer", format!("{}: {e}", files.tokenizer.display())))?;
@@ -216,9 +257,9 @@ impl EngineTokenizer {
         })
     }
 
-    /// A tokenizing slot, if one is free.
-    pub fn try_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.slots.clone().try_acquire_owned().ok()
+    /// A tokenizing slot (see [`Slots`]).
+    pub async fn slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.slots.acquire().await
     }
 
     /// The chat template's text for `messages` (and `tools`), ending with the generation
@@ -361,6 +402,29 @@ fn read_template(path: &Path) -> Result<(String, String, String), ConfigError> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[tokio::test]
+    async fn a_request_waits_for_a_slot_behind_at_most_one_other() {
+        let slots = Arc::new(Slots::new(1));
+        let first = slots.acquire().await.expect("a free slot");
+        // The second waits; a third finds the queue full at once.
+        let s = slots.clone();
+        let second = tokio::spawn(async move { s.acquire().await.is_some() });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(slots.acquire().await.is_none(), "one waiter per slot");
+        drop(first);
+        assert!(
+            second.await.expect("joined"),
+            "the waiter gets the freed slot"
+        );
+        // A waiter that gives up (its future dropped) leaves no place taken.
+        let held = slots.acquire().await.expect("free again");
+        let gave_up =
+            tokio::time::timeout(std::time::Duration::from_millis(10), slots.acquire()).await;
+        assert!(gave_up.is_err());
+        assert_eq!(slots.waiting.load(std::sync::atomic::Ordering::Acquire), 0);
+        drop(held);
+    }
     use std::path::PathBuf;
 
     pub(crate) fn shipped() -> KvEventsConfig {
