@@ -189,19 +189,12 @@ async fn reference_publisher_events_reach_the_exact_index() {
         };
         let mut seen = 0.0;
         for (salt, cached) in [(None, 32.0), (Some("tenant-a"), 16.0)] {
-            let mut body =
+            let body =
                 serde_json::json!({"model": "sim-llama-8b", "prompt": tokens, "max_tokens": 2});
-            if let Some(s) = salt {
-                body["cache_salt"] = s.into();
-            }
-            let r = common::client()
-                .post(k.url("/v1/completions"))
-                .json(&body)
-                .send()
+            let _ = post(&k, "/v1/completions", body, salt, None)
                 .await
-                .expect("request");
-            assert_eq!(r.status(), 200, "array_events={array_events}");
-            let _ = r.bytes().await;
+                .bytes()
+                .await;
             let m = k.metrics_when(
                 "kvroute_cached_prompt_tokens_by_index_total",
                 &[("index", "exact"), ("source", "predicted")],
@@ -282,15 +275,12 @@ async fn data_parallel_ranks_are_followed_and_requests_pinned() {
         async move {
             let before = cached_by_index(k, "predicted");
             let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-            let mut req = common::client().post(k.url("/v1/completions")).json(
-                &serde_json::json!({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 2}),
-            );
-            if let Some(r) = client_rank {
-                req = req.header("X-Data-Parallel-Rank", r);
-            }
-            let r = req.send().await.expect("request");
-            assert_eq!(r.status(), 200);
-            let _ = r.bytes().await;
+            let body =
+                serde_json::json!({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 2});
+            let _ = post(k, "/v1/completions", body, None, client_rank)
+                .await
+                .bytes()
+                .await;
             // Counted after its other metrics: then the prediction is in too.
             let m = k.metrics_when("kvroute_requests_total", &[], n as f64);
             let predicted = common::metric_sum(
@@ -356,24 +346,35 @@ fn wait_in_step(k: &Kvroute, sim: &Sim, timeout: Duration) -> (u64, u64) {
     }
 }
 
+/// POST `body` to kvroute's `path`, under vLLM's `cache_salt` and with a client's
+/// `X-Data-Parallel-Rank`, when given; the request must succeed.
+async fn post(
+    k: &Kvroute,
+    path: &str,
+    mut body: serde_json::Value,
+    salt: Option<&str>,
+    client_rank: Option<&str>,
+) -> reqwest::Response {
+    if let Some(s) = salt {
+        body["cache_salt"] = s.into();
+    }
+    let mut req = common::client().post(k.url(path)).json(&body);
+    if let Some(r) = client_rank {
+        req = req.header("X-Data-Parallel-Rank", r);
+    }
+    let r = req.send().await.expect("request");
+    assert_eq!(r.status(), 200, "{path} {body}");
+    r
+}
+
 async fn chat(k: &Kvroute, messages: &serde_json::Value) -> String {
     chat_salted(k, messages, None).await
 }
 
 /// [`chat`] under vLLM's `cache_salt`, if given.
 async fn chat_salted(k: &Kvroute, messages: &serde_json::Value, salt: Option<&str>) -> String {
-    let mut body =
-        serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 24});
-    if let Some(s) = salt {
-        body["cache_salt"] = s.into();
-    }
-    let r = common::client()
-        .post(k.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(r.status(), 200);
+    let body = serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 24});
+    let r = post(k, "/v1/chat/completions", body, salt, None).await;
     let v: serde_json::Value = r.json().await.expect("json");
     v["choices"][0]["message"]["content"]
         .as_str()
@@ -510,15 +511,11 @@ async fn a_cache_salt_keeps_equal_prompts_apart() {
         assert_eq!(predicted, reported, "request {i} ({salt:?})");
     }
     // A client does not pick the engine's data-parallel rank: its header never reaches it.
-    let r = common::client()
-        .post(k.url("/v1/chat/completions"))
-        .header("X-Data-Parallel-Rank", "3")
-        .json(&serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 2}))
-        .send()
+    let body = serde_json::json!({"model": "sim-llama-8b", "messages": messages, "max_tokens": 2});
+    let _ = post(&k, "/v1/chat/completions", body, None, Some("3"))
         .await
-        .expect("request");
-    assert_eq!(r.status(), 200);
-    let _ = r.bytes().await;
+        .bytes()
+        .await;
     let log = sim.requests();
     assert_eq!(
         log.last().expect("logged")["dp_rank"],
