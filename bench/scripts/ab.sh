@@ -7,6 +7,9 @@
 # medians. Loopback only.
 #
 #   bench/scripts/ab.sh OLD_KVROUTE NEW_KVROUTE [ROUNDS=3] [OUT=bench/results/overhead-edge/ab.txt]
+#
+# Both run with RUST_LOG=warn (no access log) unless AB_RUST_LOG says otherwise:
+# AB_RUST_LOG=info measures them as shipped, writing an access line a request (to a file here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OLD=${1:?old kvroute binary}; NEW=${2:?new kvroute binary}
@@ -63,8 +66,8 @@ for size in (1000, 100000):
 PY
 wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
 taskset -c 0 nginx -c "$WORK/backend.conf" -p "$WORK"
-RUST_LOG=warn taskset -c 1 "$OLD" -c "$WORK/old.yaml" 2>"$WORK/old.err" & PIDS+=("$!")
-RUST_LOG=warn taskset -c 1 "$NEW" -c "$WORK/new.yaml" 2>"$WORK/new.err" & PIDS+=("$!")
+RUST_LOG=${AB_RUST_LOG:-warn} taskset -c 1 "$OLD" -c "$WORK/old.yaml" 2>"$WORK/old.err" & PIDS+=("$!")
+RUST_LOG=${AB_RUST_LOG:-warn} taskset -c 1 "$NEW" -c "$WORK/new.yaml" 2>"$WORK/new.err" & PIDS+=("$!")
 wait_port $BACKEND; wait_port 18710; wait_port 18720; sleep 1
 mkdir -p "$(dirname "$OUT")"
 {

@@ -23,7 +23,7 @@ use crate::request::surface::{self, Route};
 use crate::request::usage::{self, UsageTap};
 use crate::request::{self, PromptText, TokenEstimator, DEFAULT_BLOCK_BYTES, SESSION_HEADER};
 
-mod access_log;
+pub mod access_log;
 mod ctx;
 mod exact;
 mod failures;

@@ -45,6 +45,7 @@ fn is_draining(phase: &ExecutionPhase) -> bool {
 
 fn exit_now(why: &str) -> ! {
     log::info!("{why}: exiting now");
+    crate::proxy::access_log::flush(Duration::from_millis(500));
     log::logger().flush();
     std::process::exit(0);
 }
