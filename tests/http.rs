@@ -291,6 +291,35 @@ async fn bad_input_gets_status_and_openai_shape() {
     assert_eq!(ok.status(), 200);
 }
 
+/// A body over the limit is refused before it is read, and the client still gets the 413 while
+/// it is writing the rest: kvroute reads and discards what is left for a moment before it
+/// closes (a close with unread bytes sends a reset, which can destroy the response in the
+/// client's receive buffer before the client reads it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_body_gets_its_413_while_the_client_still_writes() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "  limits:\n    max_body_bytes: 100000\n");
+    let body = vec![b'a'; 4_000_000];
+    for round in 0..20 {
+        // A fresh connection each time, as a client that gets `Connection: close` makes.
+        let c = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .expect("client");
+        let resp = c
+            .post(kv.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: no response: {e:?}"));
+        assert_eq!(resp.status().as_u16(), 413, "round {round}");
+        let e = error_of(&resp.bytes().await.expect("body"));
+        assert_eq!(e["code"], "request_too_large");
+    }
+    assert!(sims[0].requests().is_empty());
+}
+
 /// A backend that answers health checks but hangs up on everything else.
 fn hang_up_server(counter: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

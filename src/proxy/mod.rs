@@ -108,9 +108,18 @@ async fn reject(
 ) -> Result<bool> {
     log::debug!("rejecting request: {err}");
     err.send(session, !body_unread).await?;
+    // Lingering close: a socket closed with unread bytes sends a reset, and a client still
+    // writing its body may lose the answer already in its receive buffer. Read and discard
+    // what it sends, for a moment (a client too slow to send in time is not waited for again).
+    if body_unread && err.status != 408 {
+        let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
+    }
     ctx.error = Some(err);
     Ok(true)
 }
+
+/// How long a refused request's unread body is read and discarded before the connection closes.
+const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl Router {
     /// `GET /v1/models[/{id}]` from what the fleet serves (`Ok(true)`: answered); anything else
