@@ -5,8 +5,13 @@
 //!   cargo run --release --example bare_pingora -- CONF.yaml LISTEN UPSTREAM
 //!
 //! CONF.yaml holds Pingora's server keys (`threads`, `pid_file`, ...).
+//!
+//! With `BARE_BUFFER_BODY=1` it reads the whole request body before it picks the upstream and
+//! forwards it from that buffer, as any proxy that places by the prompt must (kvroute does it in
+//! `request::body::read_body`): the floor for a proxy that reads the body, with nothing else.
 
 use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::server::configuration::Opt;
@@ -14,18 +19,71 @@ use pingora::server::Server;
 
 struct Bare {
     upstream: String,
+    buffer_body: bool,
 }
 
 #[async_trait]
 impl ProxyHttp for Bare {
-    type CTX = ();
+    /// The whole request body, when it is buffered.
+    type CTX = Option<Bytes>;
 
-    fn new_ctx(&self) {}
+    fn new_ctx(&self) -> Option<Bytes> {
+        None
+    }
+
+    async fn request_filter(
+        &self,
+        session: &mut Session,
+        ctx: &mut Option<Bytes>,
+    ) -> pingora::Result<bool> {
+        if self.buffer_body {
+            let declared = session
+                .req_header()
+                .headers
+                .get("content-length")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(0);
+            // Once the body is read, Pingora forwards it only from a retry buffer that holds its
+            // tail (at most 64 KiB): `request_body_filter` then swaps in the whole body.
+            let mut buf = BytesMut::with_capacity(declared);
+            let mut buffering = false;
+            loop {
+                if !buffering && declared.saturating_sub(buf.len()) <= 64 * 1024 {
+                    session.enable_retry_buffering();
+                    buffering = true;
+                }
+                match session.read_request_body().await? {
+                    Some(chunk) => buf.extend_from_slice(&chunk),
+                    None => break,
+                }
+            }
+            *ctx = Some(buf.freeze());
+        }
+        Ok(false)
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Option<Bytes>,
+    ) -> pingora::Result<()> {
+        if let Some(full) = ctx {
+            *body = Some(if end_of_stream {
+                full.clone()
+            } else {
+                Bytes::new()
+            });
+        }
+        Ok(())
+    }
 
     async fn upstream_peer(
         &self,
         _session: &mut Session,
-        _ctx: &mut (),
+        _ctx: &mut Option<Bytes>,
     ) -> pingora::Result<Box<HttpPeer>> {
         Ok(Box::new(HttpPeer::new(
             self.upstream.as_str(),
@@ -57,6 +115,7 @@ fn main() {
         &server.configuration,
         Bare {
             upstream: upstream.clone(),
+            buffer_body: std::env::var("BARE_BUFFER_BODY").is_ok_and(|v| v == "1"),
         },
     );
     proxy.add_tcp(listen);

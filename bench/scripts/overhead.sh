@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Proxy cost: what kvroute adds per request, next to a bare Pingora proxy (the framework's
-# floor: examples/bare_pingora.rs), nginx round robin, sglang-router (round robin, when the
+# floor: examples/bare_pingora.rs; and the same proxy reading the whole body before it forwards
+# it, as kvroute must, `pingora_bare_buffered`), nginx round robin, sglang-router (round robin, when the
 # peers' venv is installed: bench/scripts/install-peers.sh) and no proxy at all, against a
 # backend that answers at once (an nginx `return`), on loopback only.
 #
@@ -49,6 +50,7 @@ NGINX_RR=18310
 KV=18320
 KV_ADMIN=18321
 BARE_PORT=18330
+BARE_BUF_PORT=18331  # the bare proxy reading the whole body first (BARE_BUFFER_BODY=1)
 SGL=18340
 SGL_PROM=18341
 SGL_PY=bench/.venv-peers/bin/python
@@ -119,14 +121,16 @@ kvroute:
 CONF
 }
 
-cat > "$WORK/bare.yaml" <<CONF
+for b in bare bare_buffered; do
+cat > "$WORK/$b.yaml" <<CONF
 version: 1
 threads: 1
-pid_file: $WORK/bare.pid
-upgrade_sock: $WORK/bare.sock
+pid_file: $WORK/$b.pid
+upgrade_sock: $WORK/$b.sock
 grace_period_seconds: 0
 graceful_shutdown_timeout_seconds: 1
 CONF
+done
 
 wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
 
@@ -233,6 +237,8 @@ for mode in plain stream; do
   KPID=$!; PIDS+=("$KPID")
   RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$backend" 2>"$WORK/bare.err" &
   BPID=$!; PIDS+=("$BPID")
+  BARE_BUFFER_BODY=1 RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare_buffered.yaml" "127.0.0.1:$BARE_BUF_PORT" "127.0.0.1:$backend" 2>"$WORK/bare_buffered.err" &
+  BBPID=$!; PIDS+=("$BBPID")
   SPID=""
   if [ -n "$SGL_VERSION" ]; then
     taskset -c 1 "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $SGL \
@@ -242,7 +248,7 @@ for mode in plain stream; do
     SPID=$!; PIDS+=("$SPID")
     wait_port $SGL
   fi
-  wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT
+  wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT; wait_port $BARE_BUF_PORT
   sleep 0.5
   # Idle RSS is read at the first case: let background start-up work (token tables) finish.
   [ "$round" = 1 ] && sleep 2
@@ -255,11 +261,12 @@ for mode in plain stream; do
     # shellcheck disable=SC2086
     run_case nginx_rr $NGINX_RR "$stem" "$round" $RRPIDS
     run_case pingora_bare $BARE_PORT "$stem" "$round" "$BPID"
+    run_case pingora_bare_buffered $BARE_BUF_PORT "$stem" "$round" "$BBPID"
     run_case kvroute $KV "$stem" "$round" "$KPID"
     # shellcheck disable=SC2046
     [ -n "$SPID" ] && run_case sglang_router_rr $SGL "$stem" "$round" $SPID $(pgrep -P "$SPID" | tr '\n' ' ')
   done
-  kill "$KPID" "$BPID" $SPID; wait "$KPID" "$BPID" $SPID 2>/dev/null || true
+  kill "$KPID" "$BPID" "$BBPID" $SPID; wait "$KPID" "$BPID" "$BBPID" $SPID 2>/dev/null || true
   kill "$(cat "$WORK/rr.pid")"; sleep 0.3
 done
 done
@@ -290,7 +297,7 @@ keys = ["p50_ms_c1", "p99_ms_c1", "rps_c32", "p50_ms_c32", "p99_ms_c32", "cpu_s_
 groups = {}
 for r in runs:
     groups.setdefault((r["body_bytes"], r["stream"], r["proxy"]), []).append(r)
-order = ["direct", "nginx_rr", "pingora_bare", "kvroute", "sglang_router_rr"]
+order = ["direct", "nginx_rr", "pingora_bare", "pingora_bare_buffered", "kvroute", "sglang_router_rr"]
 rows = []
 for (size, stream, proxy), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0], order.index(kv[0][2]))):
     row = {"proxy": proxy, "body_bytes": size, "stream": stream, "runs": len(rs),
