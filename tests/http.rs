@@ -320,6 +320,31 @@ async fn an_oversized_body_gets_its_413_while_the_client_still_writes() {
     assert!(sims[0].requests().is_empty());
 }
 
+/// A client that waits for `100 Continue` and is refused first (its declared body is over the
+/// limit) will send no body: it gets its 413 and the connection closes at once, not after the
+/// lingering close's wait for a body that never comes.
+#[test]
+fn a_refused_expect_continue_is_not_lingered_on() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "  limits:\n    max_body_bytes: 100000\n");
+    let mut s = TcpStream::connect(kv.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let started = Instant::now();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\nExpect: 100-continue\r\n\r\n"
+    )
+    .expect("write");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let took = started.elapsed();
+    let (status, body) = parse_response(&raw).expect("a response");
+    assert_eq!(status, 413);
+    assert_eq!(error_of(&body)["code"], "request_too_large");
+    assert!(took < Duration::from_millis(1500), "closed after {took:?}");
+}
+
 /// A backend that answers health checks but hangs up on everything else.
 fn hang_up_server(counter: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

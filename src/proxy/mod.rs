@@ -110,8 +110,16 @@ async fn reject(
     err.send(session, !body_unread).await?;
     // Lingering close: a socket closed with unread bytes sends a reset, and a client still
     // writing its body may lose the answer already in its receive buffer. Read and discard
-    // what it sends, for a moment (a client too slow to send in time is not waited for again).
-    if body_unread && err.status != 408 {
+    // what it sends, for a moment. Not for a client too slow to send in time, nor for one that
+    // waits for `100 Continue` before it sends anything and was refused first: neither will
+    // send what the linger would wait for.
+    let awaits_continue = session.body_bytes_read() == 0
+        && session
+            .req_header()
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if body_unread && err.status != 408 && !awaits_continue {
         let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
     }
     ctx.error = Some(err);
