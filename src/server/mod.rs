@@ -3,7 +3,7 @@
 
 use async_trait::async_trait;
 use pingora::server::configuration::Opt;
-use pingora::server::{Server, ShutdownWatch};
+use pingora::server::{RunArgs, Server, ShutdownWatch};
 use pingora::services::background::{BackgroundService, GenBackgroundService};
 use pingora::services::listening::Service;
 use prometheus::Registry;
@@ -260,5 +260,10 @@ pub fn run(mut opt: Opt) -> ! {
         }),
     ));
     log::info!("kvroute listening on {listeners}, admin on {admin_listen}");
-    server.run_forever();
+    server.run(RunArgs::default());
+    // Pingora ended the process's life (the grace period ran out, or a fast shutdown): the last
+    // requests' access lines go out before the process does.
+    crate::proxy::access_log::flush(std::time::Duration::from_millis(500));
+    log::logger().flush();
+    std::process::exit(0);
 }
