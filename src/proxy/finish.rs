@@ -25,10 +25,10 @@ pub(super) fn end_request(
         edge.queue.wake_one();
     }
     let status = session.response_written().map_or(0, |r| r.status.as_u16());
-    let backend = ctx.backend_name().to_owned();
+    let backend = ctx.backend_name();
     let elapsed = ctx.start.elapsed();
     m.duration
-        .with_label_values(&[&backend])
+        .with_label_values(&[backend])
         .observe(elapsed.as_secs_f64());
     let streamed = ctx.route.profile.as_ref().is_some_and(|p| p.stream);
     let ttft = ctx.tap.first_byte.map(|t| t.duration_since(ctx.start));
@@ -39,7 +39,7 @@ pub(super) fn end_request(
     {
         if ctx.charge.est_ttft_s > 0.0 {
             m.first_byte_ratio
-                .with_label_values(&[&backend])
+                .with_label_values(&[backend])
                 .observe(first.duration_since(sent).as_secs_f64() / ctx.charge.est_ttft_s);
         }
         // What the adapter load took: the first byte's wait beyond the prediction without it.
@@ -52,7 +52,7 @@ pub(super) fn end_request(
     }
     if let (true, Some(t), 200) = (streamed, ttft, status) {
         m.ttft
-            .with_label_values(&[&backend, ctx.model_label()])
+            .with_label_values(&[backend, ctx.model_label()])
             .observe(t.as_secs_f64());
     }
     // The engine now also holds the reply's KV: the next turn's prefix.
@@ -96,10 +96,10 @@ pub(super) fn end_request(
     }
     if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
         m.prompt_tokens
-            .with_label_values(&[&backend, ctx.model_label()])
+            .with_label_values(&[backend, ctx.model_label()])
             .inc_by(u.prompt_tokens);
         m.cached_prompt_tokens
-            .with_label_values(&[&backend, ctx.model_label()])
+            .with_label_values(&[backend, ctx.model_label()])
             .inc_by(u.cached_tokens);
         // Predicted and reported for the same requests, so their ratio scores each index.
         if let (Some(index), Some(predicted)) = (ctx.route.index, ctx.charge.predicted_cached) {
@@ -113,9 +113,10 @@ pub(super) fn end_request(
         }
     }
     // Counted last: a scrape that sees the request counted sees its histograms too.
-    m.requests
-        .with_label_values(&[&backend, &status.to_string()])
-        .inc();
+    // The status's own text, not a string formatted afresh for every request.
+    let code = http::StatusCode::from_u16(status).ok();
+    let code = code.as_ref().map_or("0", |s| s.as_str());
+    m.requests.with_label_values(&[backend, code]).inc();
     let req = session.req_header();
     // Formatted only for a line that is written.
     let client = || {
