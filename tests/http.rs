@@ -345,6 +345,42 @@ fn a_refused_expect_continue_is_not_lingered_on() {
     assert!(took < Duration::from_millis(1500), "closed after {took:?}");
 }
 
+/// A client that stops sending its refused body still gets its 413 at once; kvroute waits a
+/// moment for the rest before it closes, and the request's duration ends at the answer, not
+/// after that wait.
+#[test]
+fn a_refused_body_is_answered_at_once_and_its_duration_ends_there() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "  limits:\n    max_body_bytes: 100000\n");
+    let mut s = TcpStream::connect(kv.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\n\r\n{}",
+        "a".repeat(1000)
+    )
+    .expect("write");
+    let started = Instant::now();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let closed = started.elapsed();
+    let (status, _) = parse_response(&raw).expect("a response");
+    assert_eq!(status, 413);
+    // The rest of the body was waited for, then the connection closed.
+    assert!(
+        closed >= Duration::from_millis(1500) && closed < Duration::from_secs(5),
+        "closed after {closed:?}"
+    );
+    let text = kv.metrics_when("kvroute_requests_total", &[("code", "413")], 1.0);
+    let took = metric_sum(
+        &text,
+        "kvroute_request_duration_seconds_sum",
+        &[("backend", "none")],
+    );
+    assert!(took < 1.0, "the refused request counted {took} s");
+}
+
 /// A backend that answers health checks but hangs up on everything else.
 fn hang_up_server(counter: std::sync::Arc<std::sync::atomic::AtomicUsize>) -> std::net::SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

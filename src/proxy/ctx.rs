@@ -17,6 +17,9 @@ use crate::request::{RequestProfile, TokenEstimate};
 
 pub struct Ctx {
     pub(super) start: Instant,
+    /// When a refused request's answer was sent, before its unread body was drained: the
+    /// request's duration ends there.
+    pub(super) answered: Option<Instant>,
     /// The config and fleet this request runs under, pinned when it starts: backend indices
     /// below refer to this fleet, and a reload mid-request changes nothing for it.
     pub(super) generation: Arc<Generation>,
@@ -126,6 +129,7 @@ impl Ctx {
     pub(super) fn new(generation: Arc<Generation>, active: Active) -> Ctx {
         Ctx {
             start: Instant::now(),
+            answered: None,
             generation,
             route: Route::default(),
             attempts: Attempts::default(),

@@ -26,7 +26,9 @@ pub(super) fn end_request(
     }
     let status = session.response_written().map_or(0, |r| r.status.as_u16());
     let backend = ctx.backend_name();
-    let elapsed = ctx.start.elapsed();
+    let elapsed = ctx
+        .answered
+        .map_or_else(|| ctx.start.elapsed(), |at| at.duration_since(ctx.start));
     m.duration
         .with_label_values(&[backend])
         .observe(elapsed.as_secs_f64());

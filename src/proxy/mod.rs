@@ -120,6 +120,7 @@ async fn reject(
             .get(http::header::EXPECT)
             .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     if body_unread && err.status != 408 && !awaits_continue {
+        ctx.answered = Some(std::time::Instant::now());
         let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
     }
     ctx.error = Some(err);
