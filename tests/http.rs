@@ -320,6 +320,23 @@ async fn an_oversized_body_gets_its_413_while_the_client_still_writes() {
     assert!(sims[0].requests().is_empty());
 }
 
+/// Send a request head declaring a 4 MB body (over a 100 KB limit) with `headers` and the first
+/// bytes `body` of it, then read until kvroute closes: the raw answer and how long that took.
+fn oversized_raw(kv: &Kvroute, headers: &str, body: &str) -> (Vec<u8>, Duration) {
+    let mut s = TcpStream::connect(kv.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let started = Instant::now();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\n{headers}\r\n{body}"
+    )
+    .expect("write");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    (raw, started.elapsed())
+}
+
 /// A client that waits for `100 Continue` and is refused first (its declared body is over the
 /// limit) will send no body: it gets its 413 and the connection closes at once, not after the
 /// lingering close's wait for a body that never comes.
@@ -327,18 +344,7 @@ async fn an_oversized_body_gets_its_413_while_the_client_still_writes() {
 fn a_refused_expect_continue_is_not_lingered_on() {
     let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
     let kv = Kvroute::start(&[sims[0].addr], "  limits:\n    max_body_bytes: 100000\n");
-    let mut s = TcpStream::connect(kv.addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
-    let started = Instant::now();
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\nExpect: 100-continue\r\n\r\n"
-    )
-    .expect("write");
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let took = started.elapsed();
+    let (raw, took) = oversized_raw(&kv, "Expect: 100-continue\r\n", "");
     let (status, body) = parse_response(&raw).expect("a response");
     assert_eq!(status, 413);
     assert_eq!(error_of(&body)["code"], "request_too_large");
@@ -352,19 +358,7 @@ fn a_refused_expect_continue_is_not_lingered_on() {
 fn a_refused_body_is_answered_at_once_and_its_duration_ends_there() {
     let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
     let kv = Kvroute::start(&[sims[0].addr], "  limits:\n    max_body_bytes: 100000\n");
-    let mut s = TcpStream::connect(kv.addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(
-        s,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 4000000\r\n\r\n{}",
-        "a".repeat(1000)
-    )
-    .expect("write");
-    let started = Instant::now();
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let closed = started.elapsed();
+    let (raw, closed) = oversized_raw(&kv, "", &"a".repeat(1000));
     let (status, _) = parse_response(&raw).expect("a response");
     assert_eq!(status, 413);
     // The rest of the body was waited for, then the connection closed.

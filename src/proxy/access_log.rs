@@ -121,8 +121,9 @@ impl Write for Stderr {
 
 /// Started on first use, in the process that serves (after `-d` forks: a thread started before
 /// would not survive the fork).
+static WRITER: OnceLock<Writer> = OnceLock::new();
+
 fn writer() -> &'static Writer {
-    static WRITER: OnceLock<Writer> = OnceLock::new();
     WRITER.get_or_init(|| Writer::start(Stderr))
 }
 
@@ -149,7 +150,9 @@ pub(super) fn write_text(text: String, dropped: &IntCounter) {
 
 /// Before the process exits: wait, at most `limit`, for the queued lines to be written.
 pub fn flush(limit: Duration) {
-    if !writer().flush(limit) {
+    // A process that never wrote a line has no writer to wait for (and starts none now).
+    let Some(writer) = WRITER.get() else { return };
+    if !writer.flush(limit) {
         log::warn!("access log: lines still queued at exit after {limit:?}; they are lost");
     }
 }
