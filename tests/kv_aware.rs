@@ -327,9 +327,25 @@ async fn prefill_rates_are_learned_from_engine_counters() {
         let rate = &b["prefill_tokens_per_second"];
         Some((rate["learned"].as_f64()?, rate["in_use"].as_f64()?))
     };
+    // The decode step comes from the engine's counters at a later scrape than the rate can.
+    let step_known = |name: &str| {
+        let (_, body) = http_get(kv.admin, "/backends");
+        serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| {
+                v.as_array()?
+                    .iter()
+                    .find(|b| b["backend"] == name)
+                    .map(|b| b["decode_step_seconds"].is_f64())
+            })
+            .unwrap_or(false)
+    };
     let (l40s_name, h100_name) = (l40s.addr.to_string(), h100.addr.to_string());
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while (learned(&l40s_name).is_none() || learned(&h100_name).is_none())
+    while (learned(&l40s_name).is_none()
+        || learned(&h100_name).is_none()
+        || !step_known(&l40s_name)
+        || !step_known(&h100_name))
         && std::time::Instant::now() < deadline
     {
         tokio::time::sleep(Duration::from_millis(100)).await;
