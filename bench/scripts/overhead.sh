@@ -7,6 +7,8 @@
 #
 #   bench/scripts/overhead.sh [SECONDS=8] [OUT=bench/results/overhead] [ROUNDS=3]
 #
+# ROUNDS=0 runs the scaling case alone.
+#
 # Needs nginx and wrk (Debian: apt-get install nginx wrk). Builds kvroute in release mode and
 # runs it with its default config (the default policy). Each case runs wrk twice: 1 connection
 # (latency: p50/p99 with no queueing) and 32 connections (throughput). The proxy under test is
@@ -18,7 +20,8 @@
 # backend's and wrk's), since single runs on a shared machine move by about 10%.
 #
 # Scaling (kvroute with `threads: 2` on two cores against `threads: 1` on one, wrk and the
-# backend on cores of their own) needs 4 cores; on a smaller machine it is skipped and said so.
+# backend on cores of their own) needs 4 cores; on 2 or 3 it is estimated from kvroute's CPU per
+# request with one thread and with two (see the scaling block below), and said so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SECS=${1:-8}
@@ -72,9 +75,18 @@ http {
     listen 127.0.0.1:$BACKEND_JSON;
     location / { default_type application/json; return 200 '$JSON_BODY'; }
   }
+  # Streams are sent chunked, as vLLM and SGLang send them. nginx's return would set a
+  # Content-Length, which bare Pingora passes through in one write, while kvroute (which may strip
+  # the usage event it asked for) re-chunks: header, chunk and last chunk as three writes. The
+  # no-op sub_filter is what makes nginx drop the length and chunk the body.
   server {
     listen 127.0.0.1:$BACKEND_SSE;
-    location / { default_type text/event-stream; return 200 '$SSE_BODY'; }
+    location / {
+      default_type text/event-stream;
+      sub_filter_types text/event-stream;
+      sub_filter 'no-such-text' 'no-such-text';
+      return 200 '$SSE_BODY';
+    }
   }
 }
 CONF
@@ -285,7 +297,33 @@ if [ "$(nproc)" -ge 4 ]; then
     kill "$KPID"; wait "$KPID" 2>/dev/null || true
   done
 else
-  echo "skipped: this machine has $(nproc) cores; the scaling case needs 4 (kvroute on 2, wrk and the backend on the other 2)" > "$SCALING"
+  # Two cores cannot hold two kvroute threads and a load generator apart. Estimate instead from
+  # CPU per request: one thread pinned as above, then two threads sharing both cores with wrk
+  # and the backend. If a request costs as much CPU with two threads running at once as with
+  # one, nothing serialises them and two cores of their own would give 2x; sharing cores with
+  # the load adds to the two-thread cost, so this is a lower bound. The bare Pingora proxy,
+  # measured the same way, shows how much of that is the machine rather than kvroute.
+  for proxy in pingora_bare kvroute; do
+  for threads in 1 2; do
+    cores=$([ "$threads" = 1 ] && echo 1 || echo 0,1)
+    if [ $proxy = kvroute ]; then
+      kv_conf $BACKEND_JSON $threads; port=$KV
+      RUST_LOG=warn taskset -c "$cores" "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
+    else
+      sed "s/^threads: .*/threads: $threads/" "$WORK/bare.yaml" > "$WORK/bare_scale.yaml"; port=$BARE_PORT
+      RUST_LOG=warn taskset -c "$cores" "$BARE" "$WORK/bare_scale.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$BACKEND_JSON" 2>"$WORK/bare.err" &
+    fi
+    KPID=$!; PIDS+=("$KPID"); wait_port $port; sleep 0.5
+    before=$(cpu_ticks "$KPID")
+    taskset -c "$([ "$threads" = 1 ] && echo 0 || echo 0,1)" wrk -t"$threads" -c32 -d"${SECS}s" \
+      -s "$WORK/body_1000_plain.lua" "http://127.0.0.1:$port/v1/chat/completions" > "$WORK/scale.txt"
+    after=$(cpu_ticks "$KPID")
+    awk -v p=$proxy -v t="$threads" -v ticks=$((after - before)) -v hz="$(getconf CLK_TCK)" \
+      '/requests in/{n=$1} /Requests\/sec/{r=$2} END{printf "estimate %s %s %s %.4f\n", p, t, r, ticks/hz/n*1000}' \
+      "$WORK/scale.txt" >> "$SCALING"
+    kill "$KPID"; wait "$KPID" 2>/dev/null || true
+  done
+  done
 fi
 
 python3 - "$RESULTS" "$OUT" "$SECS" "$ROUNDS" "$SCALING" "$SGL_VERSION" <<'PY'
@@ -312,7 +350,7 @@ def f(v, d=2):
     return "n/a" if v is None else f"{v:.{d}f}"
 def find(proxy, r):
     return next((x for x in rows if x["proxy"] == proxy and x["body_bytes"] == r["body_bytes"] and x["stream"] == r["stream"]), None)
-others = max(r["other_cpu_cores"] for r in runs)
+others = max((r["other_cpu_cores"] for r in runs), default=0.0)
 lines = [f"Proxy cost, loopback, wrk {secs} s per case, medians of {rounds} interleaved rounds; proxy pinned to 1 core (1 worker), wrk + backend on the other. "
          f"Other processes used at most {others:.2f} of a core during any throughput run (median per row below)." +
          (f" sglang-router {sgl}." if sgl else " sglang-router not installed here."), "",
@@ -330,8 +368,17 @@ for r in rows:
     lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {each} | {f(ratio)} | {f(vs_bare)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {rss} | {f(r['other_cpu_cores'])} | {r['non_2xx']} |")
 sc = open(scaling).read().strip()
 lines += ["", "Scaling (kvroute, 1 KB chat, `threads: 1` on one core against `threads: 2` on two):", ""]
-if sc.startswith("skipped"):
-    lines.append(sc)
+if sc.startswith("estimate"):
+    v = {(l.split()[1], l.split()[2]): (float(l.split()[3]), float(l.split()[4])) for l in sc.splitlines()}
+    lines.append(f"This machine has {os.cpu_count()} cores, too few to give two proxy threads and the load generator cores of their own "
+                 "(that needs 4). Estimated from CPU per request instead: one thread on one core, then two threads sharing both cores "
+                 "with wrk and the backend; two cores of their own would give about 2 x (CPU per request, 1 thread) / (CPU per request, 2 threads) "
+                 "one core's requests/s, a lower bound (sharing cores with the load adds to the two-thread cost). The bare Pingora proxy, "
+                 "measured the same way, shows how much of that is the machine.")
+    lines += ["", "| proxy | 1 thread: CPU s / 1000 req (req/s) | 2 threads: CPU s / 1000 req (req/s) | estimated 2-core scaling |", "|---|---|---|---|"]
+    for p in ("pingora_bare", "kvroute"):
+        (r1, c1), (r2, c2) = v[(p, "1")], v[(p, "2")]
+        lines.append(f"| {p} | {c1:.4f} ({r1:.0f}) | {c2:.4f} ({r2:.0f}) | {2 * c1 / c2:.2f}x |")
 else:
     v = dict(l.split() for l in sc.splitlines())
     lines.append(f"1 thread {float(v['1']):.0f} req/s, 2 threads {float(v['2']):.0f} req/s: {float(v['2'])/float(v['1']):.2f}x")
