@@ -121,3 +121,41 @@ async fn a_second_sigterm_ends_the_drain_at_once() {
         &text[text.len().saturating_sub(200)..]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_still_running_at_the_grace_periods_end_is_cut_and_logged() {
+    // A 10 s stream against a 3 s grace period: kvroute cuts it a second before the end, so it
+    // gets the SSE error event and its access line, which Pingora's own cut at the end (the
+    // runtime dropped) would give it neither of.
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "50"]);
+    let mut k = Kvroute::launch(&[sims[0].addr], "", "grace_period_seconds: 3\n");
+    k.wait_ready();
+    let s = stream(&k, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    signal(k.pid(), "TERM");
+    let (took, k) = tokio::task::spawn_blocking(move || {
+        let took = wait_exit(&mut k, Duration::from_secs(10));
+        (took, k)
+    })
+    .await
+    .expect("join");
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_millis(3000),
+        "exited {took:?} after SIGTERM, with a 3 s grace period"
+    );
+    let (r, _) = s.await.expect("join");
+    let text = r.expect("the cut stream still ended cleanly");
+    assert!(!text.contains("data: [DONE]"), "the stream was not cut");
+    assert!(
+        text.contains("kvroute is shutting down"),
+        "no SSE error event: ...{}",
+        &text[text.len().saturating_sub(200)..]
+    );
+    let log = k.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("kvroute::access] ")
+                && l.contains("\"POST /v1/chat/completions\" 200")),
+        "no access line for the cut stream:\n{log}"
+    );
+}

@@ -158,3 +158,40 @@ async fn upgrade_under_load_drops_nothing() {
     );
     assert!(sent >= 100, "the load barely ran: {sent}");
 }
+
+/// A plain start (no `-u`) on addresses another kvroute holds exits at once, naming the address,
+/// instead of Pingora's 30 s of retries and a process left neither serving nor stopping. The
+/// running one is undisturbed.
+#[test]
+fn a_second_kvroute_on_taken_addresses_exits_naming_them() {
+    let sim = Sim::start(&[]);
+    let k = Kvroute::start(&[sim.addr], "");
+    let started = Instant::now();
+    let mut second = k.spawn(&[]);
+    let status = loop {
+        if let Some(s) = second.try_wait().expect("wait") {
+            break s;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = second.kill();
+            panic!("the second kvroute still runs; log:\n{}", k.log());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.code(), Some(1), "log:\n{}", k.log());
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    let log = k.log();
+    assert!(
+        log.contains(&format!(
+            "kvroute: kvroute.admin_listen: cannot listen on {}",
+            k.admin
+        )),
+        "{log}"
+    );
+    assert!(log.contains("another kvroute"), "{log}");
+    assert_eq!(readyz(k.admin), Some(200), "the first still serves");
+}

@@ -5,7 +5,9 @@
 //! Pingora's graceful shutdown sleeps the whole `grace_period_seconds` however little is in
 //! flight, and stops listening for signals while it does. Once the grace period begins (the
 //! listeners are closed, or handed over on upgrade), this service exits the process as soon as
-//! no request is in flight, and at once on a second SIGTERM or a SIGINT.
+//! no request is in flight, and at once on a second SIGTERM or a SIGINT. Streams still running
+//! near the grace period's end are cut here, just before Pingora would drop them: so they get the
+//! SSE error event and their access lines, which a dropped request never does.
 
 use async_trait::async_trait;
 use pingora::server::{ExecutionPhase, ShutdownWatch};
@@ -23,9 +25,14 @@ const DRAIN_POLL: Duration = Duration::from_millis(100);
 const CUT_GRACE: Duration = Duration::from_millis(500);
 /// How long an open connection with nothing in flight may hold the drain.
 const IDLE_SETTLE: Duration = Duration::from_secs(2);
+/// How long before the grace period's end the drain cuts what still runs: the cut's own grace
+/// and a margin for the exit.
+const GRACE_LEAD: Duration = Duration::from_millis(1000);
 
 pub(super) struct DrainWatch {
     pub edge: Arc<EdgeState>,
+    /// Pingora's `grace_period_seconds` (its default when unset).
+    pub grace: Duration,
     /// Taken by the one task that watches.
     pub phases: Mutex<Option<Receiver<ExecutionPhase>>>,
 }
@@ -67,6 +74,7 @@ impl DrainWatch {
         );
         let open = &self.edge.open_connections;
         let mut idle_since: Option<std::time::Instant> = None;
+        let cut_at = tokio::time::Instant::now() + self.grace.saturating_sub(GRACE_LEAD);
         loop {
             // Done when no request is in flight and the clients' connections have closed
             // (Pingora wakes and closes idle keep-alive connections at shutdown); a connection
@@ -85,6 +93,9 @@ impl DrainWatch {
                 _ = tokio::time::sleep(DRAIN_POLL) => {}
                 _ = term.recv() => self.cut_and_exit("SIGTERM again").await,
                 _ = int.recv() => self.cut_and_exit("SIGINT").await,
+                _ = tokio::time::sleep_until(cut_at) => {
+                    self.cut_and_exit("the grace period is ending").await
+                }
             }
         }
     }

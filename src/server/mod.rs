@@ -9,6 +9,7 @@ use pingora::services::listening::Service;
 use prometheus::Registry;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::config::Config;
 use crate::edge::tls::{self, TlsEdge};
@@ -21,6 +22,7 @@ use crate::request::{TokenEstimator, TokenMetrics};
 
 mod admin;
 mod drain;
+mod ports;
 mod reload;
 
 use admin::AdminApp;
@@ -156,6 +158,17 @@ pub fn run(mut opt: Opt) -> ! {
         );
         std::process::exit(0);
     }
+    // On `-u` the listeners come from the old process, which still holds the addresses.
+    if !reload_opt.upgrade {
+        let mut addrs = vec![("kvroute.admin_listen", cfg.admin_listen.as_str())];
+        if let Some(l) = &cfg.listen {
+            addrs.push(("kvroute.listen", l.as_str()));
+        }
+        if let Some(t) = &cfg.tls {
+            addrs.push(("kvroute.tls.listen", t.listen.as_str()));
+        }
+        ports::check_free(&addrs).unwrap_or_else(|e| fail(e));
+    }
     // Bootstrap (taking over the listeners from the old process on `-u`) runs as a service, in
     // the daemon after `-d` forks, which is where Pingora's `daemon_wait_for_ready` expects it.
     let bootstrap = server.bootstrap_as_a_service();
@@ -256,6 +269,8 @@ pub fn run(mut opt: Opt) -> ! {
         "kvroute drain watch".to_string(),
         Arc::new(DrainWatch {
             edge,
+            // Pingora's own default when the file sets none.
+            grace: Duration::from_secs(server.configuration.grace_period_seconds.unwrap_or(300)),
             phases: Mutex::new(Some(server.watch_execution_phase())),
         }),
     ));
@@ -263,7 +278,7 @@ pub fn run(mut opt: Opt) -> ! {
     server.run(RunArgs::default());
     // Pingora ended the process's life (the grace period ran out, or a fast shutdown): the last
     // requests' access lines go out before the process does.
-    crate::proxy::access_log::flush(std::time::Duration::from_millis(500));
+    crate::proxy::access_log::flush(Duration::from_millis(500));
     log::logger().flush();
     std::process::exit(0);
 }
