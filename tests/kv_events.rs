@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{free_port, Kvroute, Sim};
+use common::{free_port, metric_sum, Kvroute, Sim};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -448,6 +448,24 @@ async fn engine_events_predict_the_cache_exactly_and_a_killed_engine_forgets() {
     assert_eq!(
         predicted, reported,
         "the exact index predicts the engine's cached tokens"
+    );
+    // Each answer's reply was tokenized in the background, for its next turn: one request at a
+    // time here, so a tokenizing slot was always free by then.
+    let text = k.metrics_when(
+        "kvroute_exact_replies_tokenized_total",
+        &[("outcome", "tokenized")],
+        3.0,
+    );
+    let replies = |o: &str| {
+        metric_sum(
+            &text,
+            "kvroute_exact_replies_tokenized_total",
+            &[("outcome", o)],
+        )
+    };
+    assert_eq!(
+        (replies("tokenized"), replies("skipped"), replies("failed")),
+        (3.0, 0.0, 0.0)
     );
 
     // kill -9: the stream's connection drops, and the blocks go with it.

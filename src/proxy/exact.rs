@@ -1,22 +1,26 @@
 //! A prompt tokenized as the engines tokenize it, for the exact index: off the proxy's threads
 //! and within `kv_events.tokenize_budget_ms`. A prompt not ready in time is placed on the
-//! approximate index; its tokenization finishes anyway and is remembered for the next turn.
+//! approximate index; its tokenization finishes anyway and is remembered for the next turn,
+//! as is the reply once answered.
 
 use bytes::Bytes;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::ctx::Ctx;
 use super::metrics::ProxyMetrics;
+use crate::config::KvEventsConfig;
 use crate::fleet::kv_events::ExactBlocks;
 use crate::placement::PolicyKind;
+use crate::request::engine_tokens::EngineTokenizer;
 use crate::request::{Endpoint, RequestProfile};
 
-pub(super) async fn exact_blocks(
-    ctx: &Ctx,
+/// The engine tokenizer for `p`'s model and kvroute's limits on its use, when the exact index
+/// is in use: kv_aware, with some backend publishing KV events.
+fn tokenizer<'a>(
+    ctx: &'a Ctx,
     p: &RequestProfile,
-    body: &Bytes,
-    m: &ProxyMetrics,
-) -> Option<ExactBlocks> {
+) -> Option<(&'a KvEventsConfig, &'a Arc<EngineTokenizer>)> {
     let cfg = &ctx.generation.config;
     let (Some(k), Some(tok)) = (&cfg.kv_events, &ctx.generation.engine_tokens) else {
         return None;
@@ -27,7 +31,47 @@ pub(super) async fn exact_blocks(
         return None;
     }
     // The tokenizer of the request's model: another model's tokens never match its engines.
-    let tok = tok.for_model(k, &p.model)?;
+    Some((k, tok.for_model(k, &p.model)?))
+}
+
+/// After a chat answer: tokenize the conversation with its reply in the background, so the
+/// next turn waits only for its new message (see [`EngineTokenizer::remember_reply`]). Only
+/// on a free tokenizing slot, so it never delays a request's own tokenizing.
+pub(super) fn remember_reply(ctx: &Ctx, p: &RequestProfile, reply: &str, m: &ProxyMetrics) {
+    let Some((k, tok)) = tokenizer(ctx, p) else {
+        return;
+    };
+    let Some(body) = ctx.route.body.as_ref() else {
+        return;
+    };
+    if p.endpoint != Endpoint::Chat || body.len() + reply.len() > k.tokenize_max_bytes {
+        return;
+    }
+    let outcomes = m.exact_replies.clone();
+    let Some(permit) = tok.idle_slot() else {
+        outcomes.with_label_values(&["skipped"]).inc();
+        return;
+    };
+    let (tok, body, reply) = (tok.clone(), body.clone(), reply.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        match tok.remember_reply(&body, &reply) {
+            Ok(()) => outcomes.with_label_values(&["tokenized"]).inc(),
+            Err(e) => {
+                outcomes.with_label_values(&["failed"]).inc();
+                log::debug!("reply not tokenized for the next turn: {e}");
+            }
+        }
+    });
+}
+
+pub(super) async fn exact_blocks(
+    ctx: &Ctx,
+    p: &RequestProfile,
+    body: &Bytes,
+    m: &ProxyMetrics,
+) -> Option<ExactBlocks> {
+    let (k, tok) = tokenizer(ctx, p)?;
     let outcome = |o: &str| m.exact_tokenize.with_label_values(&[o]).inc();
     if body.len() > k.tokenize_max_bytes {
         outcome("too_large");

@@ -68,6 +68,7 @@ pub(super) fn end_request(
             if let Some(blocks) = p.reply_blocks(reply) {
                 fleet.record(i, &blocks, &[], None);
             }
+            super::exact::remember_reply(ctx, p, reply, m);
         }
     }
     if let (Some(caller), Some(acl)) = (&ctx.quota.caller, &ctx.generation.config.access) {

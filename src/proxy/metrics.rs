@@ -26,6 +26,7 @@ pub struct ProxyMetrics {
     pub(super) access_log_dropped: IntCounter,
     pub(super) exact_tokenize: IntCounterVec,
     pub(super) exact_tokenize_seconds: Histogram,
+    pub(super) exact_replies: IntCounterVec,
     pub(super) cached_by_index: IntCounterVec,
 }
 
@@ -146,6 +147,14 @@ impl ProxyMetrics {
                 "kvroute_exact_tokenize_seconds",
                 "How long a request waited for its prompt to be tokenized for the exact index.",
             )?,
+            exact_replies: counter_vec(
+                r,
+                "kvroute_exact_replies_tokenized_total",
+                "Chat replies tokenized in the background once answered, so the conversation's \
+                 next turn finds them remembered: tokenized, skipped (no tokenizing slot free), \
+                 failed.",
+                &["outcome"],
+            )?,
             cached_by_index: counter_vec(
                 r,
                 "kvroute_cached_prompt_tokens_by_index_total",
@@ -157,6 +166,9 @@ impl ProxyMetrics {
         };
         for outcome in ["tokenized", "late", "busy", "failed", "too_large"] {
             m.exact_tokenize.with_label_values(&[outcome]);
+        }
+        for outcome in ["tokenized", "skipped", "failed"] {
+            m.exact_replies.with_label_values(&[outcome]);
         }
         for index in ["exact", "approximate"] {
             for source in ["predicted", "reported"] {

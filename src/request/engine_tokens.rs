@@ -85,6 +85,8 @@ pub struct EngineTokenizer {
     added_ids: Vec<u32>,
     pub block_size: usize,
     memo: Mutex<Memo>,
+    /// Bytes of text encoded from scratch (not found in the memo).
+    cold_bytes: std::sync::atomic::AtomicU64,
     /// Prompts tokenized at once, shared by all tokenizers.
     slots: Arc<Slots>,
 }
@@ -107,6 +109,12 @@ impl Slots {
             waiting: std::sync::atomic::AtomicUsize::new(0),
             size,
         }
+    }
+
+    /// A slot if one is free now: for work nobody waits for, which must not queue ahead of a
+    /// request's own.
+    fn idle(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.sem.clone().try_acquire_owned().ok()
     }
 
     /// A slot, now or after the short wait described above; `None` when the queue is full.
@@ -253,6 +261,7 @@ impl EngineTokenizer {
             added_ids,
             block_size: files.block_size.max(1),
             memo: Mutex::default(),
+            cold_bytes: Default::default(),
             slots,
         })
     }
@@ -260,6 +269,11 @@ impl EngineTokenizer {
     /// A tokenizing slot (see [`Slots`]).
     pub async fn slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
         self.slots.acquire().await
+    }
+
+    /// A tokenizing slot if one is free now (see [`Slots`]), for background work.
+    pub fn idle_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.slots.idle()
     }
 
     /// The chat template's text for `messages` (and `tools`), ending with the generation
@@ -296,6 +310,21 @@ impl EngineTokenizer {
                 .ok_or_else(|| "a token id is not a u32".to_string()),
             _ => Err("only a string or token-id prompt is matched exactly".into()),
         }
+    }
+
+    /// Tokenize a chat conversation as its next turn will carry it, the request's messages and
+    /// then the engine's `reply`, only to fill the memo: that turn's client then waits for its
+    /// new message to be tokenized, not for the reply too (in chat, usually the longer part).
+    /// Run after the answer, off the request's path.
+    pub fn remember_reply(&self, body: &[u8], reply: &str) -> Result<(), String> {
+        let mut v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let messages = v
+            .get_mut("messages")
+            .and_then(Value::as_array_mut)
+            .ok_or("no messages list")?;
+        messages.push(serde_json::json!({"role": "assistant", "content": reply}));
+        let text = self.render_chat(&v["messages"], v.get("tools"))?;
+        self.tokenize(&text).map(drop)
     }
 
     /// Token ids of `text`, with no special tokens added (a chat template writes its own).
@@ -355,6 +384,8 @@ impl EngineTokenizer {
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.cold_bytes
+            .fetch_add(text.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.tokenizer
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
@@ -470,6 +501,44 @@ mod tests {
         let blocks_all = t.blocks(&whole, None, None);
         let shared = first.iter().zip(&whole).take_while(|(a, b)| a == b).count();
         assert_eq!(blocks_first[..shared / 16], blocks_all[..shared / 16]);
+    }
+
+    #[test]
+    fn a_remembered_reply_is_not_tokenized_again_with_the_next_turn() {
+        let reply = "Prefix caching keeps the attention keys and values of a prompt's blocks, \
+                     so a later prompt that starts the same way skips their prefill. "
+            .repeat(8);
+        let turn1 = json!({"messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What does prefix caching do for a multi-turn chat?"},
+        ]});
+        let mut turn2 = turn1.clone();
+        let msgs = turn2["messages"].as_array_mut().unwrap();
+        msgs.push(json!({"role": "assistant", "content": reply}));
+        msgs.push(json!({"role": "user", "content": "Thanks!"}));
+        let (b1, b2) = (turn1.to_string(), turn2.to_string());
+        let cold = |t: &EngineTokenizer| t.cold_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        // Without: the next turn encodes the reply.
+        let plain = EngineTokenizer::load(&shipped()).expect("loads");
+        plain.prompt_tokens(b1.as_bytes(), true).expect("turn 1");
+        let before = cold(&plain);
+        let expected = plain.prompt_tokens(b2.as_bytes(), true).expect("turn 2");
+        let without = cold(&plain) - before;
+        // With: the same tokens, and the reply is not encoded again.
+        let t = EngineTokenizer::load(&shipped()).expect("loads");
+        t.prompt_tokens(b1.as_bytes(), true).expect("turn 1");
+        t.remember_reply(b1.as_bytes(), &reply).expect("remembered");
+        let before = cold(&t);
+        assert_eq!(
+            t.prompt_tokens(b2.as_bytes(), true).expect("turn 2"),
+            expected
+        );
+        let with = cold(&t) - before;
+        assert!(
+            with + reply.len() as u64 <= without,
+            "{with} bytes encoded with the reply remembered, {without} without"
+        );
+        assert!(t.remember_reply(b"{}", "x").is_err(), "not a chat body");
     }
 
     #[test]
