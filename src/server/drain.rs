@@ -6,8 +6,9 @@
 //! flight, and stops listening for signals while it does. Once the grace period begins (the
 //! listeners are closed, or handed over on upgrade), this service exits the process as soon as
 //! no request is in flight, and at once on a second SIGTERM or a SIGINT. Streams still running
-//! near the grace period's end are cut here, just before Pingora would drop them: so they get the
-//! SSE error event and their access lines, which a dropped request never does.
+//! a second before the grace period's end (half-way through a shorter one) are cut here, before
+//! Pingora would drop them: so they get the SSE error event and their access lines, which a
+//! dropped request never does.
 
 use async_trait::async_trait;
 use pingora::server::{ExecutionPhase, ShutdownWatch};
@@ -25,8 +26,8 @@ const DRAIN_POLL: Duration = Duration::from_millis(100);
 const CUT_GRACE: Duration = Duration::from_millis(500);
 /// How long an open connection with nothing in flight may hold the drain.
 const IDLE_SETTLE: Duration = Duration::from_secs(2);
-/// How long before the grace period's end the drain cuts what still runs: the cut's own grace
-/// and a margin for the exit.
+/// How long before the grace period's end the drain cuts the streams still running (at most
+/// half the period): time for their error events, access lines and the exit.
 const GRACE_LEAD: Duration = Duration::from_millis(1000);
 
 pub(super) struct DrainWatch {
@@ -74,7 +75,9 @@ impl DrainWatch {
         );
         let open = &self.edge.open_connections;
         let mut idle_since: Option<std::time::Instant> = None;
-        let cut_at = tokio::time::Instant::now() + self.grace.saturating_sub(GRACE_LEAD);
+        let lead = GRACE_LEAD.min(self.grace / 2);
+        let cut_at = tokio::time::Instant::now() + self.grace.saturating_sub(lead);
+        let mut cut = false;
         loop {
             // Done when no request is in flight and the clients' connections have closed
             // (Pingora wakes and closes idle keep-alive connections at shutdown); a connection
@@ -93,8 +96,15 @@ impl DrainWatch {
                 _ = tokio::time::sleep(DRAIN_POLL) => {}
                 _ = term.recv() => self.cut_and_exit("SIGTERM again").await,
                 _ = int.recv() => self.cut_and_exit("SIGINT").await,
-                _ = tokio::time::sleep_until(cut_at) => {
-                    self.cut_and_exit("the grace period is ending").await
+                // Streams only: they end at their next chunk, and the drain then ends as above,
+                // so a connection still in its handshake or its request is not cut off.
+                _ = tokio::time::sleep_until(cut_at), if !cut => {
+                    cut = true;
+                    log::warn!(
+                        "drain: the grace period is ending: cutting {} request(s) in flight",
+                        budget.in_flight()
+                    );
+                    self.edge.draining.cut();
                 }
             }
         }
