@@ -226,3 +226,49 @@ async fn other_paths_pass_through() {
     let v: serde_json::Value = resp.json().await.unwrap();
     assert_eq!(v["object"], "list");
 }
+
+/// A backend that answers every request on its own connection with `response`, then closes.
+fn fixed_backend(response: &'static str) -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("local addr");
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = conn.write_all(response.as_bytes());
+        }
+    });
+    addr
+}
+
+/// The health check takes any 2xx as healthy (as documented for `health_check.path`), and
+/// anything else as unhealthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_2xx_health_answer_is_healthy_and_a_503_is_not() {
+    let no_content = fixed_backend("HTTP/1.1 204 No Content\r\nConnection: close\r\n\r\n");
+    let busy = fixed_backend(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 5\r\nConnection: close\r\n\r\nbusy\n",
+    );
+    let kv = Kvroute::start_unready(
+        &[no_content, busy],
+        "  health_check:\n    interval_ms: 100\n  telemetry:\n    enabled: false\n",
+    );
+    let healthy = |addr: std::net::SocketAddr| {
+        kv.metric_sum("kvroute_backend_healthy", &[("backend", &addr.to_string())])
+    };
+    // Pingora counts a new backend healthy until its first check: wait for the 503 to show.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while healthy(busy) != 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the 503 backend is still healthy:\n{}",
+            kv.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Several more checks: the 204 backend stays in.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(healthy(no_content), 1.0, "log:\n{}", kv.log());
+    assert_eq!(healthy(busy), 0.0);
+}

@@ -2,17 +2,18 @@
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
+use pingora::connectors::http::v1;
 use pingora::http::RequestHeader;
 use pingora_load_balancing::discovery::ServiceDiscovery;
-use pingora_load_balancing::health_check::{HealthCheck, HttpHealthCheck};
+use pingora_load_balancing::health_check::HealthCheck;
 use pingora_load_balancing::Backend;
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::error::FleetError;
-use super::upstream::{http_peer, UpstreamTls};
+use super::upstream::{http_peer, probe_connector, UpstreamTls};
 use crate::config::HealthCheckConfig;
 
 /// The backend set Pingora's load balancer health-checks, replaced on reload. Pingora's own
@@ -31,77 +32,63 @@ impl ServiceDiscovery for Membership {
 #[derive(Clone, Default)]
 pub(super) struct TlsTargets(pub(super) Arc<ArcSwap<HashMap<SocketAddr, Arc<UpstreamTls>>>>);
 
-/// Pingora's HTTP check for `cfg`, through `tls` when given.
-fn http_check(
-    cfg: &HealthCheckConfig,
-    tls: Option<&UpstreamTls>,
-) -> Result<HttpHealthCheck, FleetError> {
-    let host = tls.map_or("localhost", |t| t.sni.as_str());
-    let mut hc = HttpHealthCheck::new(host, false);
-    let mut req = RequestHeader::build("GET", cfg.path.as_bytes(), None)
-        .map_err(|e| FleetError::HealthCheck(e.to_string()))?;
-    req.append_header("Host", host)
-        .map_err(|e| FleetError::HealthCheck(e.to_string()))?;
-    hc.req = req;
-    // The address is a placeholder: each check sets the backend's.
-    hc.peer_template = http_peer(SocketAddr::from(([0, 0, 0, 0], 1)), tls);
-    let timeout = Some(Duration::from_millis(cfg.timeout_ms));
-    hc.peer_template.options.connection_timeout = timeout;
-    hc.peer_template.options.read_timeout = timeout;
-    hc.consecutive_success = cfg.consecutive_success;
-    hc.consecutive_failure = cfg.consecutive_failure;
-    Ok(hc)
-}
-
-/// A TLS backend's check and the settings it was built with.
-type TlsCheck = (Arc<UpstreamTls>, Arc<HttpHealthCheck>);
-
-/// Pingora's HTTP health check, per backend over plaintext or TLS: Pingora's own check has one
-/// peer template for every backend.
+/// The HTTP check of every backend, plaintext or TLS, over the process's probe connector
+/// ([`probe_connector`]): Pingora's `HttpHealthCheck` has one peer template for all backends,
+/// so a check per TLS backend cost two TLS contexts per backend.
 pub(super) struct FleetHealthCheck {
     cfg: HealthCheckConfig,
-    plain: HttpHealthCheck,
     targets: TlsTargets,
-    /// One check per TLS backend, rebuilt when a reload gives it new settings.
-    tls_checks: Mutex<HashMap<SocketAddr, TlsCheck>>,
+    connector: Arc<v1::Connector>,
 }
 
 impl FleetHealthCheck {
-    fn tls_check(
-        &self,
-        addr: SocketAddr,
-        tls: Arc<UpstreamTls>,
-    ) -> pingora::Result<Arc<HttpHealthCheck>> {
-        let mut checks = self
-            .tls_checks
-            .lock()
-            .map_err(|_| pingora::Error::explain(pingora::ErrorType::InternalError, "poisoned"))?;
-        if let Some((t, hc)) = checks.get(&addr) {
-            if Arc::ptr_eq(t, &tls) {
-                return Ok(hc.clone());
-            }
-        }
-        let hc = Arc::new(http_check(&self.cfg, Some(&tls)).map_err(|e| {
-            pingora::Error::explain(pingora::ErrorType::InternalError, e.to_string())
-        })?);
-        checks.insert(addr, (tls, hc.clone()));
-        Ok(hc)
+    async fn get(&self, addr: SocketAddr, tls: Option<&UpstreamTls>) -> pingora::Result<u16> {
+        let mut peer = http_peer(addr, tls);
+        let timeout = Some(Duration::from_millis(self.cfg.timeout_ms));
+        peer.options.connection_timeout = timeout;
+        peer.options.read_timeout = timeout;
+        peer.options.write_timeout = timeout;
+        let host = tls.map_or("localhost", |t| t.sni.as_str());
+        let mut req = RequestHeader::build("GET", self.cfg.path.as_bytes(), None)?;
+        req.append_header("Host", host)?;
+        let (mut session, _) = self.connector.get_http_session(&peer).await?;
+        session.write_request_header(Box::new(req)).await?;
+        session.finish_body().await?;
+        session.read_response().await?;
+        let status = session.resp_header().map_or(0, |h| h.status.as_u16());
+        // Drained, so a slow or endless body fails the check by the read timeout.
+        while session.read_body_ref().await?.is_some() {}
+        Ok(status)
     }
 }
 
 #[async_trait]
 impl HealthCheck for FleetHealthCheck {
     async fn check(&self, target: &Backend) -> pingora::Result<()> {
-        let addr = target.addr.as_inet().copied();
-        let tls = addr.and_then(|a| self.targets.0.load().get(&a).cloned().map(|t| (a, t)));
-        match tls {
-            None => self.plain.check(target).await,
-            Some((a, t)) => self.tls_check(a, t)?.check(target).await,
+        let Some(addr) = target.addr.as_inet().copied() else {
+            return Err(pingora::Error::explain(
+                pingora::ErrorType::InternalError,
+                "health check of a backend that is not an IP address",
+            ));
+        };
+        let tls = self.targets.0.load().get(&addr).cloned();
+        let status = self.get(addr, tls.as_deref()).await?;
+        if (200..300).contains(&status) {
+            Ok(())
+        } else {
+            pingora::Error::e_explain(
+                pingora::ErrorType::CustomCode("non 2xx code", status),
+                "during http healthcheck",
+            )
         }
     }
 
     fn health_threshold(&self, success: bool) -> usize {
-        self.plain.health_threshold(success)
+        if success {
+            self.cfg.consecutive_success
+        } else {
+            self.cfg.consecutive_failure
+        }
     }
 }
 
@@ -109,10 +96,12 @@ pub(super) fn health_check(
     cfg: &HealthCheckConfig,
     targets: TlsTargets,
 ) -> Result<Box<FleetHealthCheck>, FleetError> {
+    // The path must make a request line: checked here, at start and on reload.
+    RequestHeader::build("GET", cfg.path.as_bytes(), None)
+        .map_err(|e| FleetError::HealthCheck(e.to_string()))?;
     Ok(Box::new(FleetHealthCheck {
         cfg: cfg.clone(),
-        plain: http_check(cfg, None)?,
         targets,
-        tls_checks: Mutex::new(HashMap::new()),
+        connector: probe_connector(),
     }))
 }

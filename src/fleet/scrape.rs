@@ -2,17 +2,16 @@
 //! Pingora's HTTP connector, parsed by `telemetry` into the backend's slot, and its
 //! `/v1/models`, which says which models it serves.
 
-use pingora::connectors::http::Connector;
+use pingora::connectors::http::v1::Connector;
 use pingora::http::RequestHeader;
 use pingora::prelude::HttpPeer;
 use pingora::server::ShutdownWatch;
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::generation::Current;
 use super::models::parse_model_list;
 use super::telemetry::{parse_dcgm, parse_engine, parse_lora};
-use super::upstream::http_peer;
+use super::upstream::{http_peer, probe_connector};
 
 /// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
 async fn fetch(
@@ -41,24 +40,14 @@ async fn fetch(
             .write_request_header(Box::new(req))
             .await
             .map_err(|e| e.to_string())?;
-        session
-            .finish_request_body()
-            .await
-            .map_err(|e| e.to_string())?;
-        session
-            .read_response_header()
-            .await
-            .map_err(|e| e.to_string())?;
-        let status = session.response_header().map_or(0, |h| h.status.as_u16());
+        session.finish_body().await.map_err(|e| e.to_string())?;
+        session.read_response().await.map_err(|e| e.to_string())?;
+        let status = session.resp_header().map_or(0, |h| h.status.as_u16());
         if status != 200 {
             return Err(format!("status {status}"));
         }
         let mut body = Vec::new();
-        while let Some(chunk) = session
-            .read_response_body()
-            .await
-            .map_err(|e| e.to_string())?
-        {
+        while let Some(chunk) = session.read_body_bytes().await.map_err(|e| e.to_string())? {
             if body.len() + chunk.len() > 4 << 20 {
                 return Err("metrics body over 4 MiB".into());
             }
@@ -77,7 +66,7 @@ async fn fetch(
 /// Scrape every backend of the fleet in force, every `telemetry.interval_ms`, until `shutdown`.
 /// The generation is read afresh each round, so a reload can add backends or turn scraping off.
 pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
-    let connector = Arc::new(Connector::new(None));
+    let connector = probe_connector();
     loop {
         let generation = current.load();
         let cfg = &generation.config;

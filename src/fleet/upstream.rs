@@ -3,13 +3,26 @@
 //! [`http_peer`], so they reach the engine the same way.
 
 use openssl::x509::X509;
+use pingora::connectors::http::v1;
 use pingora::prelude::HttpPeer;
 use pingora::protocols::ALPN;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::error::FleetError;
 use crate::config::BackendTlsConfig;
+
+/// The HTTP/1.1 connector of kvroute's own requests to the engines (health checks, metrics and
+/// model-list scrapes), one per process: each Pingora connector builds a TLS context that parses
+/// the system's CA bundle (about 0.9 MiB apiece), and Pingora's `HttpHealthCheck` and HTTP
+/// connector would each build two (HTTP/1 and HTTP/2), per TLS backend for the check. Sessions
+/// are never returned to its pool, so one connector serves every runtime that uses it.
+pub(super) fn probe_connector() -> Arc<v1::Connector> {
+    static CONNECTOR: OnceLock<Arc<v1::Connector>> = OnceLock::new();
+    CONNECTOR
+        .get_or_init(|| Arc::new(v1::Connector::new(None)))
+        .clone()
+}
 
 /// A backend's TLS settings, its CA bundle read and parsed.
 #[derive(Debug)]
