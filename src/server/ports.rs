@@ -19,6 +19,7 @@ pub(super) fn check_free(addrs: &[(&str, &str)]) -> Result<(), String> {
             .collect();
         for a in resolved {
             let deadline = Instant::now() + WAIT;
+            let mut warned = false;
             loop {
                 match try_bind(a) {
                     Ok(()) => break,
@@ -26,7 +27,13 @@ pub(super) fn check_free(addrs: &[(&str, &str)]) -> Result<(), String> {
                         if e.kind() == std::io::ErrorKind::AddrInUse
                             && Instant::now() < deadline =>
                     {
-                        log::warn!("{key} {a} is in use; trying again");
+                        if !warned {
+                            warned = true;
+                            log::warn!(
+                                "{key} {a} is in use; trying again for up to {} s",
+                                WAIT.as_secs()
+                            );
+                        }
                         std::thread::sleep(STEP);
                     }
                     Err(e) => {
