@@ -57,6 +57,35 @@ fn closed_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
     None
 }
 
+/// The header deadline ends with the header: answers that take longer than it, streamed or
+/// not, on fresh and kept-alive connections, are served whole. (Header timeouts are not
+/// counted: hyper may race a new connection against an idle one and leave it unused, and
+/// that one times out rightly.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_outlasting_the_header_deadline_are_served_whole() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "500", "--itl-ms", "100"]);
+    let kv = Kvroute::start(&[sims[0].addr], "  timeouts:\n    client_header_ms: 200\n");
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    for stream in [false, true, false, true] {
+        let t0 = Instant::now();
+        let r = c.post(&url).json(&hello(4, stream)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.unwrap();
+        assert!(
+            t0.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            t0.elapsed()
+        );
+        if stream {
+            assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+        } else {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_clients_are_cut_at_their_deadlines() {
     let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);

@@ -22,7 +22,7 @@ where
         edge,
         shutdown,
         limits,
-        mut signal,
+        signal,
         peer,
     } = conn;
     let mut session = ServerSession::new_http1(stream);
@@ -33,19 +33,18 @@ where
     }
     let mut limit = limits.header;
     loop {
-        let seen = signal
-            .as_mut()
-            .map_or(0, |s| *s.headers.borrow_and_update());
+        let seen = signal.as_ref().map_or(0, |s| s.headers());
         let work = proxy.process_new_http(session, shutdown);
-        let reused = match signal.as_mut() {
+        let reused = match signal.as_ref() {
             None => work.await,
             Some(s) => {
                 tokio::pin!(work);
                 tokio::select! {
                     biased;
                     done = &mut work => done,
-                    // (The watch's guard must not live across the await below.)
-                    _ = async { s.headers.wait_for(|n| *n > seen).await.is_ok() } => work.await,
+                    // Once the header is in, the rest of the request has no deadline here (and
+                    // the timer below is no longer polled at each of the request's wake-ups).
+                    _ = s.header_after(seen) => work.await,
                     // Pingora's timer thread, not tokio's: a tokio sleep made afresh for every
                     // request wakes the runtime's driver through an eventfd when registered (a
                     // syscall a request, found with perf), where this shares a 10 ms tick.
