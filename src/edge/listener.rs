@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::conn::{Conn, ConnLimits};
+use super::signals::ConnToken;
 use super::state::EdgeState;
 use super::tls::{HandshakeFailure, TlsEdge};
 use super::{h1, h2};
@@ -40,18 +41,19 @@ pub struct Listener<P> {
     transport: Transport,
 }
 
-/// One open client connection, counted until dropped.
+/// One open client connection, counted until dropped, and its registration for the proxy's
+/// signals (from when it is served).
 struct Open<'a> {
     edge: &'a EdgeState,
-    peer: Option<SocketAddr>,
+    signals: Option<(SocketAddr, ConnToken)>,
 }
 
 impl Drop for Open<'_> {
     fn drop(&mut self) {
         let n = self.edge.open_connections.fetch_sub(1, Ordering::Relaxed) - 1;
         self.edge.metrics.connections.set(n as i64);
-        if let Some(p) = self.peer {
-            self.edge.conns.unregister(p);
+        if let Some((p, token)) = &self.signals {
+            self.edge.conns.unregister(*p, token);
         }
     }
 }
@@ -104,7 +106,10 @@ where
         let peer = stream
             .get_socket_digest()
             .and_then(|d| d.peer_addr().and_then(|a| a.as_inet().copied()));
-        let _open = Open { edge, peer };
+        let mut open = Open {
+            edge,
+            signals: None,
+        };
         m.connections.set(n as i64);
         if n > limits.max_connections {
             m.connections_refused.inc();
@@ -148,11 +153,16 @@ where
         m.accepted
             .with_label_values(&[transport, if h2 { "h2" } else { "http1" }])
             .inc();
+        let signal = peer.map(|p| {
+            let s = edge.conns.register(p);
+            open.signals = Some((p, s.token()));
+            s
+        });
         let conn = Conn {
             edge,
             shutdown,
             limits: &limits,
-            signal: peer.map(|p| edge.conns.register(p)),
+            signal,
             peer: &peer_name,
         };
         if h2 {

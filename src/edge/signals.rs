@@ -34,7 +34,15 @@ pub(super) struct ConnSignal {
     pub abandoned: watch::Receiver<u64>,
 }
 
+/// Which registration a connection holds: a client port reused by a new connection before the
+/// old one's cleanup has run must not lose the new one's entry.
+pub(super) struct ConnToken(Arc<Headers>);
+
 impl ConnSignal {
+    pub fn token(&self) -> ConnToken {
+        ConnToken(self.headers.clone())
+    }
+
     /// Complete request headers parsed on this connection so far.
     pub fn headers(&self) -> u64 {
         self.headers.count.load(Ordering::Acquire)
@@ -81,9 +89,14 @@ impl ConnSignals {
         }
     }
 
-    pub(super) fn unregister(&self, peer: SocketAddr) {
+    /// Drop `peer`'s entry if it is still the one `token` registered.
+    pub(super) fn unregister(&self, peer: SocketAddr, token: &ConnToken) {
         if let Ok(mut m) = self.0.write() {
-            m.remove(&peer);
+            if m.get(&peer)
+                .is_some_and(|s| Arc::ptr_eq(&s.headers, &token.0))
+            {
+                m.remove(&peer);
+            }
         }
     }
 
@@ -105,5 +118,47 @@ impl ConnSignals {
                 s.abandoned.send_modify(|n| *n += 1);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client port reused by a new connection before the old one is cleaned up: the old
+    /// one's cleanup leaves the new registration, whose headers are still counted.
+    #[test]
+    fn an_old_connections_cleanup_keeps_a_reused_ports_new_registration() {
+        let signals = ConnSignals::default();
+        let peer: SocketAddr = "127.0.0.1:40000".parse().expect("addr");
+        let old = signals.register(peer);
+        signals.header_seen(peer);
+        assert_eq!(old.headers(), 1);
+        let new = signals.register(peer);
+        signals.unregister(peer, &old.token());
+        signals.header_seen(peer);
+        assert_eq!(new.headers(), 1, "the new connection's header was lost");
+        assert_eq!(old.headers(), 1);
+        signals.unregister(peer, &new.token());
+        signals.header_seen(peer);
+        assert_eq!(new.headers(), 1, "unregistered, nothing counts");
+    }
+
+    /// The connection task waiting for its next header is woken by it.
+    #[tokio::test]
+    async fn a_header_wakes_the_task_waiting_for_it() {
+        let signals = Arc::new(ConnSignals::default());
+        let peer: SocketAddr = "127.0.0.1:40001".parse().expect("addr");
+        let signal = signals.register(peer);
+        let seen = signal.headers();
+        let s2 = signals.clone();
+        let later = tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            s2.header_seen(peer);
+        });
+        tokio::time::timeout(std::time::Duration::from_secs(5), signal.header_after(seen))
+            .await
+            .expect("woken by the header");
+        later.await.expect("task");
     }
 }
