@@ -63,6 +63,16 @@ fn an_idle_kvroute_stops_at_once() {
     assert!(took < Duration::from_secs(3), "stopped after {took:?}");
 }
 
+/// Cut, not completed, and told so: the stream ends with the SSE error event.
+fn assert_cut(text: &str) {
+    assert!(!text.contains("data: [DONE]"), "the stream was not cut");
+    assert!(
+        text.contains("kvroute is shutting down"),
+        "no SSE error event: ...{}",
+        &text[text.len().saturating_sub(200)..]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_in_flight_finishes_then_kvroute_exits() {
     // 60 tokens at 50 ms: a 3 s stream.
@@ -112,14 +122,7 @@ async fn a_second_sigterm_ends_the_drain_at_once() {
         "exited {took:?} after the second signal"
     );
     let (r, _) = s.await.expect("join");
-    // Cut, not completed, and told so: the stream ends with the SSE error event.
-    let text = r.expect("the cut stream still ended cleanly");
-    assert!(!text.contains("data: [DONE]"), "the stream was not cut");
-    assert!(
-        text.contains("kvroute is shutting down"),
-        "no SSE error event: ...{}",
-        &text[text.len().saturating_sub(200)..]
-    );
+    assert_cut(&r.expect("the cut stream still ended cleanly"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -144,13 +147,7 @@ async fn a_stream_still_running_at_the_grace_periods_end_is_cut_and_logged() {
         "exited {took:?} after SIGTERM, with a 3 s grace period"
     );
     let (r, _) = s.await.expect("join");
-    let text = r.expect("the cut stream still ended cleanly");
-    assert!(!text.contains("data: [DONE]"), "the stream was not cut");
-    assert!(
-        text.contains("kvroute is shutting down"),
-        "no SSE error event: ...{}",
-        &text[text.len().saturating_sub(200)..]
-    );
+    assert_cut(&r.expect("the cut stream still ended cleanly"));
     let log = k.log();
     assert!(
         log.lines()

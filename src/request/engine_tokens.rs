@@ -85,7 +85,9 @@ pub struct EngineTokenizer {
     added_ids: Vec<u32>,
     pub block_size: usize,
     memo: Mutex<Memo>,
-    /// Bytes of text encoded from scratch (not found in the memo).
+    /// Bytes of text encoded from scratch (not found in the memo): what the tests read to
+    /// tell a memo hit from a miss.
+    #[cfg(test)]
     cold_bytes: std::sync::atomic::AtomicU64,
     /// Prompts tokenized at once, shared by all tokenizers.
     slots: Arc<Slots>,
@@ -261,6 +263,7 @@ impl EngineTokenizer {
             added_ids,
             block_size: files.block_size.max(1),
             memo: Mutex::default(),
+            #[cfg(test)]
             cold_bytes: Default::default(),
             slots,
         })
@@ -384,6 +387,7 @@ impl EngineTokenizer {
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        #[cfg(test)]
         self.cold_bytes
             .fetch_add(text.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.tokenizer
