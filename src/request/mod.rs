@@ -8,11 +8,13 @@ use std::borrow::Cow;
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::error::ApiError;
+use text::{Content, Decoded};
 
 mod blocks;
 pub(crate) mod body;
 pub mod engine_tokens;
 pub mod surface;
+mod text;
 mod tokens;
 pub(crate) mod usage;
 
@@ -117,12 +119,13 @@ const COMPLETIONS_KEY_BYTES: usize = 1024;
 /// `routing.min_prefix_saving_tokens`' default of prompt, the prefix worth following.
 const CHAT_KEY_MAX_BYTES: usize = 4096;
 
+/// `FAST`: message text is read on the fast path ([`text`]).
 #[derive(Deserialize)]
-struct Body<'a> {
+struct Body<'a, const FAST: bool> {
     #[serde(borrow, default)]
     model: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
+    messages: Option<Vec<Message<'a, FAST>>>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
     #[serde(default)]
@@ -150,53 +153,13 @@ struct StreamOptions {
 }
 
 #[derive(Deserialize)]
-struct Message<'a> {
+struct Message<'a, const FAST: bool> {
     #[serde(borrow)]
     role: Cow<'a, str>,
     #[serde(borrow, default)]
-    content: Option<Content<'a>>,
+    content: Option<Decoded<'a, FAST>>,
     #[serde(borrow, default)]
     tool_calls: Option<&'a RawValue>,
-}
-
-/// A message's `content`, decoded in the same pass as the rest of the body: text is borrowed
-/// from the body unless it has JSON escapes. Parts stay raw; non-text parts are identified by
-/// the hash of their JSON.
-enum Content<'a> {
-    Text(Cow<'a, str>),
-    Parts(Vec<&'a RawValue>),
-}
-
-impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
-            type Value = Content<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("message content as a string, an array of content parts, or null")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Borrowed(v)))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v.to_owned())))
-            }
-            fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
-                Ok(Content::Text(Cow::Owned(v)))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<Self::Value, A::Error> {
-                let mut parts = Vec::new();
-                while let Some(p) = seq.next_element::<&'de RawValue>()? {
-                    parts.push(p);
-                }
-                Ok(Content::Parts(parts))
-            }
-        }
-        d.deserialize_any(V(std::marker::PhantomData))
-    }
 }
 
 #[derive(Deserialize)]
@@ -342,116 +305,166 @@ fn build(
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(bad("invalid_json", "request body must be a JSON object"));
     }
-    let parsed: Body = serde_json::from_slice(body).map_err(|e| {
+    // Validated whole, so that no string in it is validated again (`from_str`).
+    let json = std::str::from_utf8(body).map_err(|e| {
+        bad(
+            "invalid_json",
+            format!("request body is not valid UTF-8: {e}"),
+        )
+    })?;
+    let invalid = |e: serde_json::Error| {
         bad(
             "invalid_json",
             format!("request body is not valid JSON for this endpoint: {e}"),
         )
-    })?;
-    let model = match parsed.model.as_deref() {
-        Some(m) if !m.is_empty() => m,
-        Some(_) => return Err(bad("invalid_model", "`model` must be a non-empty string")),
-        None => return Err(bad("missing_model", "`model` is required")),
     };
-
-    // An empty salt is the engine's to refuse; it salts nothing here.
-    let cache_salt = parsed.cache_salt.as_deref().filter(|s| !s.is_empty());
-    let seed = cache_salt.map_or(0, crate::request::engine_tokens::salt_key);
-    let mut canon = Canon::new(block_bytes, body.len(), text_limit, seed);
-    canon.field(model.as_bytes());
-    if let Some(tools) = parsed.tools {
-        canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
-    }
-
-    let mut has_history = false;
-    let mut reply_mode = ReplyMode::Chat;
-    let content_key = match endpoint {
-        Endpoint::Chat => {
-            let messages = match &parsed.messages {
-                Some(m) if !m.is_empty() => m,
-                Some(_) => return Err(bad("invalid_messages", "`messages` must not be empty")),
-                None => return Err(bad("missing_messages", "`messages` is required")),
-            };
-            let mut key = None;
-            has_history = messages.iter().any(|m| m.role == "assistant");
-            for (i, m) in messages.iter().enumerate() {
-                canon.field(m.role.as_bytes());
-                write_content(&mut canon, m.content.as_ref(), i)?;
-                if let Some(calls) = m.tool_calls {
-                    canon.field(&xxhash_rust::xxh3::xxh3_64(calls.get().as_bytes()).to_le_bytes());
-                }
-                if key.is_none() && m.role == "user" {
-                    key = canon.seal_session();
-                }
-            }
-            // A conversation with no user message yet keys on all it has.
-            let key = key.or_else(|| canon.seal_session());
-            if let Some(r) = reply {
-                canon.field(b"assistant");
-                canon.field(r.as_bytes());
-            }
-            key
-        }
-        Endpoint::Completions => {
-            let prompt = parsed
-                .prompt
-                .ok_or_else(|| bad("missing_prompt", "`prompt` is required"))?;
-            reply_mode = write_prompt(&mut canon, prompt, reply)?;
-            None
-        }
-    };
-
-    let (session_key, session_source) = if let Some(h) = session_header.filter(|h| !h.is_empty()) {
-        (keyed(model, b"h", h), SessionSource::Header)
-    } else if let Some(u) = parsed.user.as_deref().filter(|u| !u.is_empty()) {
-        (keyed(model, b"u", u.as_bytes()), SessionSource::User)
-    } else if let Some(k) = parsed.prompt_cache_key.as_deref().filter(|k| !k.is_empty()) {
-        (
-            keyed(model, b"p", k.as_bytes()),
-            SessionSource::PromptCacheKey,
-        )
-    } else if let Some(k) = content_key {
-        (k, SessionSource::Content)
-    } else {
-        (completions_key(model, &parsed), SessionSource::Content)
-    };
-
-    let prompt_bytes = canon.bytes;
-    let (prefix_blocks, tail) = std::mem::replace(&mut canon.blocks, BlockHasher::new(1)).split();
-    let (est_prompt_tokens, text) = if canon.token_ids > 0 {
-        (canon.token_ids, PromptText::TokenIds)
-    } else {
-        (
-            (prompt_bytes as u64).div_ceil(4),
-            canon
-                .text
-                .take()
-                .map_or(PromptText::TooLong, PromptText::Text),
-        )
-    };
-    let profile = RequestProfile {
+    let prompt = Prompt {
         endpoint,
-        model: model.to_owned(),
-        stream: parsed.stream.unwrap_or(false),
-        has_stream_options: parsed.stream_options.is_some(),
-        include_usage: parsed
-            .stream_options
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false),
-        session_key,
-        session_source,
-        has_history,
-        prefix_blocks,
-        tail: Some((tail, reply_mode)),
-        prompt_bytes,
-        est_prompt_tokens,
-        est_output_tokens: parsed
-            .max_completion_tokens
-            .or(parsed.max_tokens)
-            .unwrap_or(DEFAULT_OUTPUT_TOKENS),
-        cache_salt: cache_salt.map(str::to_owned),
+        body,
+        session_header,
+        block_bytes,
+        reply,
+        text_limit,
     };
-    Ok((profile, text))
+    if text::fast_path_ok(body) {
+        prompt.reduce(serde_json::from_str::<Body<true>>(json).map_err(invalid)?)
+    } else {
+        prompt.reduce(serde_json::from_str::<Body<false>>(json).map_err(invalid)?)
+    }
+}
+
+/// What [`build`] reduces a parsed body with.
+struct Prompt<'a> {
+    endpoint: Endpoint,
+    body: &'a [u8],
+    session_header: Option<&'a [u8]>,
+    block_bytes: usize,
+    reply: Option<&'a str>,
+    text_limit: usize,
+}
+
+impl Prompt<'_> {
+    fn reduce<const FAST: bool>(
+        self,
+        parsed: Body<FAST>,
+    ) -> Result<(RequestProfile, PromptText), ApiError> {
+        let Prompt {
+            endpoint,
+            body,
+            session_header,
+            block_bytes,
+            reply,
+            text_limit,
+        } = self;
+        let model = match parsed.model.as_deref() {
+            Some(m) if !m.is_empty() => m,
+            Some(_) => return Err(bad("invalid_model", "`model` must be a non-empty string")),
+            None => return Err(bad("missing_model", "`model` is required")),
+        };
+
+        // An empty salt is the engine's to refuse; it salts nothing here.
+        let cache_salt = parsed.cache_salt.as_deref().filter(|s| !s.is_empty());
+        let seed = cache_salt.map_or(0, crate::request::engine_tokens::salt_key);
+        let mut canon = Canon::new(block_bytes, body.len(), text_limit, seed);
+        canon.field(model.as_bytes());
+        if let Some(tools) = parsed.tools {
+            canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
+        }
+
+        let mut has_history = false;
+        let mut reply_mode = ReplyMode::Chat;
+        let content_key = match endpoint {
+            Endpoint::Chat => {
+                let messages = match &parsed.messages {
+                    Some(m) if !m.is_empty() => m,
+                    Some(_) => return Err(bad("invalid_messages", "`messages` must not be empty")),
+                    None => return Err(bad("missing_messages", "`messages` is required")),
+                };
+                let mut key = None;
+                has_history = messages.iter().any(|m| m.role == "assistant");
+                for (i, m) in messages.iter().enumerate() {
+                    canon.field(m.role.as_bytes());
+                    write_content(&mut canon, m.content.as_ref().map(|c| &c.0), i)?;
+                    if let Some(calls) = m.tool_calls {
+                        canon.field(
+                            &xxhash_rust::xxh3::xxh3_64(calls.get().as_bytes()).to_le_bytes(),
+                        );
+                    }
+                    if key.is_none() && m.role == "user" {
+                        key = canon.seal_session();
+                    }
+                }
+                // A conversation with no user message yet keys on all it has.
+                let key = key.or_else(|| canon.seal_session());
+                if let Some(r) = reply {
+                    canon.field(b"assistant");
+                    canon.field(r.as_bytes());
+                }
+                key
+            }
+            Endpoint::Completions => {
+                let prompt = parsed
+                    .prompt
+                    .ok_or_else(|| bad("missing_prompt", "`prompt` is required"))?;
+                reply_mode = write_prompt::<FAST>(&mut canon, prompt, reply)?;
+                None
+            }
+        };
+
+        let (session_key, session_source) =
+            if let Some(h) = session_header.filter(|h| !h.is_empty()) {
+                (keyed(model, b"h", h), SessionSource::Header)
+            } else if let Some(u) = parsed.user.as_deref().filter(|u| !u.is_empty()) {
+                (keyed(model, b"u", u.as_bytes()), SessionSource::User)
+            } else if let Some(k) = parsed.prompt_cache_key.as_deref().filter(|k| !k.is_empty()) {
+                (
+                    keyed(model, b"p", k.as_bytes()),
+                    SessionSource::PromptCacheKey,
+                )
+            } else if let Some(k) = content_key {
+                (k, SessionSource::Content)
+            } else {
+                (completions_key(model, &parsed), SessionSource::Content)
+            };
+
+        let prompt_bytes = canon.bytes;
+        let (prefix_blocks, tail) =
+            std::mem::replace(&mut canon.blocks, BlockHasher::new(1)).split();
+        let (est_prompt_tokens, text) = if canon.token_ids > 0 {
+            (canon.token_ids, PromptText::TokenIds)
+        } else {
+            (
+                (prompt_bytes as u64).div_ceil(4),
+                canon
+                    .text
+                    .take()
+                    .map_or(PromptText::TooLong, PromptText::Text),
+            )
+        };
+        let profile = RequestProfile {
+            endpoint,
+            model: model.to_owned(),
+            stream: parsed.stream.unwrap_or(false),
+            has_stream_options: parsed.stream_options.is_some(),
+            include_usage: parsed
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            session_key,
+            session_source,
+            has_history,
+            prefix_blocks,
+            tail: Some((tail, reply_mode)),
+            prompt_bytes,
+            est_prompt_tokens,
+            est_output_tokens: parsed
+                .max_completion_tokens
+                .or(parsed.max_tokens)
+                .unwrap_or(DEFAULT_OUTPUT_TOKENS),
+            cache_salt: cache_salt.map(str::to_owned),
+        };
+        Ok((profile, text))
+    }
 }
 
 fn keyed(model: &str, tag: &[u8], value: &[u8]) -> u64 {
@@ -463,7 +476,7 @@ fn keyed(model: &str, tag: &[u8], value: &[u8]) -> u64 {
     h.digest()
 }
 
-fn completions_key(model: &str, parsed: &Body) -> u64 {
+fn completions_key<const FAST: bool>(model: &str, parsed: &Body<FAST>) -> u64 {
     let prompt = parsed.prompt.map(|p| p.get()).unwrap_or("");
     let end = floor_char_boundary(prompt, COMPLETIONS_KEY_BYTES);
     keyed(model, b"c", &prompt.as_bytes()[..end])
@@ -483,7 +496,7 @@ fn floor_char_boundary(s: &str, max: usize) -> usize {
 fn write_content(canon: &mut Canon, content: Option<&Content>, idx: usize) -> Result<(), ApiError> {
     match content {
         None => canon.field(b""),
-        Some(Content::Text(s)) => canon.field(s.as_bytes()),
+        Some(Content::Text(s)) => canon.field(s),
         Some(Content::Parts(parts)) => {
             for part in parts {
                 let p: Part = serde_json::from_str(part.get()).map_err(|e| {
@@ -505,7 +518,7 @@ fn write_content(canon: &mut Canon, content: Option<&Content>, idx: usize) -> Re
     Ok(())
 }
 
-fn write_prompt(
+fn write_prompt<const FAST: bool>(
     canon: &mut Canon,
     prompt: &RawValue,
     reply: Option<&str>,
@@ -519,16 +532,16 @@ fn write_prompt(
     };
     match text.as_bytes().first() {
         Some(b'"') => {
-            let s: Cow<str> = serde_json::from_str(text).map_err(|_| invalid())?;
+            let s = text::string::<FAST>(text).ok_or_else(invalid)?;
             match reply {
                 // The next prompt is this one continued, so nothing (no field separator) may
                 // follow the text: the prompt's stream must be a prefix of prompt + reply.
                 // Found by fuzzing (fuzz/): a separator completing a block broke the prefix.
                 Some(r) => {
-                    canon.write(s.as_bytes());
+                    canon.write(&s);
                     canon.write(r.as_bytes());
                 }
-                None => canon.write(s.as_bytes()),
+                None => canon.write(&s),
             }
             Ok(ReplyMode::Continue)
         }
@@ -538,8 +551,8 @@ fn write_prompt(
                 let t = item.get();
                 match t.as_bytes().first() {
                     Some(b'"') => {
-                        let s: Cow<str> = serde_json::from_str(t).map_err(|_| invalid())?;
-                        canon.field(s.as_bytes());
+                        let s = text::string::<FAST>(t).ok_or_else(invalid)?;
+                        canon.field(&s);
                     }
                     Some(b'[') => {
                         let ids: Vec<u32> = serde_json::from_str(t).map_err(|_| invalid())?;
@@ -833,6 +846,53 @@ mod tests {
             let p = profile(endpoint, body.as_bytes(), None, block).unwrap();
             let again = blocks_with_reply(endpoint, body.as_bytes(), &reply, block).unwrap();
             proptest::prop_assert_eq!(p.reply_blocks(&reply), Some(again));
+        }
+
+        /// A body read on the fast path ([`text`]) profiles as the same body read strictly
+        /// (a trailing newline, JSON whitespace, keeps it off the fast path): escapes, control
+        /// characters, non-ASCII text written raw or as `\u` escapes, valid or not.
+        #[test]
+        fn fast_and_strict_paths_agree(
+            texts in proptest::collection::vec("[a-z \"\\\n\t\u{1}\u{7f}\u{e9}\u{1F600}]{0,60}", 1..5),
+            ascii_escaped in proptest::bool::ANY,
+            damage in proptest::option::of((0usize..400, proptest::sample::select(vec![
+                "\\ud800", "\\udc00x", "\\x", "\"", "\u{1}", "\u{ff}", "{", "]",
+            ]))),
+            kind in 0u8..3,
+        ) {
+            let body = match kind {
+                0 => {
+                    let msgs: Vec<_> = texts.iter().enumerate().map(|(i, t)| {
+                        json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": t})
+                    }).collect();
+                    json!({"model":"m","messages":msgs})
+                }
+                1 => json!({"model":"m","prompt":texts.concat()}),
+                _ => json!({"model":"m","prompt":texts}),
+            }.to_string();
+            let mut body = if ascii_escaped {
+                body.chars().map(|c| if c.is_ascii() { c.to_string() } else {
+                    c.encode_utf16(&mut [0; 2]).iter().map(|u| format!("\\u{u:04x}")).collect()
+                }).collect()
+            } else {
+                body
+            };
+            if let Some((at, bad)) = damage {
+                let at = floor_char_boundary(&body, at);
+                body.insert_str(at, bad);
+            }
+            let endpoint = if kind == 0 { Endpoint::Chat } else { Endpoint::Completions };
+            let strict_body = format!("{body}\n");
+            if damage.is_none_or(|(_, bad)| bad != "\u{1}") {
+                proptest::prop_assert!(text::fast_path_ok(body.as_bytes()), "not on the fast path");
+            }
+            let fast = profile(endpoint, body.as_bytes(), None, 16);
+            let strict = profile(endpoint, strict_body.as_bytes(), None, 16);
+            match (fast, strict) {
+                (Ok(f), Ok(s)) => proptest::prop_assert_eq!(f, s),
+                (Err(f), Err(s)) => proptest::prop_assert_eq!((f.status, f.code), (s.status, s.code)),
+                (f, s) => proptest::prop_assert!(false, "fast {f:?}, strict {s:?}"),
+            }
         }
     }
 }
