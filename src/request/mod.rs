@@ -306,7 +306,7 @@ fn build(
         return Err(bad("invalid_json", "request body must be a JSON object"));
     }
     // Validated whole, so that no string in it is validated again (`from_str`).
-    let json = std::str::from_utf8(body).map_err(|e| {
+    let json = simdutf8::compat::from_utf8(body).map_err(|e| {
         bad(
             "invalid_json",
             format!("request body is not valid UTF-8: {e}"),

@@ -76,13 +76,15 @@ impl<'de: 'a, 'a, const FAST: bool> serde::de::Visitor<'de> for V<'a, FAST> {
     fn visit_borrowed_bytes<E>(self, v: &'de [u8]) -> Result<Self::Value, E> {
         Ok(Content::Text(Cow::Borrowed(v)))
     }
-    // Unescaped text: a `\u` escape of a lone surrogate decodes to bytes that are not UTF-8,
-    // which the strict decode refuses too.
+    // Unescaped text, which the strict decode refuses where a `\u` escape names a lone
+    // surrogate. Its raw parts are UTF-8 and end at ASCII characters, and every other escape
+    // decodes to UTF-8, so the one way it can fail to be UTF-8 is the surrogate's own encoding
+    // (0xED followed by 0xA0-0xBF), which valid UTF-8 never contains.
     fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-        match std::str::from_utf8(v) {
-            Ok(_) => Ok(Content::Text(Cow::Owned(v.to_vec()))),
-            Err(_) => Err(E::custom("lone surrogate in a \\u escape")),
+        if memchr::memchr_iter(0xED, v).any(|i| v.get(i + 1).is_some_and(|&b| b >= 0xA0)) {
+            return Err(E::custom("lone surrogate in a \\u escape"));
         }
+        Ok(Content::Text(Cow::Owned(v.to_vec())))
     }
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut parts = Vec::new();
@@ -120,6 +122,9 @@ mod tests {
             r#"{"content":"plain text"}"#,
             r#"{"content":"esc \"q\" \\ \/ \n\t\r\b\f \u00e9 \ud83d\ude00 end"}"#,
             r#"{"content":"héllo ✓ 😀"}"#,
+            // Next to the surrogates: U+D7FF (0xED 0x9F 0xBF) and U+E000, escaped and raw.
+            r#"{"content":"\ud7ff \ue000 \n \ud83d\ude00"}"#,
+            "{\"content\":\"\u{d7ff}\\n\u{e000}\"}",
             r#"{"content":""}"#,
             r#"{"content":null}"#,
             r#"{}"#,
@@ -139,6 +144,8 @@ mod tests {
             r#"{"content":true}"#,
             r#"{"content":"\ud800 lone"}"#,
             r#"{"content":"\udc00 lone"}"#,
+            r#"{"content":"a \ud800\u0041 b"}"#,
+            r#"{"content":"\ud83d\n"}"#,
             r#"{"content":"bad \x escape"}"#,
             r#"{"content":"unterminated"#,
         ] {
