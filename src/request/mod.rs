@@ -822,6 +822,31 @@ mod tests {
         }
     }
 
+    /// A generated request: `kind` 0 a chat alternating user and assistant `texts`, 1 a string
+    /// completions prompt of them all, 2 a list prompt of them.
+    fn generated(kind: u8, texts: &[String]) -> (Endpoint, String) {
+        let body = match kind {
+            0 => {
+                let msgs: Vec<_> = texts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": t})
+                    })
+                    .collect();
+                json!({"model":"m","messages":msgs})
+            }
+            1 => json!({"model":"m","prompt":texts.concat()}),
+            _ => json!({"model":"m","prompt":texts}),
+        };
+        let endpoint = if kind == 0 {
+            Endpoint::Chat
+        } else {
+            Endpoint::Completions
+        };
+        (endpoint, body.to_string())
+    }
+
     proptest::proptest! {
         /// Continuing the profile's own stream gives the blocks a second parse of the body with
         /// the reply gives, for chats, string and list prompts of any length.
@@ -832,17 +857,7 @@ mod tests {
             block in proptest::sample::select(vec![16usize, 64, 256]),
             kind in 0u8..3,
         ) {
-            let body = match kind {
-                0 => {
-                    let msgs: Vec<_> = texts.iter().enumerate().map(|(i, t)| {
-                        json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": t})
-                    }).collect();
-                    json!({"model":"m","messages":msgs})
-                }
-                1 => json!({"model":"m","prompt":texts.concat()}),
-                _ => json!({"model":"m","prompt":texts}),
-            }.to_string();
-            let endpoint = if kind == 0 { Endpoint::Chat } else { Endpoint::Completions };
+            let (endpoint, body) = generated(kind, &texts);
             let p = profile(endpoint, body.as_bytes(), None, block).unwrap();
             let again = blocks_with_reply(endpoint, body.as_bytes(), &reply, block).unwrap();
             proptest::prop_assert_eq!(p.reply_blocks(&reply), Some(again));
@@ -860,16 +875,7 @@ mod tests {
             ]))),
             kind in 0u8..3,
         ) {
-            let body = match kind {
-                0 => {
-                    let msgs: Vec<_> = texts.iter().enumerate().map(|(i, t)| {
-                        json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": t})
-                    }).collect();
-                    json!({"model":"m","messages":msgs})
-                }
-                1 => json!({"model":"m","prompt":texts.concat()}),
-                _ => json!({"model":"m","prompt":texts}),
-            }.to_string();
+            let (endpoint, body) = generated(kind, &texts);
             let mut body = if ascii_escaped {
                 body.chars().map(|c| if c.is_ascii() { c.to_string() } else {
                     c.encode_utf16(&mut [0; 2]).iter().map(|u| format!("\\u{u:04x}")).collect()
@@ -881,7 +887,6 @@ mod tests {
                 let at = floor_char_boundary(&body, at);
                 body.insert_str(at, bad);
             }
-            let endpoint = if kind == 0 { Endpoint::Chat } else { Endpoint::Completions };
             let strict_body = format!("{body}\n");
             if damage.is_none_or(|(_, bad)| bad != "\u{1}") {
                 proptest::prop_assert!(text::fast_path_ok(body.as_bytes()), "not on the fast path");
