@@ -8,6 +8,10 @@
 //!
 //! `cargo bench --bench engine_tokens`
 
+// The binary's allocator (src/main.rs), so the figures are the proxy's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute::config::KvEventsConfig;
 use kvroute::placement::{ExactIndex, Stored, SyncState};

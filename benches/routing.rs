@@ -4,6 +4,10 @@
 //!
 //! `cargo bench --bench routing`
 
+// The binary's allocator (src/main.rs), so the figures are the proxy's.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute::placement::{self, BackendLoad, Params, PolicyKind, PrefixIndex, Ring, Snapshot};
 use kvroute::request::DEFAULT_BLOCK_BYTES;

@@ -4,7 +4,7 @@
 # CPU 0 drives them in turn (old first in odd rounds, new first in even ones), ROUNDS rounds,
 # 1 KB and 100 KB chat bodies:
 # `wrk -c32 -d6s` (requests/s) then `wrk -c1 -d4s --latency` (p50). Prints every run and the
-# medians. Loopback only.
+# medians, and each binary's peak RSS. Loopback only.
 #
 #   bench/scripts/ab.sh OLD_KVROUTE NEW_KVROUTE [ROUNDS=3] [OUT=bench/results/overhead-edge/ab.txt]
 #
@@ -88,6 +88,8 @@ for round in $(seq "$ROUNDS"); do
     done
   done
 done
+# Peak RSS over the whole run, the 32-connection 100 KB runs included.
+echo "# peak RSS MiB: old $(awk '/VmHWM/{printf "%.1f", $2/1024}' "/proc/${PIDS[0]}/status") new $(awk '/VmHWM/{printf "%.1f", $2/1024}' "/proc/${PIDS[1]}/status")" | tee -a "$OUT"
 python3 - "$OUT" <<'PY' | tee -a "$OUT"
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1]) if l[0].isdigit()]

@@ -3,7 +3,7 @@
 //! `tokenizer.json`. Both come from local files; nothing is downloaded. The token blocks,
 //! chain-hashed as the exact index names blocks, are what engine KV events are matched on.
 //!
-//! Cost: a byte-level BPE takes about 0.5 ms per KB, so prompts are tokenized off the proxy's
+//! Cost: a byte-level BPE takes 0.15-0.35 ms per KB, so prompts are tokenized off the proxy's
 //! threads, and piecewise: Hugging Face tokenizers cut the text at added (special) tokens
 //! before anything else, so each piece between them tokenizes alone to the same ids. Pieces are
 //! remembered by content, and a conversation's next turn only tokenizes what is new.
