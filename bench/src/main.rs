@@ -12,6 +12,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+// kvroute's allocator (its src/main.rs): `kvbench proxy` is kvroute, measured as it ships.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod compare;
 mod demo;
 mod replay;
