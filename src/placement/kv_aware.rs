@@ -243,6 +243,7 @@ mod tests {
             session_key: key,
             session_source: SessionSource::Content,
             has_history: false,
+            history_blocks: 0,
             prefix_blocks: vec![],
             tail: None,
             prompt_bytes: prompt as usize * 4,

@@ -17,6 +17,7 @@ mod ring;
 mod round_robin;
 mod session_hash;
 mod snapshot;
+mod unseen;
 
 pub use crate::config::PolicyKind;
 pub use decision::{Decision, Params, Reason};
@@ -26,6 +27,7 @@ pub use kv_aware::Terms;
 pub use pool::{choose_in, Pool};
 pub use ring::{capacity, Ring};
 pub use snapshot::{BackendLoad, Snapshot};
+pub use unseen::credit_unseen_history;
 
 /// Choose a backend, or `None` when no backend is healthy and untried.
 ///
@@ -82,6 +84,7 @@ mod tests {
             session_key: key,
             session_source: SessionSource::Content,
             has_history: false,
+            history_blocks: 0,
             prefix_blocks: vec![],
             tail: None,
             prompt_bytes: 0,

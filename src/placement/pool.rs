@@ -25,6 +25,18 @@ impl Pool {
     pub fn local(&self, i: usize) -> Option<usize> {
         self.members.binary_search(&i).ok()
     }
+
+    /// Fleet index of `key`'s owner in this pool: the first backend of the pool's ring walk
+    /// (`fleet_ring`'s for a pool of the whole fleet).
+    pub fn owner(&self, fleet_ring: &Ring, key: u64) -> Option<usize> {
+        match &self.ring {
+            Some(r) => r
+                .walk(key, 1)
+                .next()
+                .and_then(|l| self.members.get(l).copied()),
+            None => fleet_ring.walk(key, 1).next(),
+        }
+    }
 }
 
 /// [`super::choose`] among `pool`'s backends of the whole-fleet `snap`; `excluded` and the
@@ -69,6 +81,36 @@ mod tests {
     }
 
     #[test]
+    fn the_owner_is_the_pools_own_ring_owner() {
+        let all: Vec<_> = (0..6).map(|i| (addr(i), 1)).collect();
+        let fleet_ring = Ring::new(&all);
+        let members = vec![1, 3, 4];
+        let own = Ring::new(&members.iter().map(|&i| (addr(i), 1)).collect::<Vec<_>>());
+        let pool = Pool {
+            ring: Some(Ring::new(
+                &members.iter().map(|&i| (addr(i), 1)).collect::<Vec<_>>(),
+            )),
+            members: members.clone(),
+            listed: true,
+            adapter: false,
+        };
+        let whole = Pool {
+            ring: None,
+            members: (0..6).collect(),
+            listed: true,
+            adapter: false,
+        };
+        for key in 0..50u64 {
+            let o = pool.owner(&fleet_ring, key).unwrap();
+            assert_eq!(o, members[own.walk(key, 1).next().unwrap()]);
+            assert_eq!(
+                whole.owner(&fleet_ring, key),
+                fleet_ring.walk(key, 1).next()
+            );
+        }
+    }
+
+    #[test]
     fn decisions_stay_in_the_pool_and_map_back_to_fleet_indices() {
         let n = 6;
         let all: Vec<_> = (0..n).map(|i| (addr(i), 1)).collect();
@@ -104,6 +146,7 @@ mod tests {
                     session_key: key.wrapping_mul(0x9E37_79B9_7F4A_7C15),
                     session_source: SessionSource::Content,
                     has_history: false,
+                    history_blocks: 0,
                     prefix_blocks: vec![],
                     tail: None,
                     prompt_bytes: 0,

@@ -69,12 +69,19 @@ impl Placer<'_> {
             }
         }
         let matched = if params.policy == PolicyKind::KvAware {
-            fleet.matches(
+            let mut m = fleet.matches(
                 &profile.prefix_blocks,
                 ctx.route.exact.as_ref(),
                 profile.session_key,
                 params.duplicate_prefill_weight,
-            )
+            );
+            placement::credit_unseen_history(
+                &mut m.tokens,
+                &m.exact,
+                pool.owner(fleet.ring(), profile.session_key),
+                profile.history_blocks as u64 * cfg.routing.block_tokens(),
+            );
+            m
         } else {
             Matches::default()
         };

@@ -68,6 +68,11 @@ impl BlockHasher {
         self.buf.extend_from_slice(chunks.remainder());
     }
 
+    /// How many full blocks have been hashed so far.
+    pub fn full_blocks(&self) -> usize {
+        self.hashes.len()
+    }
+
     /// Hashes of the full blocks. A trailing partial block is not hashed: it can still change
     /// as the conversation grows, so it names no stable prefix.
     pub fn finish(self) -> Vec<u64> {

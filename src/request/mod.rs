@@ -73,6 +73,10 @@ pub struct RequestProfile {
     /// A chat that carries earlier replies: its start was sent before, by this kvroute or
     /// another.
     pub has_history: bool,
+    /// Full blocks of the prompt before its last assistant message: the previous turn's
+    /// prompt, which whichever kvroute placed that turn sent to its backend (0 without
+    /// history).
+    pub history_blocks: usize,
     /// Chained hashes of the canonical prompt's full blocks.
     pub prefix_blocks: Vec<u64>,
     /// The canonical stream past those blocks, and how a reply continues it: the blocks of
@@ -372,6 +376,7 @@ impl Prompt<'_> {
         }
 
         let mut has_history = false;
+        let mut history_blocks = 0;
         let mut reply_mode = ReplyMode::Chat;
         let content_key = match endpoint {
             Endpoint::Chat => {
@@ -381,8 +386,12 @@ impl Prompt<'_> {
                     None => return Err(bad("missing_messages", "`messages` is required")),
                 };
                 let mut key = None;
-                has_history = messages.iter().any(|m| m.role == "assistant");
+                let last_reply = messages.iter().rposition(|m| m.role == "assistant");
+                has_history = last_reply.is_some();
                 for (i, m) in messages.iter().enumerate() {
+                    if Some(i) == last_reply {
+                        history_blocks = canon.blocks.full_blocks();
+                    }
                     canon.field(m.role.as_bytes());
                     write_content(&mut canon, m.content.as_ref().map(|c| &c.0), i)?;
                     if let Some(calls) = m.tool_calls {
@@ -453,6 +462,7 @@ impl Prompt<'_> {
             session_key,
             session_source,
             has_history,
+            history_blocks,
             prefix_blocks,
             tail: Some((tail, reply_mode)),
             prompt_bytes,
@@ -610,6 +620,20 @@ mod tests {
         assert!(n > 5);
         assert_eq!(t1.prefix_blocks[..n], t3.prefix_blocks[..n]);
         assert!(t3.stream);
+    }
+
+    #[test]
+    fn history_blocks_are_the_previous_turns_prompt() {
+        let t3 = chat(conv(3)).unwrap();
+        // Turn 3's previous prompt: its messages without the last reply and the new question.
+        let mut prev = conv(3);
+        let messages = prev["messages"].as_array_mut().unwrap();
+        messages.truncate(messages.len() - 2);
+        let t2 = chat(prev).unwrap();
+        assert!(t3.history_blocks > 5);
+        assert_eq!(t3.history_blocks, t2.prefix_blocks.len());
+        let first = chat(conv(0)).unwrap();
+        assert_eq!((first.has_history, first.history_blocks), (false, 0));
     }
 
     #[test]
