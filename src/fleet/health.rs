@@ -2,7 +2,6 @@
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use pingora::connectors::http::v1;
 use pingora::http::RequestHeader;
 use pingora_load_balancing::discovery::ServiceDiscovery;
 use pingora_load_balancing::health_check::HealthCheck;
@@ -13,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::error::FleetError;
-use super::upstream::{http_peer, probe_connector, UpstreamTls};
+use super::upstream::{http_peer, probe_session, UpstreamTls};
 use crate::config::HealthCheckConfig;
 
 /// The backend set Pingora's load balancer health-checks, replaced on reload. Pingora's own
@@ -32,13 +31,12 @@ impl ServiceDiscovery for Membership {
 #[derive(Clone, Default)]
 pub(super) struct TlsTargets(pub(super) Arc<ArcSwap<HashMap<SocketAddr, Arc<UpstreamTls>>>>);
 
-/// The HTTP check of every backend, plaintext or TLS, over the process's probe connector
-/// ([`probe_connector`]): Pingora's `HttpHealthCheck` has one peer template for all backends,
+/// The HTTP check of every backend, plaintext or TLS, over kvroute's probe sessions
+/// ([`probe_session`]): Pingora's `HttpHealthCheck` has one peer template for all backends,
 /// so a check per TLS backend cost two TLS contexts per backend.
 pub(super) struct FleetHealthCheck {
     cfg: HealthCheckConfig,
     targets: TlsTargets,
-    connector: Arc<v1::Connector>,
 }
 
 impl FleetHealthCheck {
@@ -51,7 +49,7 @@ impl FleetHealthCheck {
         let host = tls.map_or("localhost", |t| t.sni.as_str());
         let mut req = RequestHeader::build("GET", self.cfg.path.as_bytes(), None)?;
         req.append_header("Host", host)?;
-        let (mut session, _) = self.connector.get_http_session(&peer).await?;
+        let mut session = probe_session(&peer).await?;
         session.write_request_header(Box::new(req)).await?;
         session.finish_body().await?;
         session.read_response().await?;
@@ -102,6 +100,5 @@ pub(super) fn health_check(
     Ok(Box::new(FleetHealthCheck {
         cfg: cfg.clone(),
         targets,
-        connector: probe_connector(),
     }))
 }

@@ -1,8 +1,7 @@
 //! The engine telemetry scrape loop: each backend's `/metrics` (and DCGM exporter) over
-//! Pingora's HTTP connector, parsed by `telemetry` into the backend's slot, and its
+//! Pingora's HTTP/1 client, parsed by `telemetry` into the backend's slot, and its
 //! `/v1/models`, which says which models it serves.
 
-use pingora::connectors::http::v1::Connector;
 use pingora::http::RequestHeader;
 use pingora::prelude::HttpPeer;
 use pingora::server::ShutdownWatch;
@@ -11,15 +10,10 @@ use std::time::Duration;
 use super::generation::Current;
 use super::models::parse_model_list;
 use super::telemetry::{parse_dcgm, parse_engine, parse_lora};
-use super::upstream::{http_peer, probe_connector};
+use super::upstream::{http_peer, probe_session, release_probe_session};
 
 /// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
-async fn fetch(
-    connector: &Connector,
-    mut peer: HttpPeer,
-    path: &str,
-    timeout: Duration,
-) -> Result<String, String> {
+async fn fetch(mut peer: HttpPeer, path: &str, timeout: Duration) -> Result<String, String> {
     let host = if peer.sni.is_empty() {
         peer._address.to_string()
     } else {
@@ -29,10 +23,7 @@ async fn fetch(
     peer.options.read_timeout = Some(timeout);
     peer.options.write_timeout = Some(timeout);
     let work = async {
-        let (mut session, _) = connector
-            .get_http_session(&peer)
-            .await
-            .map_err(|e| e.to_string())?;
+        let mut session = probe_session(&peer).await.map_err(|e| e.to_string())?;
         let mut req =
             RequestHeader::build("GET", path.as_bytes(), None).map_err(|e| e.to_string())?;
         req.insert_header("Host", host).map_err(|e| e.to_string())?;
@@ -53,9 +44,7 @@ async fn fetch(
             }
             body.extend_from_slice(&chunk);
         }
-        connector
-            .release_http_session(session, &peer, Some(Duration::from_secs(30)))
-            .await;
+        release_probe_session(session, &peer, Duration::from_secs(30)).await;
         String::from_utf8(body).map_err(|_| "metrics body is not UTF-8".to_string())
     };
     tokio::time::timeout(timeout, work)
@@ -66,7 +55,6 @@ async fn fetch(
 /// Scrape every backend of the fleet in force, every `telemetry.interval_ms`, until `shutdown`.
 /// The generation is read afresh each round, so a reload can add backends or turn scraping off.
 pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
-    let connector = probe_connector();
     loop {
         let generation = current.load();
         let cfg = &generation.config;
@@ -80,19 +68,19 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
             &[]
         };
         for (i, b) in backends.iter().enumerate() {
-            let (connector, b, fleet) = (connector.clone(), b.clone(), fleet.clone());
+            let (b, fleet) = (b.clone(), fleet.clone());
             tasks.spawn(async move {
                 // What the engine serves: routed by unless the config pins it (a model that
                 // disappears from the list stops being routed here), and where it does, still
                 // the word on which models are LoRA adapters. A failed fetch keeps the last list.
-                match fetch(&connector, b.peer(), "/v1/models", timeout).await {
+                match fetch(b.peer(), "/v1/models", timeout).await {
                     Ok(t) => match parse_model_list(&t) {
                         Some(list) => fleet.discover_models(i, list),
                         None => log::debug!("models {}: not an OpenAI model list", b.name),
                     },
                     Err(e) => log::debug!("models {}: {e}", b.name),
                 }
-                let text = match fetch(&connector, b.peer(), &b.metrics_path, timeout).await {
+                let text = match fetch(b.peer(), &b.metrics_path, timeout).await {
                     Ok(t) => t,
                     Err(e) => {
                         log::debug!("telemetry {}: {e}", b.name);
@@ -102,7 +90,7 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
                 let mut stats = parse_engine(b.engine, &text);
                 let lora = parse_lora(b.engine, &text);
                 if let Some(dcgm) = b.dcgm {
-                    match fetch(&connector, http_peer(dcgm, None), "/metrics", timeout).await {
+                    match fetch(http_peer(dcgm, None), "/metrics", timeout).await {
                         Ok(t) => parse_dcgm(&t, &mut stats),
                         Err(e) => log::debug!("dcgm {}: {e}", b.name),
                     }
