@@ -45,6 +45,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         session_header: false,
         rates: vec![],
         step_s: 20.0,
+        keep_records: false,
         groups: 96,
         system_tokens: 8000,
         sharegpt_file: Some(

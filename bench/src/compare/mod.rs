@@ -118,6 +118,10 @@ pub struct CompareArgs {
     /// ladder: model seconds per rate step.
     #[arg(long, default_value_t = 20.0)]
     pub step_s: f64,
+    /// Keep every run's per-request records (turn, TTFT, cached tokens, backend) in its
+    /// `report.json`, for a diagnosis; by default they are dropped to keep results small.
+    #[arg(long)]
+    pub keep_records: bool,
     /// ladder: groups, each with its own system prompt. The default's prefixes (96 x 8000
     /// tokens) need more KV than one server holds, so a router must partition them.
     #[arg(long, default_value_t = 96)]
@@ -457,9 +461,11 @@ async fn run_one(
     // Keep the summary; per-request records of every run would bloat the committed results.
     let path = dir.join("report.json");
     let mut report = Report::load(&path)?;
-    report.records_omitted += report.records.len() as u64;
-    report.records.clear();
-    report.load_samples.clear();
+    if !args.keep_records {
+        report.records_omitted += report.records.len() as u64;
+        report.records.clear();
+        report.load_samples.clear();
+    }
     if let Some(e) = &est {
         report.token_estimates = serde_json::to_value(e).ok();
         let md = dir.join("report.md");
