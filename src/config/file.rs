@@ -245,6 +245,11 @@ kvroute:
         }
         let e = Config::from_yaml(&format!("{MINIMAL}  routing:\n    epsilon: -1\n")).unwrap_err();
         assert_eq!(e.key, "kvroute.routing.epsilon");
+        for replicas in [0, 65] {
+            let yaml = format!("{MINIMAL}  routing:\n    replicas: {replicas}\n");
+            let e = Config::from_yaml(&yaml).unwrap_err();
+            assert_eq!(e.key, "kvroute.routing.replicas", "{e}");
+        }
         let e =
             Config::from_yaml(&format!("{MINIMAL}  routing:\n    policy: magic\n")).unwrap_err();
         assert!(e.reason.contains("magic"), "{e}");

@@ -68,6 +68,11 @@ pub struct RoutingConfig {
     /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
     /// only when it saves at least this many prompt tokens.
     pub min_prefix_saving_tokens: u64,
+    /// kv_aware: how many kvroute processes route to this fleet side by side, sharing no
+    /// state (a high-availability pair is 2). Above 1, leaving a conversation's ring owner is
+    /// priced with its prompt computed again there: the other replicas, which do not see
+    /// where this one put it, send its next turns to the owner.
+    pub replicas: u32,
     /// kv_aware: use each backend's prefill rate as its engine's own counters show it
     /// (vLLM, llama.cpp) once they hold enough evidence; the configured rate is the prior.
     pub learn_prefill_rate: bool,
@@ -124,6 +129,7 @@ impl Default for RoutingConfig {
             kv_usage_ceiling: 0.9,
             lora_load_ms: 200,
             min_prefix_saving_tokens: 1024,
+            replicas: 1,
             learn_prefill_rate: true,
             // Off: a count costs ~0.1 ms per KB of prompt, several times kvroute's whole
             // per-request work, and placement measured the same with sized estimates (bytes
@@ -191,6 +197,9 @@ impl RoutingConfig {
         }
         if !(self.epsilon.is_finite() && self.epsilon >= 0.0 && self.epsilon <= 100.0) {
             return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
+        }
+        if !(1..=64).contains(&self.replicas) {
+            return Err(err("kvroute.routing.replicas", "must be between 1 and 64"));
         }
         Ok(())
     }

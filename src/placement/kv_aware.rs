@@ -22,6 +22,11 @@
 //! fully cached prompt waits for one step, and a backend with a heavy decode batch has slow
 //! ones.
 //!
+//! With `replicas` > 1, other kvroutes route the same conversations and share no state: a
+//! turn this one places off the key's owner is one they never see, so they send the next turns
+//! to the owner, which then computes this prompt as well. A new conversation (no history, no
+//! prefix cached anywhere) therefore stays with an admissible owner, whatever the scores.
+//!
 //! `W` is the eligible fleet's work. As in the unit-request rule (`load + 1 <= bound`), a
 //! backend below its bound may take the request whatever its size: a request heavier than a
 //! fair share must still fit somewhere.
@@ -91,6 +96,7 @@ pub(super) fn choose(
     }
     let prompt = profile.est_prompt_tokens;
     let history_elsewhere = best_match == 0 && profile.has_history;
+    let new_conversation = best_match == 0 && !profile.has_history;
     let heavy = prompt.saturating_sub(best_match) > params.heavy_prefill_tokens;
     // Leaving the key's owner for a cached prefix must save real prefill: otherwise every
     // conversation that shares a short system prompt would follow its first holder.
@@ -158,6 +164,12 @@ pub(super) fn choose(
                 // must beat the owner by the prefill of `min_prefix_saving_tokens`.
                 let rate = snap.backends[i].prefill_rate.max(1.0);
                 t.score -= params.min_prefix_saving_tokens as f64 / rate;
+                // A new conversation the owner can take stays there when other replicas
+                // route its next turns: they cannot see a placement elsewhere and bring it
+                // back to the owner, which then computes this prompt again.
+                if params.replicas > 1 && new_conversation {
+                    return (Some(t), owner, true);
+                }
                 // A conversation with history but no holder known was placed by another
                 // replica (or before a restart), most likely at its owner: priced as if cached
                 // there.
@@ -279,6 +291,52 @@ mod tests {
             let d = pick(&loads, &r, &[0; 4], &req(key, 1000));
             assert_eq!(d.backend, r.walk(key, 1).next().unwrap());
             assert_eq!(d.reason, Reason::Affinity);
+        }
+    }
+
+    #[test]
+    fn replicas_keep_a_new_conversation_on_its_owner_unless_it_is_over_its_bound() {
+        let r = ring(4);
+        let key = 5;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        // The owner has a third of a second of prefill queued, yet is under its bound.
+        loads[order[0]].queued_prefill = 8_000;
+        let one = |loads: &[BackendLoad], matched: &[u64], p: &RequestProfile, replicas: u32| {
+            let snap = Snapshot {
+                backends: loads,
+                ring: &r,
+                matched,
+            };
+            let params = Params {
+                replicas,
+                ..params()
+            };
+            policy_choose(&params, p, &snap, &[], 0).unwrap()
+        };
+        let new = req(key, 2_000);
+        let alone = one(&loads, &[], &new, 1);
+        assert_eq!(alone.reason, Reason::LeastCost);
+        assert_ne!(alone.backend, order[0]);
+        let d = one(&loads, &[], &new, 2);
+        assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+        // A prefix cached elsewhere, or a history, is priced as before.
+        let mut matched = vec![0u64; 4];
+        matched[order[3]] = 1_920;
+        let d = one(&loads, &matched, &new, 2);
+        assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
+        let later = RequestProfile {
+            has_history: true,
+            ..req(key, 2_000)
+        };
+        let (two, alone) = (one(&loads, &[], &later, 2), one(&loads, &[], &later, 1));
+        assert_eq!((two.backend, two.reason), (alone.backend, alone.reason));
+        // Over its bound the owner sheds a new conversation all the same.
+        loads[order[0]].inflight = 50;
+        for replicas in [1, 2] {
+            let d = one(&loads, &[], &new, replicas);
+            assert_eq!(d.reason, Reason::Spill);
+            assert_ne!(d.backend, order[0]);
         }
     }
 

@@ -311,6 +311,10 @@ pub fn kvroute_yaml(
     for (key, value) in &run.routing {
         let _ = writeln!(yaml, "    {key}: {value}");
     }
+    // Replicas are told how many they are, as an operator's would be, unless the entry says.
+    if run.replicas > 1 && !run.routing.iter().any(|(k, _)| k == "replicas") {
+        let _ = writeln!(yaml, "    replicas: {}", run.replicas);
+    }
     if !run.telemetry.is_empty() {
         yaml.push_str("  telemetry:\n");
         for (key, value) in &run.telemetry {
@@ -425,6 +429,15 @@ mod tests {
             (run.label.as_str(), run.dir_name()),
             ("round_robin", "round_robin".into())
         );
+    }
+
+    #[test]
+    fn replicas_are_told_how_many_they_are_unless_the_entry_says() {
+        assert!(config("kv_aware")["routing"].get("replicas").is_none());
+        let k = config("kv_aware/replicas=3");
+        assert_eq!(k["routing"]["replicas"].as_i64(), Some(3));
+        let k = config("kv_aware/routing.replicas=1/replicas=3");
+        assert_eq!(k["routing"]["replicas"].as_i64(), Some(1));
     }
 
     #[test]
