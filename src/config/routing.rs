@@ -69,9 +69,10 @@ pub struct RoutingConfig {
     /// only when it saves at least this many prompt tokens.
     pub min_prefix_saving_tokens: u64,
     /// kv_aware: how many kvroute processes route to this fleet side by side, sharing no
-    /// state (a high-availability pair is 2). Above 1, leaving a conversation's ring owner is
-    /// priced with its prompt computed again there: the other replicas, which do not see
-    /// where this one put it, send its next turns to the owner.
+    /// state (a high-availability pair is 2). Above 1, a new conversation (no history, no
+    /// prefix cached anywhere) stays with its key's owner while the owner is under its load
+    /// bound: the other replicas, which would not see a placement elsewhere, send its next
+    /// turns to the owner.
     pub replicas: u32,
     /// kv_aware: use each backend's prefill rate as its engine's own counters show it
     /// (vLLM, llama.cpp) once they hold enough evidence; the configured rate is the prior.

@@ -55,8 +55,7 @@ pub(super) async fn probe_session(peer: &HttpPeer) -> pingora::Result<HttpSessio
     let tcp = connected.map_err(|e| {
         pingora::Error::because(ErrorType::ConnectError, format!("connecting to {addr}"), e)
     })?;
-    // Requests are a header and no body: Nagle would hold nothing back, but the engines'
-    // replies are read as they come.
+    // As Pingora's connector sets it on its own connections; a probe that cannot is no worse.
     let _ = tcp.set_nodelay(true);
     Ok(HttpSession::new_with_options(
         Box::new(Stream::from(tcp)),

@@ -85,11 +85,10 @@ mod tests {
         let all: Vec<_> = (0..6).map(|i| (addr(i), 1)).collect();
         let fleet_ring = Ring::new(&all);
         let members = vec![1, 3, 4];
-        let own = Ring::new(&members.iter().map(|&i| (addr(i), 1)).collect::<Vec<_>>());
+        let own_addrs: Vec<_> = members.iter().map(|&i| (addr(i), 1)).collect();
+        let own = Ring::new(&own_addrs);
         let pool = Pool {
-            ring: Some(Ring::new(
-                &members.iter().map(|&i| (addr(i), 1)).collect::<Vec<_>>(),
-            )),
+            ring: Some(Ring::new(&own_addrs)),
             members: members.clone(),
             listed: true,
             adapter: false,
