@@ -58,6 +58,16 @@ pub struct Fleet {
     pools: PoolCache,
 }
 
+/// The median of the backends' learned prefill rates; 0 while none has one.
+fn median_learned_rate(backends: &[Arc<BackendState>]) -> f64 {
+    let mut rates: Vec<f64> = backends
+        .iter()
+        .filter_map(|b| b.learned_prefill().map(|e| e.rate))
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates.get(rates.len() / 2).copied().unwrap_or(0.0)
+}
+
 /// A backend as parsed before anything is changed: address, DCGM exporter, Pingora's
 /// `Backend`, TLS settings.
 type Parsed = (
@@ -265,12 +275,16 @@ impl Fleet {
                 .map(|b| (b.addr, b.weight))
                 .collect::<Vec<_>>(),
         );
+        let explore_rate = AtomicU64::new(median_learned_rate(&backends).to_bits());
         Ok(Fleet {
             backends,
             ring,
             shared,
             tickets: AtomicU64::new(0),
-            explore_rate: AtomicU64::new(0),
+            // Backends kept across a reload keep what they learned: a backend added by the
+            // reload is assumed as fast as they are from its first request, not only after
+            // the next scrape (until then it would lose every placement to them).
+            explore_rate,
             pools: PoolCache::default(),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
@@ -497,14 +511,10 @@ impl Fleet {
         };
         if let Some(counters) = stats.prefill {
             b.observe_prefill(counters);
-            let mut rates: Vec<f64> = self
-                .backends
-                .iter()
-                .filter_map(|b| b.learned_prefill().map(|e| e.rate))
-                .collect();
-            rates.sort_by(f64::total_cmp);
-            let median = rates.get(rates.len() / 2).copied().unwrap_or(0.0);
-            self.explore_rate.store(median.to_bits(), Ordering::Relaxed);
+            self.explore_rate.store(
+                median_learned_rate(&self.backends).to_bits(),
+                Ordering::Relaxed,
+            );
         }
         if let Some(counters) = stats.decode {
             b.observe_decode(counters);
@@ -753,6 +763,22 @@ mod tests {
             y.push_str(&format!("    - addr: \"{a}\"\n"));
         }
         Config::from_yaml(&y).unwrap()
+    }
+
+    #[test]
+    fn a_backend_added_by_reload_is_assumed_as_fast_as_the_learned_fleet_at_once() {
+        let (a, b) = ("127.0.0.1:2", "127.0.0.1:3");
+        let f1 = Fleet::new(&cfg(&[a])).unwrap();
+        f1.observe(0, paired_scrape(0.0, 0.0));
+        f1.observe(0, paired_scrape(400_000.0, 1.0));
+        assert_eq!(f1.prefill_rate(0), 400_000.0);
+        // No scrape has happened since the reload: b would be priced at the 25,000 default,
+        // 16x slower than a, and lose every placement until one did.
+        let f2 = f1.reload(&cfg(&[a, b])).unwrap();
+        assert_eq!(
+            (f2.prefill_rate(0), f2.prefill_rate(1)),
+            (400_000.0, 400_000.0)
+        );
     }
 
     #[test]
