@@ -104,7 +104,11 @@ async fn hot_session_spills_and_the_bound_holds() {
     let sims = Sim::start_n(4, &["--ttft-ms", "1500", "--itl-ms", "0"]);
     let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
     for (policy, expect_spill) in [("bounded_hash", true), ("session_hash", false)] {
-        let kv = Kvroute::start(&addrs, &format!("  routing:\n    policy: {policy}\n"));
+        // epsilon pinned: the arithmetic above is this test's, not the default's.
+        let kv = Kvroute::start(
+            &addrs,
+            &format!("  routing:\n    policy: {policy}\n    epsilon: 0.5\n"),
+        );
         let c = client();
         let url = kv.url("/v1/chat/completions");
         let mut tasks = Vec::new();

@@ -120,7 +120,14 @@ impl Default for RoutingConfig {
     fn default() -> Self {
         RoutingConfig {
             policy: PolicyKind::KvAware,
-            epsilon: 0.5,
+            // A spill off the backend holding a request's prefix recomputes the prefix
+            // elsewhere, while one more decode stream costs an engine step a fraction of a
+            // millisecond: kv_aware's bound is there to stop pile-ups (a hot key's 4x), and
+            // twice the fair share does that. Against 0.5 and 0.75, five workloads, two runs
+            // each (bench/README.md "Load bound headroom"): TTFT p90 on ladder 33-35 ms against
+            // 146-154, hot_prefix 66-103 against 179-181, the others' TTFT tied, some
+            // end-to-end p99s up to 1.2x.
+            epsilon: 1.0,
             slack: 1,
             work_unit_tokens: 4096,
             candidates: 3,
