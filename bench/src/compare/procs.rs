@@ -232,6 +232,16 @@ pub struct Proxy {
     pub admin: SocketAddr,
 }
 
+/// The embedded kvroute's log filter: warnings and the fleet's learning lines, unless
+/// `KVBENCH_ROUTER_LOG` names another (e.g. `info,kvroute::proxy::placement=debug` writes
+/// every placement decision to each run's `kvroute.log`).
+fn router_log_filter() -> String {
+    std::env::var("KVBENCH_ROUTER_LOG")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| "warn,kvroute::fleet=info".to_owned())
+}
+
 fn free_addr() -> Result<SocketAddr, String> {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -258,7 +268,7 @@ impl Proxy {
             .arg("proxy")
             .arg("-c")
             .arg(&conf)
-            .env("RUST_LOG", "warn,kvroute::fleet=info")
+            .env("RUST_LOG", router_log_filter())
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)
