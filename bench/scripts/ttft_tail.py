@@ -12,16 +12,12 @@ moved to a backend the conversation had not used ("moved_new"), or back to one i
     bench/scripts/ttft_tail.py RESULTS_DIR [RESULTS_DIR ...]
 """
 import collections
-import glob
 import json
 import os
 import sys
 
-BIG = 256  # as in turn_moves.py: about 10 ms of prefill
-
-
-def uncached(x):
-    return (x.get("prompt_tokens") or 0) - (x.get("cached_tokens") or 0)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from turn_moves import BIG, each_run, uncached  # noqa: E402
 
 
 def pct(values, q):
@@ -32,7 +28,7 @@ def row(path):
     r = json.load(open(os.path.join(path, "report.json")))
     recs = [x for x in r.get("records", []) if x.get("error") is None and x.get("ttft_ms") is not None]
     if not recs:
-        return "no per-request records (run compare with --keep-records)"
+        return None
     ttft = sorted(x["ttft_ms"] for x in recs)
     small = sorted(x["ttft_ms"] for x in recs if uncached(x) < BIG)
     by = collections.defaultdict(list)
@@ -63,13 +59,7 @@ def row(path):
 
 
 def main():
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    for results in sys.argv[1:]:
-        for report in sorted(glob.glob(os.path.join(results, "*", "*", "report.json"))):
-            run = os.path.dirname(report)
-            name, workload, policy = run.split(os.sep)[-3:]
-            print(f"{name:8} {workload:10} {policy:46} {row(run)}")
+    each_run(sys.argv, row, width=46)
 
 
 if __name__ == "__main__":

@@ -53,17 +53,20 @@ def row(path):
     )
 
 
-def main():
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    for results in sys.argv[1:]:
+def each_run(argv, row, width=42):
+    """Print `row(run_dir)` for every run under each results directory in `argv`."""
+    if len(argv) < 2:
+        sys.exit(sys.modules["__main__"].__doc__)
+    for results in argv[1:]:
         for report in sorted(glob.glob(os.path.join(results, "*", "*", "report.json"))):
             run = os.path.dirname(report)
-            line = row(run)
             name, workload, policy = run.split(os.sep)[-3:]
-            if line is None:
-                line = "no per-request records (run compare with --keep-records)"
-            print(f"{name:8} {workload:10} {policy:42} {line}")
+            line = row(run) or "no per-request records (run compare with --keep-records)"
+            print(f"{name:8} {workload:10} {policy:{width}} {line}")
+
+
+def main():
+    each_run(sys.argv, row)
 
 
 if __name__ == "__main__":
