@@ -9,6 +9,10 @@
 //! With `BARE_BUFFER_BODY=1` it reads the whole request body before it picks the upstream and
 //! forwards it from that buffer, as any proxy that places by the prompt must (kvroute does it in
 //! `request::body::read_body`): the floor for a proxy that reads the body, with nothing else.
+//!
+//! With `BARE_TIMEOUTS=1` it sets the upstream timeouts kvroute sets on every peer (connect,
+//! read, write, idle): Pingora then bounds each read and write to the engine with its timer,
+//! which a production proxy cannot go without, so this is the floor for a proxy that has them.
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -16,10 +20,12 @@ use pingora::prelude::HttpPeer;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::server::configuration::Opt;
 use pingora::server::Server;
+use std::time::Duration;
 
 struct Bare {
     upstream: String,
     buffer_body: bool,
+    timeouts: bool,
 }
 
 #[async_trait]
@@ -85,11 +91,15 @@ impl ProxyHttp for Bare {
         _session: &mut Session,
         _ctx: &mut Option<Bytes>,
     ) -> pingora::Result<Box<HttpPeer>> {
-        Ok(Box::new(HttpPeer::new(
-            self.upstream.as_str(),
-            false,
-            String::new(),
-        )))
+        let mut peer = HttpPeer::new(self.upstream.as_str(), false, String::new());
+        if self.timeouts {
+            // kvroute's defaults (`timeouts:` in its config), as `Router::upstream_peer` sets them.
+            peer.options.connection_timeout = Some(Duration::from_millis(2_000));
+            peer.options.read_timeout = Some(Duration::from_millis(300_000));
+            peer.options.write_timeout = Some(Duration::from_millis(300_000));
+            peer.options.idle_timeout = Some(Duration::from_secs(60));
+        }
+        Ok(Box::new(peer))
     }
 }
 
@@ -116,6 +126,7 @@ fn main() {
         Bare {
             upstream: upstream.clone(),
             buffer_body: std::env::var("BARE_BUFFER_BODY").is_ok_and(|v| v == "1"),
+            timeouts: std::env::var("BARE_TIMEOUTS").is_ok_and(|v| v == "1"),
         },
     );
     proxy.add_tcp(listen);

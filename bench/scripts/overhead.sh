@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Proxy cost: what kvroute adds per request, next to a bare Pingora proxy (the framework's
 # floor: examples/bare_pingora.rs; and the same proxy reading the whole body before it forwards
-# it, as kvroute must, `pingora_bare_buffered`), nginx round robin, sglang-router (round robin, when the
+# it, as kvroute must, `pingora_bare_buffered`; and that proxy with the upstream timeouts kvroute
+# sets on every peer, `pingora_floor`: the floor for a proxy that places by the prompt and
+# bounds each read from the engine), nginx round robin, sglang-router (round robin, when the
 # peers' venv is installed: bench/scripts/install-peers.sh) and no proxy at all, against a
 # backend that answers at once (an nginx `return`), on loopback only.
 #
@@ -54,6 +56,7 @@ KV=18320
 KV_ADMIN=18321
 BARE_PORT=18330
 BARE_BUF_PORT=18331  # the bare proxy reading the whole body first (BARE_BUFFER_BODY=1)
+FLOOR_PORT=18332     # ... and with kvroute's upstream timeouts (BARE_TIMEOUTS=1)
 SGL=18340
 SGL_PROM=18341
 SGL_PY=bench/.venv-peers/bin/python
@@ -133,7 +136,7 @@ kvroute:
 CONF
 }
 
-for b in bare bare_buffered; do
+for b in bare bare_buffered floor; do
 cat > "$WORK/$b.yaml" <<CONF
 version: 1
 threads: 1
@@ -251,6 +254,8 @@ for mode in plain stream; do
   BPID=$!; PIDS+=("$BPID")
   BARE_BUFFER_BODY=1 RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare_buffered.yaml" "127.0.0.1:$BARE_BUF_PORT" "127.0.0.1:$backend" 2>"$WORK/bare_buffered.err" &
   BBPID=$!; PIDS+=("$BBPID")
+  BARE_BUFFER_BODY=1 BARE_TIMEOUTS=1 RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/floor.yaml" "127.0.0.1:$FLOOR_PORT" "127.0.0.1:$backend" 2>"$WORK/floor.err" &
+  FPID=$!; PIDS+=("$FPID")
   SPID=""
   if [ -n "$SGL_VERSION" ]; then
     taskset -c 1 "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $SGL \
@@ -260,7 +265,7 @@ for mode in plain stream; do
     SPID=$!; PIDS+=("$SPID")
     wait_port $SGL
   fi
-  wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT; wait_port $BARE_BUF_PORT
+  wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT; wait_port $BARE_BUF_PORT; wait_port $FLOOR_PORT
   sleep 0.5
   # Idle RSS is read at the first case: let background start-up work (token tables) finish.
   [ "$round" = 1 ] && sleep 2
@@ -274,11 +279,12 @@ for mode in plain stream; do
     run_case nginx_rr $NGINX_RR "$stem" "$round" $RRPIDS
     run_case pingora_bare $BARE_PORT "$stem" "$round" "$BPID"
     run_case pingora_bare_buffered $BARE_BUF_PORT "$stem" "$round" "$BBPID"
+    run_case pingora_floor $FLOOR_PORT "$stem" "$round" "$FPID"
     run_case kvroute $KV "$stem" "$round" "$KPID"
     # shellcheck disable=SC2046
     [ -n "$SPID" ] && run_case sglang_router_rr $SGL "$stem" "$round" $SPID $(pgrep -P "$SPID" | tr '\n' ' ')
   done
-  kill "$KPID" "$BPID" "$BBPID" $SPID; wait "$KPID" "$BPID" "$BBPID" $SPID 2>/dev/null || true
+  kill "$KPID" "$BPID" "$BBPID" "$FPID" $SPID; wait "$KPID" "$BPID" "$BBPID" "$FPID" $SPID 2>/dev/null || true
   kill "$(cat "$WORK/rr.pid")"; sleep 0.3
 done
 done
@@ -335,7 +341,7 @@ keys = ["p50_ms_c1", "p99_ms_c1", "rps_c32", "p50_ms_c32", "p99_ms_c32", "cpu_s_
 groups = {}
 for r in runs:
     groups.setdefault((r["body_bytes"], r["stream"], r["proxy"]), []).append(r)
-order = ["direct", "nginx_rr", "pingora_bare", "pingora_bare_buffered", "kvroute", "sglang_router_rr"]
+order = ["direct", "nginx_rr", "pingora_bare", "pingora_bare_buffered", "pingora_floor", "kvroute", "sglang_router_rr"]
 rows = []
 for (size, stream, proxy), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0], order.index(kv[0][2]))):
     row = {"proxy": proxy, "body_bytes": size, "stream": stream, "runs": len(rs),
@@ -354,18 +360,20 @@ others = max((r["other_cpu_cores"] for r in runs), default=0.0)
 lines = [f"Proxy cost, loopback, wrk {secs} s per case, medians of {rounds} interleaved rounds; proxy pinned to 1 core (1 worker), wrk + backend on the other. "
          f"Other processes used at most {others:.2f} of a core during any throughput run (median per row below)." +
          (f" sglang-router {sgl}." if sgl else " sglang-router not installed here."), "",
-         "| body | stream | proxy | p50 ms (c=1) | added p50 ms | p99 ms (c=1) | req/s (c=32) | req/s runs | vs nginx | vs bare Pingora | p99 ms (c=32) | CPU s / 1000 req | idle / peak RSS MiB | other CPU (cores) | non-2xx |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "| body | stream | proxy | p50 ms (c=1) | added p50 ms | p99 ms (c=1) | req/s (c=32) | req/s runs | vs nginx | vs bare Pingora | vs floor | p99 ms (c=32) | CPU s / 1000 req | idle / peak RSS MiB | other CPU (cores) | non-2xx |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for r in rows:
     direct, nginx, bare = find("direct", r), find("nginx_rr", r), find("pingora_bare", r)
     proxied = r["proxy"] != "direct"
     added = r["p50_ms_c1"] - direct["p50_ms_c1"] if proxied else None
     ratio = r["rps_c32"] / nginx["rps_c32"] if proxied else None
     vs_bare = r["rps_c32"] / bare["rps_c32"] if bare and proxied else None
+    floor = find("pingora_floor", r)
+    vs_floor = r["rps_c32"] / floor["rps_c32"] if floor and proxied else None
     size = "1 KB" if r["body_bytes"] == 1000 else "100 KB"
     rss = f"{f(r['idle_rss_mib'],1)} / {f(r['peak_rss_mib'],1)}" if proxied else "n/a"
     each = ", ".join(f"{v:.0f}" for v in r["rps_c32_runs"])
-    lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {each} | {f(ratio)} | {f(vs_bare)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {rss} | {f(r['other_cpu_cores'])} | {r['non_2xx']} |")
+    lines.append(f"| {size} | {'yes' if r['stream'] else 'no'} | {r['proxy']} | {f(r['p50_ms_c1'],3)} | {f(added,3)} | {f(r['p99_ms_c1'],3)} | {r['rps_c32']:.0f} | {each} | {f(ratio)} | {f(vs_bare)} | {f(vs_floor)} | {f(r['p99_ms_c32'])} | {f(r['cpu_s_per_1000'],3)} | {rss} | {f(r['other_cpu_cores'])} | {r['non_2xx']} |")
 sc = open(scaling).read().strip()
 lines += ["", "Scaling (kvroute, 1 KB chat, `threads: 1` on one core against `threads: 2` on two):", ""]
 if sc.startswith("estimate"):
