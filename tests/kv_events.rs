@@ -441,6 +441,17 @@ async fn engine_events_predict_the_cache_exactly_and_a_killed_engine_forgets() {
         cached_by_index(&k, "reported"),
     );
     eprintln!("exact index: predicted {predicted} cached tokens, engine reported {reported}");
+    // Every turn's decision is counted under the index behind it; a turn whose prompt was not
+    // tokenized within the budget (a loaded machine) is placed on the approximate index.
+    let decided = |index| {
+        k.metric_sum(
+            "kvroute_routing_decisions_by_index_total",
+            &[("index", index)],
+        )
+    };
+    let (exact, approximate) = (decided("exact"), decided("approximate"));
+    assert_eq!(exact + approximate, 3.0, "one decision a turn");
+    assert!(exact >= 1.0, "turns placed on the engine's events: {exact}");
     assert!(
         reported > 500.0,
         "later turns hit the engine's cache: {reported}"

@@ -3,6 +3,7 @@
 
 use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Registry};
 
+use super::ctx::IndexMode;
 use crate::metrics::{
     counter, counter_vec, estimate_ratio_vec, int_gauge_vec, microseconds, ratio_vec, seconds_vec,
 };
@@ -12,6 +13,9 @@ pub struct ProxyMetrics {
     pub(super) duration: HistogramVec,
     pub(super) ttft: HistogramVec,
     pub(super) decisions: IntCounterVec,
+    /// kv_aware decisions by the index behind them, exact then approximate (children made
+    /// once: see `decided_on`).
+    decisions_by_index: [IntCounter; 2],
     pub(super) decision_time: Histogram,
     pub(super) predicted_cached: IntCounter,
     pub(super) prompt_tokens: IntCounterVec,
@@ -58,6 +62,20 @@ impl ProxyMetrics {
                 "Placement decisions by policy, reason (affinity, spill, failover, ...) and model.",
                 &["policy", "reason", "model"],
             )?,
+            decisions_by_index: {
+                let v = counter_vec(
+                    r,
+                    "kvroute_routing_decisions_by_index_total",
+                    "kv_aware placement decisions by the prefix index behind them: exact (the \
+                     chosen backend's cache known from its engine's KV events, the prompt \
+                     tokenized as the engine sees it), approximate (what kvroute sent it).",
+                    &["index"],
+                )?;
+                [
+                    v.with_label_values(&["exact"]),
+                    v.with_label_values(&["approximate"]),
+                ]
+            },
             decision_time: microseconds(
                 r,
                 "kvroute_routing_decision_seconds",
@@ -181,6 +199,14 @@ impl ProxyMetrics {
         // Every request for an unnamed model shares `other`: always a label value.
         m.queued_by_model.with_label_values(&["other"]);
         Ok(m)
+    }
+
+    /// The counter of kv_aware decisions made on `index`.
+    pub(super) fn decided_on(&self, index: IndexMode) -> &IntCounter {
+        match index {
+            IndexMode::Exact => &self.decisions_by_index[0],
+            IndexMode::Approximate => &self.decisions_by_index[1],
+        }
     }
 
     /// Export `backend`'s failure counters at zero (at start, and for a backend a reload adds),

@@ -143,6 +143,9 @@ impl Placer<'_> {
             .decisions
             .with_label_values(&[policy.as_str(), d.reason.as_str(), ctx.model_label()])
             .inc();
+        if let Some(index) = ctx.route.index {
+            self.metrics.decided_on(index).inc();
+        }
         if let (Some(p), Some(pool)) = (ctx.route.profile.as_ref(), ctx.route.pool.as_ref()) {
             if pool.adapter {
                 // Replacing a retried attempt's hold releases it.
