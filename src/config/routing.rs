@@ -132,7 +132,7 @@ impl Default for RoutingConfig {
             work_unit_tokens: 4096,
             candidates: 3,
             heavy_prefill_tokens: 8192,
-            decode_stall_weight: 0.02,
+            decode_stall_weight: 0.1,
             duplicate_prefill_weight: 1.0,
             kv_usage_ceiling: 0.9,
             lora_load_ms: 200,
