@@ -132,6 +132,11 @@ impl Default for RoutingConfig {
             work_unit_tokens: 4096,
             candidates: 3,
             heavy_prefill_tokens: 8192,
+            // A long prefill stalls every stream decoding beside it (its chunks share their
+            // steps): at 0.02 that was priced near nothing, and documents' streams decoded
+            // behind other documents' prefills. Five workloads, two or three runs each
+            // (bench/README.md "Decode stalls"): e2e p99 0.82-0.86x on heavy_mix, mooncake and
+            // the ladder, TTFT and hit rate unchanged; 0.3 did no better and cost mooncake hits.
             decode_stall_weight: 0.1,
             duplicate_prefill_weight: 1.0,
             kv_usage_ceiling: 0.9,
