@@ -226,8 +226,11 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             (EngineKind::Vllm, "vllm:cache_config_info") => {
                 let blocks = label(labels, "num_gpu_blocks").and_then(|b| b.parse::<u64>().ok());
                 let size = label(labels, "block_size").and_then(|b| b.parse::<u64>().ok());
-                if let (Some(b), Some(z)) = (blocks, size) {
-                    s.kv_capacity_tokens = Some(b * z);
+                // A product past u64 is no cache size: ignored, not wrapped to a small one;
+                // nor is 0 (an engine still profiling), which would blind the index.
+                let tokens = blocks.zip(size).and_then(|(b, z)| b.checked_mul(z));
+                if let Some(tokens) = tokens.filter(|&t| t > 0) {
+                    s.kv_capacity_tokens = Some(tokens);
                 }
             }
             _ => {}
@@ -256,8 +259,9 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
     }
     // Without a reported size, a cache that is in use tells its size by how full it is.
     if let (None, Some(used), Some(ratio)) = (s.kv_capacity_tokens, s.kv_tokens_used, s.kv_usage) {
-        if ratio >= 0.05 {
-            s.kv_capacity_tokens = Some((used / ratio).round() as u64);
+        let tokens = (used / ratio).round();
+        if ratio >= 0.05 && tokens >= 1.0 && tokens.is_finite() {
+            s.kv_capacity_tokens = Some(tokens as u64);
         }
     }
     s
@@ -388,6 +392,84 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
             "llamacpp:kv_cache_tokens 0\nllamacpp:kv_cache_usage_ratio 0\n",
         );
         assert_eq!(s.kv_capacity_tokens, None);
+    }
+
+    #[test]
+    fn a_cache_size_of_0_or_past_u64_is_ignored() {
+        let text = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1152921504606846976\"} 1.0\n";
+        assert_eq!(
+            parse_engine(EngineKind::Vllm, text).kv_capacity_tokens,
+            None
+        );
+        let text = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"4\"} 1.0\n";
+        assert_eq!(
+            parse_engine(EngineKind::Vllm, text).kv_capacity_tokens,
+            Some(64)
+        );
+        let text = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"0\"} 1.0\n";
+        assert_eq!(
+            parse_engine(EngineKind::Vllm, text).kv_capacity_tokens,
+            None
+        );
+        let text = "sglang:num_used_tokens 0\nsglang:token_usage 0.5\n";
+        assert_eq!(
+            parse_engine(EngineKind::Sglang, text).kv_capacity_tokens,
+            None
+        );
+    }
+
+    /// Lines of a `/metrics` page: the names kvroute reads, with labels and values of any kind.
+    fn metrics_page() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let name = prop_oneof![
+            Just("vllm:cache_config_info".to_owned()),
+            Just("vllm:num_requests_running".to_owned()),
+            Just("vllm:kv_cache_usage_perc".to_owned()),
+            Just("vllm:prompt_tokens_total".to_owned()),
+            Just("vllm:request_prefill_time_seconds_sum".to_owned()),
+            Just("vllm:lora_requests_info".to_owned()),
+            Just("sglang:num_used_tokens".to_owned()),
+            Just("sglang:token_usage".to_owned()),
+            Just("llamacpp:kv_cache_tokens".to_owned()),
+            Just("llamacpp:kv_cache_usage_ratio".to_owned()),
+            Just("DCGM_FI_DEV_FB_USED".to_owned()),
+            "[a-z:_{}=\",]{0,12}",
+        ];
+        let number = prop_oneof![
+            Just("18446744073709551615".to_owned()),
+            Just("NaN".to_owned()),
+            Just("+Inf".to_owned()),
+            Just("-1".to_owned()),
+            Just("1e308".to_owned()),
+            any::<u64>().prop_map(|n| n.to_string()),
+            any::<f64>().prop_map(|n| n.to_string()),
+        ];
+        let labels = prop_oneof![
+            Just(String::new()),
+            (number.clone(), number.clone()).prop_map(|(b, z)| {
+                format!("{{block_size=\"{z}\",num_gpu_blocks=\"{b}\",max_lora=\"{z}\"}}")
+            }),
+            "\\{[ -~]{0,24}\\}?",
+        ];
+        let line = (name, labels, number, "[ \t]{0,2}")
+            .prop_map(|(n, l, v, sp)| format!("{n}{l}{sp} {v}"));
+        proptest::collection::vec(line, 0..12).prop_map(|v| v.join("\n"))
+    }
+
+    proptest::proptest! {
+        /// Whatever an engine or exporter serves, parsing it does not panic, reports no KV
+        /// cache of 0 tokens (the index would then hold one block) and no usage that is not a
+        /// number (every comparison with the ceiling would be false).
+        #[test]
+        fn any_metrics_page_parses(page in metrics_page()) {
+            for kind in [EngineKind::Vllm, EngineKind::Sglang, EngineKind::Llamacpp] {
+                let mut s = parse_engine(kind, &page);
+                proptest::prop_assert_ne!(s.kv_capacity_tokens, Some(0), "{}", page);
+                proptest::prop_assert!(!s.kv_usage.is_some_and(f64::is_nan), "{}", page);
+                let _ = parse_lora(kind, &page);
+                parse_dcgm(&page, &mut s);
+            }
+        }
     }
 
     #[test]

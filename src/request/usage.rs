@@ -397,6 +397,56 @@ mod tests {
         assert_eq!(tap.reply.as_deref(), Some("abc"));
     }
 
+    /// What an engine's response is made of, and bytes that are none of it.
+    fn response() -> impl proptest::strategy::Strategy<Value = Vec<u8>> {
+        use proptest::prelude::*;
+        let piece = prop_oneof![
+            Just(CONTENT.as_bytes().to_vec()),
+            Just(USAGE.as_bytes().to_vec()),
+            Just(DONE.as_bytes().to_vec()),
+            Just(b"data: {\"usage\":null}\r\n\r\n".to_vec()),
+            Just(b": keep-alive\n\n".to_vec()),
+            Just(b"\r\n".to_vec()),
+            Just(b"\n".to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..12),
+        ];
+        proptest::collection::vec(piece, 0..12).prop_map(|v| v.concat())
+    }
+
+    /// `data` cut at `cuts` (taken modulo its length) into the reads a tap sees.
+    fn reads<'a>(data: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c % (data.len() + 1)).collect();
+        at.extend([0, data.len()]);
+        at.sort_unstable();
+        at.dedup();
+        at.windows(2).map(|w| &data[w[0]..w[1]]).collect()
+    }
+
+    proptest::proptest! {
+        /// Nothing the engine sends is lost, repeated or reordered, however its reads split
+        /// it: without stripping the client gets the engine's bytes; with it, what one whole
+        /// read would give. The usage and the reply text found do not depend on the split.
+        #[test]
+        fn any_split_of_any_response_passes_through(
+            data in response(),
+            cuts in proptest::collection::vec(0usize..4096, 0..8),
+            streamed: bool,
+            strip: bool,
+            collect: bool,
+        ) {
+            let mut whole = UsageTap::new(streamed, strip, collect);
+            let once = run(&mut whole, &[&data]);
+            let mut split = UsageTap::new(streamed, strip, collect);
+            let out = run(&mut split, &reads(&data, &cuts));
+            if !(streamed && strip) {
+                proptest::prop_assert_eq!(&out, &data);
+            }
+            proptest::prop_assert_eq!(&out, &once);
+            proptest::prop_assert_eq!(split.usage, whole.usage);
+            proptest::prop_assert_eq!(split.reply, whole.reply);
+        }
+    }
+
     #[test]
     fn non_streamed_body_usage() {
         let mut tap = UsageTap::new(false, false, false);
