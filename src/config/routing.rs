@@ -68,6 +68,10 @@ pub struct RoutingConfig {
     /// kv_aware: leave the session key's owner for a backend holding a longer cached prefix
     /// only when it saves at least this many prompt tokens.
     pub min_prefix_saving_tokens: u64,
+    /// kv_aware, one replica: a new conversation (no history, no prefix cached anywhere, not
+    /// heavy, no LoRA adapter to load) goes to the backend with the least work per unit of
+    /// weight instead of its key's owner.
+    pub balance_new_conversations: bool,
     /// kv_aware: how many kvroute processes route to this fleet side by side, sharing no
     /// state (a high-availability pair is 2). Above 1, a new conversation (no history, no
     /// prefix cached anywhere) stays with its key's owner while the owner is under its load
@@ -142,6 +146,7 @@ impl Default for RoutingConfig {
             kv_usage_ceiling: 0.9,
             lora_load_ms: 200,
             min_prefix_saving_tokens: 1024,
+            balance_new_conversations: false,
             replicas: 1,
             learn_prefill_rate: true,
             // Off: a count costs ~0.1 ms per KB of prompt, several times kvroute's whole

@@ -28,6 +28,8 @@ pub struct Params {
     /// A cached prefix elsewhere must save this many prompt tokens over the key owner's match
     /// to make a backend a candidate.
     pub min_prefix_saving_tokens: u64,
+    /// `routing.balance_new_conversations`.
+    pub balance_new_conversations: bool,
     /// kvroute processes routing to the fleet without shared state (`routing.replicas`).
     pub replicas: u32,
 }
@@ -49,6 +51,7 @@ impl Params {
             kv_usage_ceiling: routing.kv_usage_ceiling,
             backend_max_inflight,
             min_prefix_saving_tokens: routing.min_prefix_saving_tokens,
+            balance_new_conversations: routing.balance_new_conversations,
             replicas: routing.replicas,
         }
     }

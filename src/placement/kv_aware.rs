@@ -47,6 +47,13 @@
 //! to any admissible backend. The lowest score wins; ties go to ring order, so the decision is
 //! deterministic. When no backend is admissible (cannot happen with this bound), the least
 //! loaded eligible backend takes it.
+//!
+//! With `balance_new_conversations` (one replica), a new conversation that is not heavy and
+//! needs no adapter loaded goes to the admissible backend with the least work per unit of
+//! weight: nothing is cached for it anywhere, so load alone tells the backends apart. A later
+//! turn's home, which takes the owner's place in the affinity credit and is always a
+//! candidate, is then the backend holding the longest match when that covers the turn's
+//! history.
 
 use super::decision::{Decision, Params, Reason};
 use super::least_load;
@@ -138,6 +145,32 @@ pub(super) fn choose(
         }
     };
 
+    // Nothing anywhere is worth going to and its prefill costs the same everywhere: only load
+    // tells the backends apart. Its key's owner would leave the fleet's conversations spread
+    // as unevenly as their hashes and their lengths, and every stream decodes as slowly as its
+    // backend's batch.
+    let balance = params.balance_new_conversations
+        && new_conversation
+        && !heavy
+        && !adapter_missing
+        && params.replicas <= 1;
+    let per_weight = |i: usize| work(i) / f64::from(snap.backends[i].weight.max(1));
+    // Balanced, a conversation lives where its first turn went, not at its key's owner: its
+    // home is the backend holding the longest match when that covers its whole history (a
+    // shared system prompt alone does not; a history shorter than a block is covered by the
+    // blocks of its reply), and the affinity credit and a candidate's place go there.
+    let history_tokens = profile.history_blocks as u64 * params.block_tokens;
+    let home = (params.balance_new_conversations
+        && params.replicas <= 1
+        && profile.has_history
+        && best_match > 0
+        && best_match >= history_tokens)
+        .then(|| {
+            snap.ring
+                .walk(profile.session_key, n)
+                .find(|&i| eligible(i) && matched(i) == best_match)
+        })
+        .flatten();
     // A backend whose KV cache is nearly full would evict or preempt: a last resort.
     let scan = |allow_full: bool| {
         let mut best: Option<Terms> = None;
@@ -158,8 +191,19 @@ pub(super) fn choose(
             if t.work >= t.bound as f64 + t.saved || (full && !allow_full) {
                 continue;
             }
+            if balance {
+                if rank == 0 {
+                    owner_admissible = true;
+                }
+                if best.is_none_or(|b| per_weight(i) < per_weight(b.backend)) {
+                    best = Some(t);
+                }
+                continue;
+            }
             if rank == 0 {
                 owner_admissible = true;
+            }
+            if home.map_or(rank == 0, |h| h == i) {
                 // Affinity has future value (the conversation's next turns): another backend
                 // must beat the owner by the prefill of `min_prefix_saving_tokens`.
                 let rate = snap.backends[i].prefill_rate.max(1.0);
@@ -180,7 +224,7 @@ pub(super) fn choose(
             let long_match = best_match > 0
                 && t.matched_tokens * 2 >= best_match
                 && t.matched_tokens >= owner_match + params.min_prefix_saving_tokens;
-            let in_ring_window = ring_taken < params.candidates;
+            let in_ring_window = ring_taken < params.candidates || Some(i) == home;
             ring_taken += 1;
             // A LoRA adapter's request may go wherever its adapter is loaded: otherwise every
             // new conversation would load it on its own key's owners.
@@ -208,6 +252,7 @@ pub(super) fn choose(
         }
         Some(o) if !eligible(o) => Reason::Failover,
         _ if !owner_admissible => Reason::Spill,
+        _ if balance => Reason::LeastLoad,
         _ => Reason::LeastCost,
     };
     log::debug!(
@@ -292,6 +337,103 @@ mod tests {
             assert_eq!(d.backend, r.walk(key, 1).next().unwrap());
             assert_eq!(d.reason, Reason::Affinity);
         }
+    }
+
+    #[test]
+    fn balanced_new_conversations_go_to_the_least_work_per_weight() {
+        let r = ring(4);
+        let key = 13;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let mut loads = vec![BackendLoad::idle(); 4];
+        let one = |loads: &[BackendLoad], p: &RequestProfile, balance: bool, replicas: u32| {
+            let snap = Snapshot {
+                backends: loads,
+                ring: &r,
+                matched: &[],
+            };
+            let params = Params {
+                balance_new_conversations: balance,
+                replicas,
+                ..params()
+            };
+            policy_choose(&params, p, &snap, &[], 0).unwrap()
+        };
+        let new = req(key, 1_000);
+        // An idle fleet: ties go to ring order, so the owner.
+        let d = one(&loads, &new, true, 1);
+        assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+        // The last ring position has the least work per unit of weight: past the candidates'
+        // ring window, it is still the one chosen.
+        for (rank, &i) in order.iter().enumerate() {
+            loads[i].inflight = [3, 3, 2, 1][rank];
+        }
+        loads[order[2]].weight = 2;
+        let d = one(&loads, &new, true, 1);
+        assert_eq!((d.backend, d.reason), (order[2], Reason::LeastLoad));
+        assert_eq!(one(&loads, &new, false, 1).backend, order[0]);
+        // Not for a turn with history, a heavy prompt or several replicas.
+        let later = RequestProfile {
+            has_history: true,
+            ..req(key, 1_000)
+        };
+        assert_eq!(one(&loads, &later, true, 1).backend, order[0]);
+        assert_eq!(one(&loads, &new, true, 2).backend, order[0]);
+        let heavy = req(key, 20_000);
+        let d = one(&loads, &heavy, true, 1);
+        assert_ne!(d.reason, Reason::LeastLoad);
+    }
+
+    #[test]
+    fn balanced_conversations_return_to_the_backend_holding_their_history() {
+        let r = ring(4);
+        let key = 17;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let loads = vec![BackendLoad::idle(); 4];
+        // The first turn went to the last ring position; its 4 blocks (256 tokens, short of
+        // min_prefix_saving_tokens) are all this turn's history.
+        let turn = RequestProfile {
+            has_history: true,
+            history_blocks: 4,
+            ..req(key, 600)
+        };
+        let block = params().block_tokens;
+        let mut matched = vec![0u64; 4];
+        matched[order[3]] = 5 * block;
+        let one = |matched: &[u64], balance: bool| {
+            let snap = Snapshot {
+                backends: &loads,
+                ring: &r,
+                matched,
+            };
+            let params = Params {
+                balance_new_conversations: balance,
+                ..params()
+            };
+            policy_choose(&params, &turn, &snap, &[], 0).unwrap()
+        };
+        let d = one(&matched, true);
+        assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
+        // Unbalanced, the owner keeps it: the saving is short of the affinity credit.
+        assert_eq!(one(&matched, false).backend, order[0]);
+        // A backend holding only part of the history (a shared system prompt) is no home.
+        matched[order[3]] = 2 * block;
+        assert_eq!(one(&matched, true).backend, order[0]);
+        // A first prompt shorter than a block: the reply's blocks show the home.
+        let short = RequestProfile {
+            history_blocks: 0,
+            ..turn.clone()
+        };
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &r,
+            matched: &matched,
+        };
+        let balanced = Params {
+            balance_new_conversations: true,
+            ..params()
+        };
+        let d = policy_choose(&balanced, &short, &snap, &[], 0).unwrap();
+        assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
     }
 
     #[test]
