@@ -48,10 +48,11 @@
 //! deterministic. When no backend is admissible (cannot happen with this bound), the least
 //! loaded eligible backend takes it.
 //!
-//! With `balance_new_conversations` (one replica), a new conversation that is not heavy and
-//! needs no adapter loaded goes to the admissible backend with the least work per unit of
-//! weight: nothing is cached for it anywhere, so load alone tells the backends apart. A later
-//! turn's home, which takes the owner's place in the affinity credit and is always a
+//! With `balance_new_conversations` (one replica), a new conversation shorter than a work
+//! unit that needs no adapter loaded goes to the admissible backend with the least work per
+//! unit of weight: nothing is cached for it anywhere, so load alone tells the backends apart
+//! (a longer prompt's stall on the streams decoding beside it is the cost model's to price).
+//! A later turn's home, which takes the owner's place in the affinity credit and is always a
 //! candidate, is then the backend holding the longest match when that covers the turn's
 //! history.
 
@@ -149,8 +150,11 @@ pub(super) fn choose(
     // tells the backends apart. Its key's owner would leave the fleet's conversations spread
     // as unevenly as their hashes and their lengths, and every stream decodes as slowly as its
     // backend's batch.
+    // A prompt of a work unit or more is priced by the cost model: its prefill stalls the
+    // streams decoding where it lands, which load alone does not see.
     let balance = params.balance_new_conversations
         && new_conversation
+        && prompt < params.work_unit_tokens
         && !heavy
         && !adapter_missing
         && params.replicas <= 1;
@@ -371,16 +375,18 @@ mod tests {
         let d = one(&loads, &new, true, 1);
         assert_eq!((d.backend, d.reason), (order[2], Reason::LeastLoad));
         assert_eq!(one(&loads, &new, false, 1).backend, order[0]);
-        // Not for a turn with history, a heavy prompt or several replicas.
+        // Not for a turn with history, a prompt of a work unit or more (its stall is priced),
+        // or several replicas.
         let later = RequestProfile {
             has_history: true,
             ..req(key, 1_000)
         };
         assert_eq!(one(&loads, &later, true, 1).backend, order[0]);
         assert_eq!(one(&loads, &new, true, 2).backend, order[0]);
-        let heavy = req(key, 20_000);
-        let d = one(&loads, &heavy, true, 1);
-        assert_ne!(d.reason, Reason::LeastLoad);
+        for tokens in [4_096, 20_000] {
+            let d = one(&loads, &req(key, tokens), true, 1);
+            assert_ne!(d.reason, Reason::LeastLoad, "{tokens} tokens");
+        }
     }
 
     #[test]
