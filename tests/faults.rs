@@ -387,6 +387,16 @@ async fn refused_connects_are_retried_outside_the_budget() {
         &[sims[0].addr, sims[1].addr],
         "  routing:\n    policy: round_robin\n  health_check:\n    interval_ms: 600000\n  outlier:\n    enabled: false\n  limits:\n    retry_budget_ratio: 0\n    retry_budget_min: 0\n",
     );
+    // Ready means one backend healthy: the first check of the other must pass too, or a
+    // check that runs after the kill marks it down and nothing is ever refused.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while kv.metric_sum("kvroute_backend_healthy", &[]) < 2.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "both backends healthy"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     sims[0].kill();
     let c = client();
     for _ in 0..6 {
