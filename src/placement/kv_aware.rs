@@ -149,26 +149,21 @@ pub(super) fn choose(
     // Nothing anywhere is worth going to and its prefill costs the same everywhere: only load
     // tells the backends apart. Its key's owner would leave the fleet's conversations spread
     // as unevenly as their hashes and their lengths, and every stream decodes as slowly as its
-    // backend's batch.
-    // A prompt of a work unit or more is priced by the cost model: its prefill stalls the
-    // streams decoding where it lands, which load alone does not see.
-    let balance = params.balance_new_conversations
+    // backend's batch. A prompt of a work unit or more stays with the cost model: its prefill
+    // stalls the streams decoding where it lands, which load alone does not see.
+    let balancing = params.balance_new_conversations && params.replicas <= 1;
+    let balance = balancing
         && new_conversation
         && prompt < params.work_unit_tokens
         && !heavy
-        && !adapter_missing
-        && params.replicas <= 1;
+        && !adapter_missing;
     let per_weight = |i: usize| work(i) / f64::from(snap.backends[i].weight.max(1));
     // Balanced, a conversation lives where its first turn went, not at its key's owner: its
     // home is the backend holding the longest match when that covers its whole history (a
     // shared system prompt alone does not; a history shorter than a block is covered by the
     // blocks of its reply), and the affinity credit and a candidate's place go there.
     let history_tokens = profile.history_blocks as u64 * params.block_tokens;
-    let home = (params.balance_new_conversations
-        && params.replicas <= 1
-        && profile.has_history
-        && best_match > 0
-        && best_match >= history_tokens)
+    let home = (balancing && profile.has_history && best_match > 0 && best_match >= history_tokens)
         .then(|| {
             snap.ring
                 .walk(profile.session_key, n)
@@ -405,7 +400,7 @@ mod tests {
         let block = params().block_tokens;
         let mut matched = vec![0u64; 4];
         matched[order[3]] = 5 * block;
-        let one = |matched: &[u64], balance: bool| {
+        let one = |matched: &[u64], p: &RequestProfile, balance: bool| {
             let snap = Snapshot {
                 backends: &loads,
                 ring: &r,
@@ -415,30 +410,21 @@ mod tests {
                 balance_new_conversations: balance,
                 ..params()
             };
-            policy_choose(&params, &turn, &snap, &[], 0).unwrap()
+            policy_choose(&params, p, &snap, &[], 0).unwrap()
         };
-        let d = one(&matched, true);
+        let d = one(&matched, &turn, true);
         assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
         // Unbalanced, the owner keeps it: the saving is short of the affinity credit.
-        assert_eq!(one(&matched, false).backend, order[0]);
+        assert_eq!(one(&matched, &turn, false).backend, order[0]);
         // A backend holding only part of the history (a shared system prompt) is no home.
         matched[order[3]] = 2 * block;
-        assert_eq!(one(&matched, true).backend, order[0]);
+        assert_eq!(one(&matched, &turn, true).backend, order[0]);
         // A first prompt shorter than a block: the reply's blocks show the home.
         let short = RequestProfile {
             history_blocks: 0,
             ..turn.clone()
         };
-        let snap = Snapshot {
-            backends: &loads,
-            ring: &r,
-            matched: &matched,
-        };
-        let balanced = Params {
-            balance_new_conversations: true,
-            ..params()
-        };
-        let d = policy_choose(&balanced, &short, &snap, &[], 0).unwrap();
+        let d = one(&matched, &short, true);
         assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
     }
 
