@@ -304,14 +304,20 @@ if [ "$(nproc)" -ge 4 ]; then
   done
 else
   # Two cores cannot hold two kvroute threads and a load generator apart. Estimate instead from
-  # CPU per request: one thread pinned as above, then two threads sharing both cores with wrk
-  # and the backend. If a request costs as much CPU with two threads running at once as with
-  # one, nothing serialises them and two cores of their own would give 2x; sharing cores with
-  # the load adds to the two-thread cost, so this is a lower bound. The bare Pingora proxy,
-  # measured the same way, shows how much of that is the machine rather than kvroute.
+  # CPU per request, three ways per proxy: one thread pinned as above ("1p"); one thread
+  # sharing both cores with wrk and the backend ("1s"); two threads sharing them the same way
+  # ("2s"). If a request costs as much CPU with two threads running at once as with one under
+  # the same sharing, nothing serialises them and two cores of their own would give 2x. 1p
+  # against 2s is a lower bound (the two-thread cost also carries the sharing: preemption, cache
+  # misses); 1s against 2s leaves the sharing on both sides, so what remains is what a second
+  # thread costs. The bare Pingora proxy, measured the same ways, shows how much is the machine.
+  # Interleaved, ROUNDS times (at least 3: single runs on this machine move by 10-30%).
+  SCALE_ROUNDS=$(( ROUNDS > 3 ? ROUNDS : 3 ))
+  for _ in $(seq "$SCALE_ROUNDS"); do
   for proxy in pingora_bare kvroute; do
-  for threads in 1 2; do
-    cores=$([ "$threads" = 1 ] && echo 1 || echo 0,1)
+  for mode in 1p 1s 2s; do
+    threads=${mode%?}
+    cores=$([ "$mode" = 1p ] && echo 1 || echo 0,1)
     if [ $proxy = kvroute ]; then
       kv_conf $BACKEND_JSON $threads; port=$KV
       RUST_LOG=warn taskset -c "$cores" "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
@@ -321,13 +327,15 @@ else
     fi
     KPID=$!; PIDS+=("$KPID"); wait_port $port; sleep 0.5
     before=$(cpu_ticks "$KPID")
-    taskset -c "$([ "$threads" = 1 ] && echo 0 || echo 0,1)" wrk -t"$threads" -c32 -d"${SECS}s" \
+    if [ "$mode" = 1p ]; then wcores=0; wthreads=1; else wcores=0,1; wthreads=2; fi
+    taskset -c "$wcores" wrk -t"$wthreads" -c32 -d"${SECS}s" \
       -s "$WORK/body_1000_plain.lua" "http://127.0.0.1:$port/v1/chat/completions" > "$WORK/scale.txt"
     after=$(cpu_ticks "$KPID")
-    awk -v p=$proxy -v t="$threads" -v ticks=$((after - before)) -v hz="$(getconf CLK_TCK)" \
-      '/requests in/{n=$1} /Requests\/sec/{r=$2} END{printf "estimate %s %s %s %.4f\n", p, t, r, ticks/hz/n*1000}' \
+    awk -v p=$proxy -v m="$mode" -v ticks=$((after - before)) -v hz="$(getconf CLK_TCK)" \
+      '/requests in/{n=$1} /Requests\/sec/{r=$2} END{printf "estimate %s %s %s %.4f\n", p, m, r, ticks/hz/n*1000}' \
       "$WORK/scale.txt" >> "$SCALING"
     kill "$KPID"; wait "$KPID" 2>/dev/null || true
+  done
   done
   done
 fi
@@ -377,16 +385,23 @@ for r in rows:
 sc = open(scaling).read().strip()
 lines += ["", "Scaling (kvroute, 1 KB chat, `threads: 1` on one core against `threads: 2` on two):", ""]
 if sc.startswith("estimate"):
-    v = {(l.split()[1], l.split()[2]): (float(l.split()[3]), float(l.split()[4])) for l in sc.splitlines()}
+    v = {}
+    for l in sc.splitlines():
+        _, p, m, r, c = l.split()
+        v.setdefault((p, m), []).append((float(r), float(c)))
+    med = {k: (statistics.median(r for r, _ in xs), statistics.median(c for _, c in xs), len(xs)) for k, xs in v.items()}
+    n = min(x[2] for x in med.values())
     lines.append(f"This machine has {os.cpu_count()} cores, too few to give two proxy threads and the load generator cores of their own "
-                 "(that needs 4). Estimated from CPU per request instead: one thread on one core, then two threads sharing both cores "
-                 "with wrk and the backend; two cores of their own would give about 2 x (CPU per request, 1 thread) / (CPU per request, 2 threads) "
-                 "one core's requests/s, a lower bound (sharing cores with the load adds to the two-thread cost). The bare Pingora proxy, "
-                 "measured the same way, shows how much of that is the machine.")
-    lines += ["", "| proxy | 1 thread: CPU s / 1000 req (req/s) | 2 threads: CPU s / 1000 req (req/s) | estimated 2-core scaling |", "|---|---|---|---|"]
+                 "(that needs 4). Estimated from CPU per request instead (medians of " + str(n) + " interleaved runs): one thread pinned to one core "
+                 "with wrk and the backend on the other (1p); one thread sharing both cores with wrk and the backend (1s); two threads sharing "
+                 "them the same way (2s). Two cores of their own would give about 2 x (CPU per request, 1 thread) / (CPU per request, 2 threads) "
+                 "one core's requests/s. Against 1p that is a lower bound (the two-thread cost also carries the core sharing: preemption, "
+                 "cache misses); against 1s the sharing is on both sides, and what remains is what a second thread costs (locks, "
+                 "shared cache lines). The bare Pingora proxy, measured the same ways, shows how much of it is the machine.")
+    lines += ["", "| proxy | 1p: CPU s / 1000 req (req/s) | 1s | 2s | estimated 2-core scaling from 1p (lower bound) | from 1s |", "|---|---|---|---|---|---|"]
     for p in ("pingora_bare", "kvroute"):
-        (r1, c1), (r2, c2) = v[(p, "1")], v[(p, "2")]
-        lines.append(f"| {p} | {c1:.4f} ({r1:.0f}) | {c2:.4f} ({r2:.0f}) | {2 * c1 / c2:.2f}x |")
+        (r1, c1, _), (rs, cs, _), (r2, c2, _) = med[(p, "1p")], med[(p, "1s")], med[(p, "2s")]
+        lines.append(f"| {p} | {c1:.4f} ({r1:.0f}) | {cs:.4f} ({rs:.0f}) | {c2:.4f} ({r2:.0f}) | {2 * c1 / c2:.2f}x | {2 * cs / c2:.2f}x |")
 else:
     v = dict(l.split() for l in sc.splitlines())
     lines.append(f"1 thread {float(v['1']):.0f} req/s, 2 threads {float(v['2']):.0f} req/s: {float(v['2'])/float(v['1']):.2f}x")
