@@ -70,8 +70,8 @@ pub struct RoutingConfig {
     pub min_prefix_saving_tokens: u64,
     /// kv_aware, one replica: a new conversation (no history, no prefix cached anywhere, fewer
     /// prompt tokens than `work_unit_tokens`, no LoRA adapter to load) goes to the backend with
-    /// the least work per unit of weight instead of its key's owner, and a later turn's home is
-    /// the backend holding its history.
+    /// the least work per unit of weight (streams weighed by the backend's learned decode step)
+    /// instead of its key's owner, and a later turn's home is the backend holding its history.
     pub balance_new_conversations: bool,
     /// kv_aware: how many kvroute processes route to this fleet side by side, sharing no
     /// state (a high-availability pair is 2). Above 1, a new conversation (no history, no

@@ -50,7 +50,8 @@
 //!
 //! With `balance_new_conversations` (one replica), a new conversation shorter than a work
 //! unit that needs no adapter loaded goes to the admissible backend with the least work per
-//! unit of weight: nothing is cached for it anywhere, so load alone tells the backends apart
+//! unit of weight, each backend's work weighed by its learned decode step (a slower engine's
+//! streams take longer): nothing is cached for it anywhere, so load alone tells the backends apart
 //! (a longer prompt's stall on the streams decoding beside it is the cost model's to price).
 //! A later turn's home, which takes the owner's place in the affinity credit and is always a
 //! candidate, is then the backend holding the longest match when that covers the turn's
@@ -157,7 +158,23 @@ pub(super) fn choose(
         && prompt < params.work_unit_tokens
         && !heavy
         && !adapter_missing;
-    let per_weight = |i: usize| work(i) / f64::from(snap.backends[i].weight.max(1));
+    // Work counts streams; a stream on a backend whose decode step is twice as long takes twice
+    // as long, so each backend's work with this request is weighed by its learned step (a
+    // backend not yet heard from counts as the median of the known steps; none known: all
+    // alike). Alike engines learn steps within a few percent of each other, so there it only
+    // breaks near-ties.
+    let step =
+        |i: usize| Some(snap.backends[i].decode_step_s).filter(|s| s.is_finite() && *s > 0.0);
+    let typical_step = if balance {
+        let mut steps: Vec<f64> = (0..n).filter(|&i| eligible(i)).filter_map(step).collect();
+        steps.sort_by(f64::total_cmp);
+        steps.get(steps.len() / 2).copied().unwrap_or(1.0)
+    } else {
+        1.0
+    };
+    let pace = |i: usize| step(i).map_or(1.0, |s| s / typical_step);
+    let per_weight =
+        |i: usize| (work(i) + 1.0) * pace(i) / f64::from(snap.backends[i].weight.max(1));
     // Balanced, a conversation lives where its first turn went, not at its key's owner: its
     // home is the backend holding the longest match when that covers its whole history (a
     // shared system prompt alone does not; a history shorter than a block is covered by the
@@ -382,6 +399,53 @@ mod tests {
             let d = one(&loads, &req(key, tokens), true, 1);
             assert_ne!(d.reason, Reason::LeastLoad, "{tokens} tokens");
         }
+    }
+
+    #[test]
+    fn balanced_new_conversations_weigh_work_by_the_decode_step() {
+        let r = ring(4);
+        let key = 13;
+        let order: Vec<usize> = r.walk(key, 4).collect();
+        let params = Params {
+            balance_new_conversations: true,
+            ..params()
+        };
+        let pick = |loads: &[BackendLoad]| {
+            let snap = Snapshot {
+                backends: loads,
+                ring: &r,
+                matched: &[],
+            };
+            policy_choose(&params, &req(key, 1_000), &snap, &[], 0).unwrap()
+        };
+        // Two fast engines (7 ms a step) and two at twice the step. With this stream, the owner
+        // (slow, 3 streams) has 4 x 2 and the fast one with 5 streams 6 x 1: the fast one,
+        // though it holds more streams.
+        let mut loads = vec![BackendLoad::idle(); 4];
+        for (rank, &i) in order.iter().enumerate() {
+            loads[i].decode_step_s = [0.014, 0.014, 0.007, 0.007][rank];
+            loads[i].inflight = [3, 3, 5, 6][rank];
+        }
+        let d = pick(&loads);
+        assert_eq!((d.backend, d.reason), (order[2], Reason::LeastLoad));
+        // With 8 streams on each fast engine, the slow owner is better (9 x 1 against 4 x 2).
+        loads[order[2]].inflight = 8;
+        loads[order[3]].inflight = 8;
+        assert_eq!(pick(&loads).backend, order[0]);
+        // A backend with no step learned yet counts as the median of the known ones (7 ms:
+        // 14, 7 and 7 are known), so its 2 streams win: 3 x 1 against 4 x 2 and 9 x 1.
+        loads[order[1]].decode_step_s = 0.0;
+        loads[order[1]].inflight = 2;
+        loads[order[3]].decode_step_s = 0.007;
+        assert_eq!(pick(&loads).backend, order[1]);
+        // None learned: streams alone, as before.
+        for l in loads.iter_mut() {
+            l.decode_step_s = 0.0;
+        }
+        assert_eq!(pick(&loads).backend, order[1]);
+        // A step that is not a number is not learned.
+        loads[order[1]].decode_step_s = f64::NAN;
+        assert_eq!(pick(&loads).backend, order[1]);
     }
 
     #[test]
