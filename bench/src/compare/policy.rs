@@ -7,6 +7,8 @@
 //!   prefill rate (model time), as an operator who measured the fleet would write it.
 //! - `rates=PROFILE*F+PROFILE*F`: backends of the listed profiles get their true rate times
 //!   `F` (a deliberately wrong configuration), the others their true rate.
+//! - `weights=PROFILE*W+PROFILE*W`: backends of the listed profiles get `weight: W` (1-1000;
+//!   the others 1), as an operator who knows the faster engines would weight them.
 //! - `learn=on|off`: `routing.learn_prefill_rate`, whether kvroute corrects configured rates
 //!   from the engines' telemetry.
 //! - `replicas=N`: N kvroute processes with this config in front of the one fleet (each
@@ -32,7 +34,7 @@ use std::path::Path;
 use crate::sim::{Profile, ProfileName};
 
 /// The options an entry may carry, for errors.
-const KNOWN_OPTIONS: &str = "rates, learn, replicas, events, routing.KEY, telemetry.KEY";
+const KNOWN_OPTIONS: &str = "rates, weights, learn, replicas, events, routing.KEY, telemetry.KEY";
 
 /// Replicas one run may start (each is a kvroute process on this machine's cores).
 pub const MAX_REPLICAS: usize = 4;
@@ -53,6 +55,8 @@ pub struct PolicyRun {
     pub label: String,
     pub policy: String,
     pub rates: Rates,
+    /// `weight` for backends of these profiles (`weights=`); the others keep the default.
+    pub weights: Vec<(ProfileName, u32)>,
     /// `routing.learn_prefill_rate`, when given.
     pub learn: Option<bool>,
     /// Other `kvroute.routing` settings, in the order given.
@@ -110,6 +114,7 @@ impl PolicyRun {
             label: label.to_string(),
             policy: policy.to_string(),
             rates: Rates::Omit,
+            weights: Vec::new(),
             learn: None,
             routing: Vec::new(),
             telemetry: Vec::new(),
@@ -140,7 +145,7 @@ impl PolicyRun {
             return Ok(run);
         }
         let (mut seen_rates, mut seen_learn, mut seen_replicas) = (false, false, false);
-        let mut seen_events = false;
+        let (mut seen_events, mut seen_weights) = (false, false);
         for option in parts {
             let bad = |why: String| format!("policy entry {label:?}: {why}");
             let Some((key, value)) = option.split_once('=') else {
@@ -152,6 +157,10 @@ impl PolicyRun {
                 "rates" if !seen_rates => {
                     seen_rates = true;
                     run.rates = parse_rates(value).map_err(bad)?;
+                }
+                "weights" if !seen_weights => {
+                    seen_weights = true;
+                    run.weights = parse_weights(value).map_err(bad)?;
                 }
                 "learn" if !seen_learn => {
                     seen_learn = true;
@@ -180,7 +189,7 @@ impl PolicyRun {
                         _ => return Err(bad(format!("events={value:?}: expected on or off"))),
                     };
                 }
-                "rates" | "learn" | "replicas" | "events" => {
+                "rates" | "weights" | "learn" | "replicas" | "events" => {
                     return Err(bad(format!("option {key} given twice")))
                 }
                 _ if key.starts_with("routing.") || key.starts_with("telemetry.") => {
@@ -247,25 +256,52 @@ fn parse_rates(value: &str) -> Result<Rates, String> {
     if value == "true" {
         return Ok(Rates::True);
     }
-    let mut factors: Vec<(ProfileName, f64)> = Vec::new();
+    per_profile(
+        "rates",
+        value,
+        "true or PROFILE*FACTOR+PROFILE*FACTOR",
+        |f| {
+            f.parse()
+                .ok()
+                .filter(|f: &f64| f.is_finite() && *f > 0.0)
+                .ok_or_else(|| format!("factor {f:?} is not a number > 0"))
+        },
+    )
+    .map(Rates::Scaled)
+}
+
+/// `PROFILE*W+PROFILE*W` with each profile at most once and `W` a backend weight (1-1000).
+fn parse_weights(value: &str) -> Result<Vec<(ProfileName, u32)>, String> {
+    per_profile("weights", value, "PROFILE*WEIGHT+PROFILE*WEIGHT", |w| {
+        w.parse()
+            .ok()
+            .filter(|w| (1..=1000).contains(w))
+            .ok_or_else(|| format!("weight {w:?} is not 1 to 1000"))
+    })
+}
+
+/// `option=value` as `PROFILE*X+PROFILE*X`: each profile at most once, each `X` by `parse`.
+fn per_profile<T>(
+    option: &str,
+    value: &str,
+    expected: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<(ProfileName, T)>, String> {
+    let mut out: Vec<(ProfileName, T)> = Vec::new();
     for item in value.split('+') {
-        let Some((name, factor)) = item.split_once('*') else {
+        let Some((name, x)) = item.split_once('*') else {
             return Err(format!(
-                "rates={value:?}: expected true or PROFILE*FACTOR+PROFILE*FACTOR, got {item:?}"
+                "{option}={value:?}: expected {expected}, got {item:?}"
             ));
         };
-        let profile = ProfileName::parse(name).map_err(|e| format!("rates={value:?}: {e}"))?;
-        let f: f64 = factor
-            .parse()
-            .ok()
-            .filter(|f: &f64| f.is_finite() && *f > 0.0)
-            .ok_or_else(|| format!("rates={value:?}: factor {factor:?} is not a number > 0"))?;
-        if factors.iter().any(|(p, _)| *p == profile) {
-            return Err(format!("rates={value:?}: {name} listed twice"));
+        let profile = ProfileName::parse(name).map_err(|e| format!("{option}={value:?}: {e}"))?;
+        let x = parse(x).map_err(|e| format!("{option}={value:?}: {e}"))?;
+        if out.iter().any(|(p, _)| *p == profile) {
+            return Err(format!("{option}={value:?}: {name} listed twice"));
         }
-        factors.push((profile, f));
+        out.push((profile, x));
     }
-    Ok(Rates::Scaled(factors))
+    Ok(out)
 }
 
 /// kvroute's config for one run: `run`'s policy and options in front of `backends` (address
@@ -345,6 +381,9 @@ pub fn kvroute_yaml(
             if e.ranks > 1 {
                 let _ = writeln!(yaml, "        data_parallel_size: {}", e.ranks);
             }
+        }
+        if let Some(&(_, w)) = run.weights.iter().find(|(p, _)| *p == m.profile) {
+            let _ = writeln!(yaml, "      weight: {w}");
         }
         if let Some(rate) = run.rate_for(m.profile) {
             let _ = writeln!(yaml, "      prefill_tokens_per_s: {rate}");
@@ -457,6 +496,25 @@ mod tests {
             "kv_aware/routing.a=x: y",
             "kv_aware/telemetry.a=1/telemetry.a=2",
             "kv_aware/telemetry.=1",
+        ] {
+            assert!(PolicyRun::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn weights_apply_to_the_listed_profiles_only() {
+        let k = config("kv_aware/weights=h100-llama8b*3");
+        let list = k["backends"].as_sequence().unwrap();
+        let w: Vec<Option<u64>> = list.iter().map(|b| b["weight"].as_u64()).collect();
+        assert_eq!(w, [Some(3), Some(3), None]);
+        for bad in [
+            "kv_aware/weights=h100-llama8b*0",
+            "kv_aware/weights=h100-llama8b*1001",
+            "kv_aware/weights=h100-llama8b*1.5",
+            "kv_aware/weights=h100-llama8b",
+            "kv_aware/weights=h100-llama8b*2+h100-llama8b*3",
+            "kv_aware/weights=x100*2",
+            "kv_aware/weights=h100-llama8b*2/weights=l40s-llama8b*1",
         ] {
             assert!(PolicyRun::parse(bad).is_err(), "{bad}");
         }
