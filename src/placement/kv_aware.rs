@@ -51,8 +51,9 @@
 //! With `balance_new_conversations` (one replica), a new conversation shorter than a work
 //! unit that needs no adapter loaded goes to the admissible backend with the least work per
 //! unit of weight, each backend's work weighed by its learned decode step (a slower engine's
-//! streams take longer): nothing is cached for it anywhere, so load alone tells the backends apart
-//! (a longer prompt's stall on the streams decoding beside it is the cost model's to price).
+//! streams take longer): nothing is cached for it anywhere, so load alone tells the backends
+//! apart (a longer prompt's stall on the streams decoding beside it is the cost model's to
+//! price).
 //! A later turn's home, which takes the owner's place in the affinity credit and is always a
 //! candidate, is then the backend holding the longest match when that covers the turn's
 //! history.
@@ -336,12 +337,23 @@ mod tests {
             .iter()
             .map(|&m| m as u64 * params().block_tokens)
             .collect();
+        decide(&params(), loads, r, &tokens, p)
+    }
+
+    /// The decision under `params`; `matched`: tokens.
+    fn decide(
+        params: &Params,
+        loads: &[BackendLoad],
+        r: &Ring,
+        matched: &[u64],
+        p: &RequestProfile,
+    ) -> Decision {
         let snap = Snapshot {
             backends: loads,
             ring: r,
-            matched: &tokens,
+            matched,
         };
-        policy_choose(&params(), p, &snap, &[], 0).unwrap()
+        policy_choose(params, p, &snap, &[], 0).unwrap()
     }
 
     #[test]
@@ -362,17 +374,12 @@ mod tests {
         let order: Vec<usize> = r.walk(key, 4).collect();
         let mut loads = vec![BackendLoad::idle(); 4];
         let one = |loads: &[BackendLoad], p: &RequestProfile, balance: bool, replicas: u32| {
-            let snap = Snapshot {
-                backends: loads,
-                ring: &r,
-                matched: &[],
-            };
             let params = Params {
                 balance_new_conversations: balance,
                 replicas,
                 ..params()
             };
-            policy_choose(&params, p, &snap, &[], 0).unwrap()
+            decide(&params, loads, &r, &[], p)
         };
         let new = req(key, 1_000);
         // An idle fleet: ties go to ring order, so the owner.
@@ -410,14 +417,7 @@ mod tests {
             balance_new_conversations: true,
             ..params()
         };
-        let pick = |loads: &[BackendLoad]| {
-            let snap = Snapshot {
-                backends: loads,
-                ring: &r,
-                matched: &[],
-            };
-            policy_choose(&params, &req(key, 1_000), &snap, &[], 0).unwrap()
-        };
+        let pick = |loads: &[BackendLoad]| decide(&params, loads, &r, &[], &req(key, 1_000));
         // Two fast engines (7 ms a step) and two at twice the step. With this stream, the owner
         // (slow, 3 streams) has 4 x 2 and the fast one with 5 streams 6 x 1: the fast one,
         // though it holds more streams.
@@ -465,16 +465,11 @@ mod tests {
         let mut matched = vec![0u64; 4];
         matched[order[3]] = 5 * block;
         let one = |matched: &[u64], p: &RequestProfile, balance: bool| {
-            let snap = Snapshot {
-                backends: &loads,
-                ring: &r,
-                matched,
-            };
             let params = Params {
                 balance_new_conversations: balance,
                 ..params()
             };
-            policy_choose(&params, p, &snap, &[], 0).unwrap()
+            decide(&params, &loads, &r, matched, p)
         };
         let d = one(&matched, &turn, true);
         assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
