@@ -3,8 +3,10 @@
 # thread each, pinned to CPU 1, default policy) in front of one nginx `return` backend; wrk on
 # CPU 0 drives them in turn (old first in odd rounds, new first in even ones), ROUNDS rounds,
 # 1 KB and 100 KB chat bodies:
-# `wrk -c32 -d6s` (requests/s) then `wrk -c1 -d4s --latency` (p50). Prints every run and the
-# medians, and each binary's peak RSS. Loopback only.
+# `wrk -c32 -d6s` (requests/s, and the proxy's CPU per request over that run, from
+# /proc/PID/stat) then
+# `wrk -c1 -d4s --latency` (p50). Prints every run and the medians, and each binary's peak RSS.
+# Loopback only.
 #
 #   bench/scripts/ab.sh OLD_KVROUTE NEW_KVROUTE [ROUNDS=3] [OUT=bench/results/overhead-edge/ab.txt]
 #
@@ -64,6 +66,8 @@ for size in (1000, 100000):
         f'wrk.method="POST"\nwrk.headers["Content-Type"]="application/json"\n'
         f'local f=io.open("{w}/body{size}.json","rb"); wrk.body=f:read("*all"); f:close()\n')
 PY
+HZ=$(getconf CLK_TCK)
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # utime + stime, all threads
 wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
 taskset -c 0 nginx -c "$WORK/backend.conf" -p "$WORK"
 RUST_LOG=${AB_RUST_LOG:-warn} taskset -c 1 "$OLD" -c "$WORK/old.yaml" 2>"$WORK/old.err" & PIDS+=("$!")
@@ -72,7 +76,7 @@ wait_port $BACKEND; wait_port 18710; wait_port 18720; sleep 1
 mkdir -p "$(dirname "$OUT")"
 {
   echo "# bench/scripts/ab.sh $OLD $NEW $ROUNDS"
-  echo "# columns: round body_bytes build req_per_s_c32 p50_c1"
+  echo "# columns: round body_bytes build req_per_s_c32 p50_c1 cpu_us_per_req_c32"
 } > "$OUT"
 for round in $(seq "$ROUNDS"); do
   # Alternate which binary goes first: run in one fixed order, the second one measured up to
@@ -82,9 +86,15 @@ for round in $(seq "$ROUNDS"); do
     for v in $order; do
       port=$([ $v = old ] && echo 18710 || echo 18720)
       url="http://127.0.0.1:$port/v1/chat/completions"
-      rps=$(taskset -c 0 wrk -t1 -c32 -d6s -s "$WORK/b$size.lua" "$url" | awk '/Requests\/sec/{print $2}')
+      pid=${PIDS[0]}; [ $v = new ] && pid=${PIDS[1]}
+      cpu0=$(cpu_ticks "$pid")
+      res=$(taskset -c 0 wrk -t1 -c32 -d6s -s "$WORK/b$size.lua" "$url")
+      cpu1=$(cpu_ticks "$pid")
+      rps=$(awk '/Requests\/sec/{print $2}' <<<"$res")
+      reqs=$(awk '/requests in/{print $1}' <<<"$res")
+      cpu_us=$(awk -v t=$((cpu1 - cpu0)) -v n="$reqs" -v hz="$HZ" 'BEGIN{printf "%.1f", (n > 0 ? t / hz / n * 1e6 : 0)}')
       p50=$(taskset -c 0 wrk -t1 -c1 -d4s --latency -s "$WORK/b$size.lua" "$url" | awk '/ 50%/{print $2}')
-      echo "$round $size $v $rps $p50" | tee -a "$OUT"
+      echo "$round $size $v $rps $p50 $cpu_us" | tee -a "$OUT"
     done
   done
 done
@@ -99,7 +109,10 @@ def us(v):
             return float(v[: -len(unit)]) * f
 for size in ("1000", "100000"):
     med = {b: (statistics.median(float(r[3]) for r in rows if r[1] == size and r[2] == b),
-               statistics.median(us(r[4]) for r in rows if r[1] == size and r[2] == b)) for b in ("old", "new")}
+               statistics.median(us(r[4]) for r in rows if r[1] == size and r[2] == b),
+               statistics.median(float(r[5]) for r in rows if r[1] == size and r[2] == b and len(r) > 5))
+           for b in ("old", "new")}
     print(f"# medians, {int(size) // 1000} KB: req/s old {med['old'][0]:.0f} new {med['new'][0]:.0f} "
-          f"({med['new'][0] / med['old'][0]:.2f}x); p50 old {med['old'][1]:.0f} us new {med['new'][1]:.0f} us")
+          f"({med['new'][0] / med['old'][0]:.2f}x); p50 old {med['old'][1]:.0f} us new {med['new'][1]:.0f} us; "
+          f"CPU us/req old {med['old'][2]:.1f} new {med['new'][2]:.1f} ({med['new'][2] / med['old'][2]:.2f}x)")
 PY
