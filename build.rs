@@ -1,8 +1,8 @@
-//! Release builds of the `kvroute` binary place the functions it runs at start-up and at idle
-//! side by side (`link/idle-symbols.txt`, written by `bench/scripts/symbol_order.sh`). The
-//! kernel maps a binary's code 64 KiB around each page fault, so code touched in scattered
-//! places keeps most of the binary resident; packed together it keeps a few windows
-//! (bench/README "Idle RSS").
+//! Release builds of the `kvroute` binary place the functions it runs at start-up, at idle and
+//! on a request side by side (`link/symbol-order.txt`, written by
+//! `bench/scripts/symbol_order.sh`). The kernel maps a binary's code 64 KiB around each page
+//! fault, so code touched in scattered places keeps most of the binary resident; packed
+//! together it keeps a few windows (bench/README "Idle RSS").
 //!
 //! Only rust-lld, rustc's default linker on x86_64 Linux since 1.90, is asked: GNU ld has no
 //! such option. A linker of the builder's choosing, or `KVROUTE_SYMBOL_ORDER=0`, links as
@@ -18,7 +18,7 @@ fn main() {
     let Ok(dir) = env::var("CARGO_MANIFEST_DIR") else {
         return;
     };
-    let order = Path::new(&dir).join("link/idle-symbols.txt");
+    let order = Path::new(&dir).join("link/symbol-order.txt");
     println!("cargo:rerun-if-changed={}", order.display());
     if order.exists() && rust_lld_links() {
         println!(

@@ -4,9 +4,8 @@
 # CPU 0 drives them in turn (old first in odd rounds, new first in even ones), ROUNDS rounds,
 # 1 KB and 100 KB chat bodies:
 # `wrk -c32 -d6s` (requests/s, and the proxy's CPU per request over that run, from
-# /proc/PID/stat) then
-# `wrk -c1 -d4s --latency` (p50). Prints every run and the medians, and each binary's peak RSS.
-# Loopback only.
+# /proc/PID/stat) then `wrk -c1 -d4s --latency` (p50). Prints every run and the medians, and
+# each binary's peak RSS. Loopback only.
 #
 #   bench/scripts/ab.sh OLD_KVROUTE NEW_KVROUTE [ROUNDS=3] [OUT=bench/results/overhead-edge/ab.txt]
 #

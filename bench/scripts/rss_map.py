@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Where a running process's resident memory is: each mapping's RSS, and for the executable's
 code (its r-xp mapping) which pages are present, as runs of consecutive pages, read from
-/proc/PID/pagemap (needs root). The runs show how the kernel mapped the page cache: one run per
-fault when it maps whole large folios, many short ones when it maps only the pages around each
-fault.
+/proc/PID/pagemap (needs root). Few long runs mean the code that ran sits together; many runs
+of about 64 KiB, the kernel's fault-around, mean it is scattered over the binary.
 
     bench/scripts/rss_map.py PID [MIN_KIB=100]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Writes link/idle-symbols.txt, the functions build.rs has the linker place side by side in a
+# Writes link/symbol-order.txt, the functions build.rs has the linker place side by side in a
 # release kvroute: first those it runs from start until it idles, then those its requests add.
 # - The idle phase covers configuration, Pingora's server, tokio and OpenSSL, and the health
 #   checks and scrapes of four backends: two simulated engines (`kvbench sim`) and two closed
@@ -76,7 +76,7 @@ kill -INT "$KV"; wait "$KV" 2>/dev/null || true; KV=
 
 nm "$BIN" | awk 'NF == 3 && $2 ~ /^[tTwW]$/ {print $3}' | sort -u > "$WORK/defined"
 mkdir -p link
-python3 - "$WORK/defined" "$WORK"/cg.out.* "$WORK/cg.out" > link/idle-symbols.txt <<'PY'
+python3 - "$WORK/defined" "$WORK"/cg.out.* "$WORK/cg.out" > link/symbol-order.txt <<'PY'
 import re, sys
 defined = set(open(sys.argv[1]).read().split())
 
@@ -99,4 +99,4 @@ print("# placed side by side by the linker (build.rs). Written by bench/scripts/
 print(f"# do not edit by hand. {len(idle)} idle, {len(requests)} requests.")
 print("\n".join(sorted(idle) + sorted(requests)))
 PY
-head -3 link/idle-symbols.txt | tail -1
+head -3 link/symbol-order.txt | tail -1
