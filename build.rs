@@ -2,7 +2,7 @@
 //! on a request side by side (`link/symbol-order.txt`, written by
 //! `bench/scripts/symbol_order.sh`). The kernel maps a binary's code 64 KiB around each page
 //! fault, so code touched in scattered places keeps most of the binary resident; packed
-//! together it keeps a few windows (bench/README "Idle RSS").
+//! together it keeps a few windows (docs/results/proxy-cost.md, docs/dev/architecture.md).
 //!
 //! Only rust-lld, rustc's default linker on x86_64 Linux since 1.90, is asked: GNU ld has no
 //! such option. A linker of the builder's choosing, or `KVROUTE_SYMBOL_ORDER=0`, links as

@@ -12,7 +12,8 @@
 //!   separate admin listener, SIGHUP reload and zero-downtime upgrades.
 //!
 //! # How to use
-//! `kvroute -c conf/kvroute.yaml` (Pingora's `-t`, `-u`, `-d` work as in Pingora). See README.md.
+//! `kvroute -c conf/kvroute.yaml` (Pingora's `-t`, `-u`, `-d` work as in Pingora). See README.md
+//! and docs/ (the layers below: docs/dev/architecture.md).
 //!
 //! # Layout
 //! Each layer imports only the layers below it:

@@ -1,6 +1,7 @@
 //! The shipped dashboard and alert rules only use metrics kvroute exports: every `kvroute_*`
 //! name in their PromQL is in a running kvroute's `/metrics` (with TLS on, telemetry scraped,
-//! one backend's KV events followed and one request served). `promtool check rules` runs in `.ci/run`.
+//! one backend's KV events followed and one request served), and every family that `/metrics`
+//! serves has its row in `docs/guide/metrics.md`. `promtool check rules` runs in `.ci/run`.
 
 mod common;
 
@@ -131,6 +132,28 @@ async fn every_metric_the_dashboard_and_rules_use_is_exported() {
         missing.is_empty(),
         "used but not exported: {missing:?}\n{}",
         k.log()
+    );
+    // Every family the running process exports has its row in the metrics reference (tests/docs.rs
+    // checks the reference against the names the code registers; this, against what it serves).
+    let reference =
+        std::fs::read_to_string(root.join("docs/guide/metrics.md")).expect("metrics page");
+    let documented: BTreeSet<&str> = reference
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("| `")?.split('`').next())
+        .collect();
+    let undocumented: Vec<_> = exported
+        .iter()
+        .map(|n| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| n.strip_suffix(s).filter(|f| documented.contains(f)))
+                .unwrap_or(n)
+        })
+        .filter(|f| !documented.contains(f))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "exported but not in docs/guide/metrics.md: {undocumented:?}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

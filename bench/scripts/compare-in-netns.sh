@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Runs a command (normally `kvbench compare`) in a network namespace that has only loopback.
+# Used by: docs/results/peers.md and docs/dev/kvbench.md
+#
 # Runs a command, normally `kvbench compare ...`, inside a new network namespace that has only
 # a loopback interface, and deletes the namespace afterwards.
 #
@@ -10,15 +13,14 @@
 # Usage (as root, from the repository root):
 #   bench/scripts/compare-in-netns.sh target/release/kvbench compare --policies kv_aware,sglang-router/cache_aware ...
 set -euo pipefail
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "$0")/lib.sh"
 
 if [ $# -lt 1 ]; then
-  sed -n '2,11p' "$0" >&2
+  sed -n '5,14p' "$0" >&2
   exit 2
 fi
-if [ "$(id -u)" -ne 0 ]; then
-  echo "compare-in-netns: creating a network namespace needs root" >&2
-  exit 1
-fi
+[ "$(id -u)" -eq 0 ] || die "creating a network namespace needs root"
 
 NS=kvbench-$$
 ip netns add "$NS"

@@ -1,40 +1,41 @@
 #!/usr/bin/env bash
-# Idle RSS of two kvroute binaries, side by side: each starts in turn (old, new, ROUNDS times)
-# with one worker thread and four backends, all plaintext, then two of them TLS; its RSS and
-# its anonymous and file-backed parts are read from /proc 3 s after start (after the first
-# health checks and scrapes). The backends are closed loopback ports: checks and scrapes fail
-# at connect, and build everything they build for a live engine. Prints every run and medians.
+# Idle RSS of two kvroute binaries, side by side, and its anonymous and file-backed parts.
+# Used by: docs/results/proxy-cost.md
 #
-#   bench/scripts/idle_rss.sh OLD_KVROUTE NEW_KVROUTE [ROUNDS=5] [OUT=bench/results/idle-rss/rss.txt]
+# Each starts in turn (old, new, ROUNDS times) with one worker thread and four backends, all
+# plaintext, then two of them TLS; its RSS and its anonymous and file-backed parts are read
+# from /proc 3 s after start (after the first health checks and scrapes). The backends are
+# closed loopback ports: checks and scrapes fail at connect, and build everything they build
+# for a live engine. Prints every run and medians.
+#
+#   bench/scripts/idle_rss.sh OLD_KVROUTE NEW_KVROUTE [ROUNDS=5] [OUT=bench/runs/idle-rss/rss.txt]
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
 OLD=${1:?old kvroute binary}; NEW=${2:?new kvroute binary}
-ROUNDS=${3:-5}; OUT=${4:-bench/results/idle-rss/rss.txt}
+ROUNDS=${3:-5}; OUT=${4:-bench/runs/idle-rss/rss.txt}
 mkdir -p "$(dirname "$OUT")"
-WORK=$(mktemp -d /tmp/kvroute-rss.XXXXXX)
-KPID=
-cleanup() { [ -n "$KPID" ] && kill -9 "$KPID" 2>/dev/null; rm -rf "$WORK"; }
-trap cleanup EXIT
+CLEANUP_SIGNAL=KILL
+start_work rss
 conf() { # $1 file, $2 how many backends are TLS
-  { printf 'version: 1\nthreads: 1\npid_file: %s/kv.pid\nupgrade_sock: %s/kv.sock\n' "$WORK" "$WORK"
-    printf 'grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\nkvroute:\n'
-    printf '  listen: "127.0.0.1:19480"\n  admin_listen: "127.0.0.1:19481"\n  backends:\n'
-    for i in 1 2 3 4; do
-      printf '    - addr: "127.0.0.1:1950%s"\n' "$i"
-      if [ "$i" -le "$2" ]; then printf '      tls: {sni: engine%s.internal}\n' "$i"; fi
-    done; } > "$1"
+  local backends=() i
+  for i in 1 2 3 4; do
+    if [ "$i" -le "$2" ]; then backends+=("1950$i=engine$i.internal"); else backends+=("1950$i"); fi
+  done
+  { pingora_yaml kv 1; kvroute_yaml 19480 19481 "${backends[@]}"; } > "$1"
 }
 conf "$WORK/plain.yaml" 0; conf "$WORK/tls.yaml" 2
 : > "$WORK/runs.txt"
-for r in $(seq "$ROUNDS"); do
+for _ in $(seq "$ROUNDS"); do
   for c in plain tls; do
     for b in old new; do
       bin=$OLD; [ $b = new ] && bin=$NEW
-      RUST_LOG=error "$bin" -c "$WORK/$c.yaml" 2>"$WORK/err" & KPID=$!
+      SPAWN_LOG=error spawn "" "$WORK/err" "$bin" -c "$WORK/$c.yaml"; KPID=$SPAWNED
       sleep 3
       kill -0 "$KPID" 2>/dev/null || { echo "idle_rss.sh: $bin exited:" >&2; cat "$WORK/err" >&2; exit 1; }
       echo "$c $b $(awk '/^(VmRSS|RssAnon|RssFile):/{printf "%s ", $2}' "/proc/$KPID/status")" >> "$WORK/runs.txt"
-      kill -INT "$KPID"; wait "$KPID" 2>/dev/null || true; KPID=
+      kill -INT "$KPID"; wait "$KPID" 2>/dev/null || true
     done
   done
 done

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Used by: tests/kv_events.rs
 """A reference KV event publisher, built on the libraries vLLM publishes with (msgspec, pyzmq).
 
 It sends the batches of a JSON file the way vLLM's ZmqEventPublisher
@@ -68,59 +69,40 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """Base of the events; tag=True puts the class name under "type"."""
 
 
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
+# Each event's fields in vLLM's order (those with a default may be left out of an event). The map
+# and the array form are built from this one list, so they cannot drift apart.
+EVENT_FIELDS = {
+    "BlockStored": [
+        ("block_hashes", list[int]),
+        ("parent_block_hash", int | None),
+        ("token_ids", list[int]),
+        ("block_size", int),
+        ("lora_id", int | None),
+        ("medium", str | None),
+        ("lora_name", str | None),
+        ("extra_keys", list[tuple[Any, ...] | None] | None, None),
+        ("group_idx", int | None, None),
+        ("kv_cache_spec_kind", str | None, None),
+        ("kv_cache_spec_sliding_window", int | None, None),
+    ],
+    "BlockRemoved": [
+        ("block_hashes", list[int]),
+        ("medium", str | None),
+        ("group_idx", int | None, None),
+    ],
+    "AllBlocksCleared": [],
+}
 
 
 # The same events array-like (--array-events): the tag, then the fields in order.
-
-
 class ArrayKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pass
 
 
-class ArrayBlockStored(ArrayKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class ArrayBlockRemoved(ArrayKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class ArrayAllBlocksCleared(ArrayKVCacheEvent, tag="AllBlocksCleared"):
-    pass
+MAP_EVENTS = {k: msgspec.defstruct(k, f, bases=(KVCacheEvent,)) for k, f in EVENT_FIELDS.items()}
+ARRAY_EVENTS = {
+    k: msgspec.defstruct("Array" + k, f, bases=(ArrayKVCacheEvent,), tag=k) for k, f in EVENT_FIELDS.items()
+}
 
 
 FIELDS = {
@@ -141,12 +123,6 @@ FIELDS = {
     "AllBlocksCleared": {},
 }
 REQUIRED = {"BlockStored": ("block_hashes", "token_ids"), "BlockRemoved": ("block_hashes",)}
-MAP_EVENTS = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}
-ARRAY_EVENTS = {
-    "BlockStored": ArrayBlockStored,
-    "BlockRemoved": ArrayBlockRemoved,
-    "AllBlocksCleared": ArrayAllBlocksCleared,
-}
 
 
 def make_event(raw: dict, array_events: bool):

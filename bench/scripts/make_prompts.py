@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Used by: crosscheck/run.sh (its prompts file, F), for docs/results/reliability.md
 """Writes single-turn prompts as JSONL, one `{"text": ..., "output_length": N}` per line.
 
 That is aiperf's `single_turn` custom-dataset format and what `kvbench replay --workload

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Proxy cost: what kvroute adds per request, next to a bare Pingora proxy (the framework's
-# floor: examples/bare_pingora.rs; and the same proxy reading the whole body before it forwards
-# it, as kvroute must, `pingora_bare_buffered`; and that proxy with the upstream timeouts kvroute
-# sets on every peer, `pingora_floor`: the floor for a proxy that places by the prompt and
-# bounds each read from the engine), nginx round robin, sglang-router (round robin, when the
-# peers' venv is installed: bench/scripts/install-peers.sh) and no proxy at all, against a
-# backend that answers at once (an nginx `return`), on loopback only.
+# Proxy cost per request: kvroute beside bare Pingora, nginx, sglang-router and no proxy at all.
+# Used by: docs/results/proxy-cost.md
 #
-#   bench/scripts/overhead.sh [SECONDS=8] [OUT=bench/results/overhead] [ROUNDS=3]
+# What kvroute adds per request, next to a bare Pingora proxy (the framework's floor:
+# examples/bare_pingora.rs; and the same proxy reading the whole body before it forwards it, as
+# kvroute must, `pingora_bare_buffered`; and that proxy with the upstream timeouts kvroute sets
+# on every peer, `pingora_floor`: the floor for a proxy that places by the prompt and bounds
+# each read from the engine), nginx round robin, sglang-router (round robin, when the peers'
+# venv is installed: bench/scripts/install-peers.sh) and no proxy at all, against a backend that
+# answers at once (an nginx `return`), on loopback only.
+#
+#   bench/scripts/overhead.sh [SECONDS=8] [OUT=bench/runs/overhead] [ROUNDS=3]
 #
 # ROUNDS=0 runs the scaling case alone.
 #
@@ -25,29 +28,18 @@
 # backend on cores of their own) needs 4 cores; on 2 or 3 it is estimated from kvroute's CPU per
 # request with one thread and with two (see the scaling block below), and said so.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
 SECS=${1:-8}
-OUT=${2:-bench/results/overhead}
+OUT=${2:-bench/runs/overhead}
 ROUNDS=${3:-3}
 mkdir -p "$OUT"
-for tool in nginx wrk taskset python3; do
-  command -v "$tool" >/dev/null || { echo "overhead.sh: $tool not found (apt-get install nginx wrk)" >&2; exit 1; }
-done
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/kvroute-target}
-cargo build --release -q -p kvroute --bin kvroute --example bare_pingora
-KVROUTE="$CARGO_TARGET_DIR/release/kvroute"
-BARE="$CARGO_TARGET_DIR/release/examples/bare_pingora"
-
-WORK=$(mktemp -d /tmp/kvroute-overhead.XXXXXX)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-  [ -f "$WORK/backend.pid" ] && kill "$(cat "$WORK/backend.pid")" 2>/dev/null || true
-  [ -f "$WORK/rr.pid" ] && kill "$(cat "$WORK/rr.pid")" 2>/dev/null || true
-  sleep 0.3
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+need_tools "apt-get install nginx wrk" nginx wrk taskset python3
+build_release -p kvroute --bin kvroute --example bare_pingora
+KVROUTE=$(release_bin kvroute)
+BARE=$(release_bin examples/bare_pingora)
+start_work overhead
 
 BACKEND_JSON=18301   # answers chat completions as JSON
 BACKEND_SSE=18302    # answers chat completions as an SSE stream
@@ -61,28 +53,12 @@ SGL=18340
 SGL_PROM=18341
 SGL_PY=bench/.venv-peers/bin/python
 
-JSON_BODY='{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}'
+# Streams are sent chunked, as vLLM and SGLang send them. nginx's return would set a
+# Content-Length, which bare Pingora passes through in one write, while kvroute (which may strip
+# the usage event it asked for) re-chunks: header, chunk and last chunk as three writes. The
+# no-op sub_filter is what makes nginx drop the length and chunk the body.
 SSE_BODY='data: {"choices":[{"delta":{"content":"o"},"index":0}]}\n\ndata: {"choices":[{"delta":{"content":"k"},"index":0}]}\n\ndata: [DONE]\n\n'
-
-cat > "$WORK/backend.conf" <<CONF
-worker_processes 1;
-pid $WORK/backend.pid;
-error_log $WORK/backend.err warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_max_body_size 10m;
-  client_body_buffer_size 1m;
-  keepalive_requests 1000000;
-  server {
-    listen 127.0.0.1:$BACKEND_JSON;
-    location / { default_type application/json; return 200 '$JSON_BODY'; }
-  }
-  # Streams are sent chunked, as vLLM and SGLang send them. nginx's return would set a
-  # Content-Length, which bare Pingora passes through in one write, while kvroute (which may strip
-  # the usage event it asked for) re-chunks: header, chunk and last chunk as three writes. The
-  # no-op sub_filter is what makes nginx drop the length and chunk the body.
-  server {
+SSE_SERVER="  server {
     listen 127.0.0.1:$BACKEND_SSE;
     location / {
       default_type text/event-stream;
@@ -90,114 +66,40 @@ http {
       sub_filter 'no-such-text' 'no-such-text';
       return 200 '$SSE_BODY';
     }
-  }
-}
-CONF
-
-rr_conf() { # $1 backend port
-cat > "$WORK/rr.conf" <<CONF
-worker_processes 1;
-pid $WORK/rr.pid;
-error_log $WORK/rr.err warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_max_body_size 10m;
-  client_body_buffer_size 1m;
-  keepalive_requests 1000000;
-  upstream fleet { server 127.0.0.1:$1; keepalive 64; }
-  server {
-    listen 127.0.0.1:$NGINX_RR;
-    location / {
-      proxy_pass http://fleet;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering on;
-    }
-  }
-}
-CONF
-}
-
+  }"
+nginx_conf backend "$(chat_backend $BACKEND_JSON)" "$SSE_SERVER"
+rr_conf() { nginx_conf rr "$(nginx_proxy "127.0.0.1:$NGINX_RR" "$1")"; } # $1 backend port
 kv_conf() { # $1 backend port, $2 worker threads (default 1)
-cat > "$WORK/kv.yaml" <<CONF
-version: 1
-threads: ${2:-1}
-pid_file: $WORK/kv.pid
-upgrade_sock: $WORK/kv.sock
-grace_period_seconds: 0
-graceful_shutdown_timeout_seconds: 1
-kvroute:
-  listen: "127.0.0.1:$KV"
-  admin_listen: "127.0.0.1:$KV_ADMIN"
-  backends:
-    - addr: "127.0.0.1:$1"
-CONF
+  { pingora_yaml kv "${2:-1}"; kvroute_yaml $KV $KV_ADMIN "$1"; } > "$WORK/kv.yaml"
 }
+for b in bare bare_buffered floor; do pingora_yaml $b 1 > "$WORK/$b.yaml"; done
 
-for b in bare bare_buffered floor; do
-cat > "$WORK/$b.yaml" <<CONF
-version: 1
-threads: 1
-pid_file: $WORK/$b.pid
-upgrade_sock: $WORK/$b.sock
-grace_period_seconds: 0
-graceful_shutdown_timeout_seconds: 1
-CONF
+start_nginx "$LOAD_CPU" backend
+wait_port $BACKEND_JSON 100
+
+for size in 1000 100000; do
+  chat_request "$WORK/body_${size}_plain" $size false
+  chat_request "$WORK/body_${size}_stream" $size true
 done
-
-wait_port() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
-
-taskset -c 0 nginx -c "$WORK/backend.conf" -p "$WORK"
-wait_port $BACKEND_JSON
-
-python3 - "$WORK" <<'PY'
-import json, sys
-work = sys.argv[1]
-for size in (1000, 100000):
-    for stream in (False, True):
-        msgs = [{"role": "system", "content": "You are a helpful assistant."}]
-        text = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
-        user = (text * (size // len(text) + 1))[: max(0, size - 150)]
-        msgs.append({"role": "user", "content": user})
-        body = json.dumps({"model": "m", "stream": stream, "max_tokens": 2, "messages": msgs})
-        name = f"{work}/body_{size}_{'stream' if stream else 'plain'}.json"
-        open(name, "w").write(body)
-        lua = f"""wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local f = io.open("{name}", "rb"); wrk.body = f:read("*all"); f:close()
-"""
-        open(name.replace(".json", ".lua"), "w").write(lua)
-PY
-
-cpu_ticks() { local t=0; for p in "$@"; do read -r -a s < "/proc/$p/stat"; t=$((t + s[13] + s[14])); done; echo $t; }
-# Peak and idle RSS of a proxy are summed over its processes (nginx: master and worker).
-peak_rss_kib() { local t=0; for p in "$@"; do v=$(awk '/VmHWM/{print $2}' "/proc/$p/status"); t=$((t + v)); done; echo $t; }
-rss_kib() { local t=0; for p in "$@"; do v=$(awk '/VmRSS/{print $2}' "/proc/$p/status"); t=$((t + v)); done; echo $t; }
-# Busy ticks of the whole machine (user, nice, system, irq, softirq, steal).
-busy_ticks() { read -r _ u n s _ _ i si st _ < /proc/stat; echo $((u + n + s + i + si + st)); }
-backend_pids() { local m; m=$(cat "$WORK/backend.pid"); echo "$m $(pgrep -P "$m" | tr '\n' ' ')"; }
 
 RESULTS="$WORK/results.jsonl"
 : > "$RESULTS"
 declare -A IDLE_RSS
 run_case() { # $1 proxy name, $2 url port, $3 body file stem, $4 round, $5.. pids to account
   local name=$1 port=$2 stem=$3 round=$4; shift 4
-  local url="http://127.0.0.1:$port/v1/chat/completions"
-  [ $# -gt 0 ] && [ -z "${IDLE_RSS[$name]:-}" ] && IDLE_RSS[$name]=$(rss_kib "$@")
-  taskset -c 0 wrk -t1 -c1 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/lat.txt"
-  local before; before=$( [ $# -gt 0 ] && cpu_ticks "$@" || echo 0)
-  # shellcheck disable=SC2046
-  local bk_before; bk_before=$(cpu_ticks $(backend_pids))
+  local url="http://127.0.0.1:$port/v1/chat/completions" bk_pids
+  read -r -a bk_pids <<< "$(nginx_pids backend)"
+  if [ $# -gt 0 ] && [ -z "${IDLE_RSS[$name]:-}" ]; then IDLE_RSS[$name]=$(rss_kib "$@"); fi
+  taskset -c "$LOAD_CPU" wrk -t1 -c1 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/lat.txt"
+  local before; before=$(cpu_ticks "$@")
+  local bk_before; bk_before=$(cpu_ticks "${bk_pids[@]}")
   local busy_before; busy_before=$(busy_ticks)
   /usr/bin/time -f "%U %S" -o "$WORK/wrk.time" \
-    taskset -c 0 wrk -t1 -c32 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/thr.txt"
+    taskset -c "$LOAD_CPU" wrk -t1 -c32 -d"${SECS}s" --latency -s "$stem.lua" "$url" > "$WORK/thr.txt"
   local busy_after; busy_after=$(busy_ticks)
-  # shellcheck disable=SC2046
-  local bk_after; bk_after=$(cpu_ticks $(backend_pids))
-  local after; after=$( [ $# -gt 0 ] && cpu_ticks "$@" || echo 0)
-  local rss; rss=$( [ $# -gt 0 ] && peak_rss_kib "$@" || echo 0)
+  local bk_after; bk_after=$(cpu_ticks "${bk_pids[@]}")
+  local after; after=$(cpu_ticks "$@")
+  local rss; rss=$(peak_rss_kib "$@")
   local others=$(( (busy_after - busy_before) - (after - before) - (bk_after - bk_before) ))
   python3 - "$name" "$stem" "$WORK/lat.txt" "$WORK/thr.txt" "$((after - before))" "$(getconf CLK_TCK)" "$rss" \
     "$round" "${IDLE_RSS[$name]:-0}" "$others" "$WORK/wrk.time" "$SECS" >> "$RESULTS" <<'PY'
@@ -247,45 +149,41 @@ for round in $(seq "$ROUNDS"); do
 for mode in plain stream; do
   backend=$BACKEND_JSON; [ $mode = stream ] && backend=$BACKEND_SSE
   rr_conf $backend; kv_conf $backend
-  taskset -c 1 nginx -c "$WORK/rr.conf" -p "$WORK"
-  RUST_LOG=warn taskset -c 1 "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
-  KPID=$!; PIDS+=("$KPID")
-  RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$backend" 2>"$WORK/bare.err" &
-  BPID=$!; PIDS+=("$BPID")
-  BARE_BUFFER_BODY=1 RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/bare_buffered.yaml" "127.0.0.1:$BARE_BUF_PORT" "127.0.0.1:$backend" 2>"$WORK/bare_buffered.err" &
-  BBPID=$!; PIDS+=("$BBPID")
-  BARE_BUFFER_BODY=1 BARE_TIMEOUTS=1 RUST_LOG=warn taskset -c 1 "$BARE" "$WORK/floor.yaml" "127.0.0.1:$FLOOR_PORT" "127.0.0.1:$backend" 2>"$WORK/floor.err" &
-  FPID=$!; PIDS+=("$FPID")
+  start_nginx "$PROXY_CPU" rr
+  spawn "$PROXY_CPU" "$WORK/kv.err" "$KVROUTE" -c "$WORK/kv.yaml"; KPID=$SPAWNED
+  spawn "$PROXY_CPU" "$WORK/bare.err" "$BARE" "$WORK/bare.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$backend"; BPID=$SPAWNED
+  BARE_BUFFER_BODY=1 spawn "$PROXY_CPU" "$WORK/bare_buffered.err" \
+    "$BARE" "$WORK/bare_buffered.yaml" "127.0.0.1:$BARE_BUF_PORT" "127.0.0.1:$backend"; BBPID=$SPAWNED
+  BARE_BUFFER_BODY=1 BARE_TIMEOUTS=1 spawn "$PROXY_CPU" "$WORK/floor.err" \
+    "$BARE" "$WORK/floor.yaml" "127.0.0.1:$FLOOR_PORT" "127.0.0.1:$backend"; FPID=$SPAWNED
   SPID=""
   if [ -n "$SGL_VERSION" ]; then
-    taskset -c 1 "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $SGL \
+    taskset -c "$PROXY_CPU" "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $SGL \
       --policy round_robin --worker-urls "http://127.0.0.1:$backend" --log-level warn \
       --prometheus-host 127.0.0.1 --prometheus-port $SGL_PROM \
       --worker-startup-check-interval 1 >"$WORK/sgl.log" 2>&1 &
-    SPID=$!; PIDS+=("$SPID")
-    wait_port $SGL
+    SPID=$!
+    wait_port $SGL 100
   fi
-  wait_port $NGINX_RR; wait_port $KV; wait_port $BARE_PORT; wait_port $BARE_BUF_PORT; wait_port $FLOOR_PORT
+  for port in $NGINX_RR $KV $BARE_PORT $BARE_BUF_PORT $FLOOR_PORT; do wait_port "$port" 100; done
   sleep 0.5
   # Idle RSS is read at the first case: let background start-up work (token tables) finish.
   [ "$round" = 1 ] && sleep 2
-  # nginx workers do not carry the config path in their command line: take the master's children.
-  RRMASTER=$(cat "$WORK/rr.pid")
-  RRPIDS="$RRMASTER $(pgrep -P "$RRMASTER" | tr '\n' ' ')"
+  read -r -a RRPIDS <<< "$(nginx_pids rr)"
   for size in 1000 100000; do
     stem="$WORK/body_${size}_${mode}"
     run_case direct $backend "$stem" "$round"
-    # shellcheck disable=SC2086
-    run_case nginx_rr $NGINX_RR "$stem" "$round" $RRPIDS
+    run_case nginx_rr $NGINX_RR "$stem" "$round" "${RRPIDS[@]}"
     run_case pingora_bare $BARE_PORT "$stem" "$round" "$BPID"
     run_case pingora_bare_buffered $BARE_BUF_PORT "$stem" "$round" "$BBPID"
     run_case pingora_floor $FLOOR_PORT "$stem" "$round" "$FPID"
     run_case kvroute $KV "$stem" "$round" "$KPID"
-    # shellcheck disable=SC2046
-    [ -n "$SPID" ] && run_case sglang_router_rr $SGL "$stem" "$round" $SPID $(pgrep -P "$SPID" | tr '\n' ' ')
+    # shellcheck disable=SC2046 # the router's pid and its children's, one argument each
+    [ -n "$SPID" ] && run_case sglang_router_rr $SGL "$stem" "$round" "$SPID" $(pgrep -P "$SPID" | tr '\n' ' ')
   done
+  # shellcheck disable=SC2086 # SPID is empty when sglang-router is not installed
   kill "$KPID" "$BPID" "$BBPID" "$FPID" $SPID; wait "$KPID" "$BPID" "$BBPID" "$FPID" $SPID 2>/dev/null || true
-  kill "$(cat "$WORK/rr.pid")"; sleep 0.3
+  stop_nginx rr; sleep 0.3
 done
 done
 
@@ -296,8 +194,8 @@ if [ "$(nproc)" -ge 4 ]; then
   for threads in 1 2; do
     kv_conf $BACKEND_JSON $threads
     cores=$([ "$threads" = 1 ] && echo 1 || echo 1,2)
-    RUST_LOG=warn taskset -c "$cores" "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
-    KPID=$!; PIDS+=("$KPID"); wait_port $KV; sleep 0.5
+    spawn "$cores" "$WORK/kv.err" "$KVROUTE" -c "$WORK/kv.yaml"; KPID=$SPAWNED
+    wait_port $KV 100; sleep 0.5
     taskset -c 0,3 wrk -t2 -c64 -d"${SECS}s" -s "$WORK/body_1000_plain.lua" \
       "http://127.0.0.1:$KV/v1/chat/completions" | awk -v t="$threads" '/Requests\/sec/{print t, $2}' >> "$SCALING"
     kill "$KPID"; wait "$KPID" 2>/dev/null || true
@@ -319,13 +217,13 @@ else
     threads=${mode%?}
     cores=$([ "$mode" = 1p ] && echo 1 || echo 0,1)
     if [ $proxy = kvroute ]; then
-      kv_conf $BACKEND_JSON $threads; port=$KV
-      RUST_LOG=warn taskset -c "$cores" "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
+      kv_conf $BACKEND_JSON "$threads"; port=$KV
+      spawn "$cores" "$WORK/kv.err" "$KVROUTE" -c "$WORK/kv.yaml"
     else
       sed "s/^threads: .*/threads: $threads/" "$WORK/bare.yaml" > "$WORK/bare_scale.yaml"; port=$BARE_PORT
-      RUST_LOG=warn taskset -c "$cores" "$BARE" "$WORK/bare_scale.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$BACKEND_JSON" 2>"$WORK/bare.err" &
+      spawn "$cores" "$WORK/bare.err" "$BARE" "$WORK/bare_scale.yaml" "127.0.0.1:$BARE_PORT" "127.0.0.1:$BACKEND_JSON"
     fi
-    KPID=$!; PIDS+=("$KPID"); wait_port $port; sleep 0.5
+    KPID=$SPAWNED; wait_port $port 100; sleep 0.5
     before=$(cpu_ticks "$KPID")
     if [ "$mode" = 1p ]; then wcores=0; wthreads=1; else wcores=0,1; wthreads=2; fi
     taskset -c "$wcores" wrk -t"$wthreads" -c32 -d"${SECS}s" \

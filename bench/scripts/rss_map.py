@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Used by: docs/results/proxy-cost.md (where the idle RSS of kvroute's code is)
 """Where a running process's resident memory is: each mapping's RSS, and for the executable's
 code (its r-xp mapping) which pages are present, as runs of consecutive pages, read from
 /proc/PID/pagemap (needs root). Few long runs mean the code that ran sits together; many runs

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Soak: the Mooncake trace through kvroute at ~80% of a 4-server simulated H100 fleet's prefill
+# Soak: requests failed, in flight on killed backends, and kvroute's RSS over 10 minutes of kills.
+# Used by: docs/results/reliability.md
+#
+# The Mooncake trace through kvroute at ~80% of a 4-server simulated H100 fleet's prefill
 # capacity (the trace offers ~54k prompt tokens/s at 1x; 4 x 25k tok/s = 100k; 1.5x is ~80%)
 # for DURATION_S seconds, killing one backend (kill -9) and restarting it every minute, in turn.
 #
 # Reports requests sent and failed (only requests in flight on the killed backend may fail),
 # the in-flight count on each backend just before it was killed, and kvroute's RSS at start
-# and end. Writes bench/results/soak/README.md. Needs release binaries:
+# and end. Writes OUT/README.md (OUT default bench/runs/soak). Needs release binaries:
 #   cargo build --release --workspace && bench/scripts/soak.sh
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
 
 DURATION_S=${DURATION_S:-600}
 SPEEDUP=${SPEEDUP:-1.5}
@@ -16,7 +21,7 @@ KILL_EVERY_S=${KILL_EVERY_S:-60}
 BASE_PORT=${BASE_PORT:-19100}
 N=4
 BIN=${CARGO_TARGET_DIR:-target}/release
-OUT=${OUT:-bench/results/soak}
+OUT=${OUT:-bench/runs/soak}
 LISTEN=127.0.0.1:$((BASE_PORT + 80))
 ADMIN=127.0.0.1:$((BASE_PORT + 90))
 rm -rf "$OUT" && mkdir -p "$OUT"
@@ -28,32 +33,20 @@ start_sim() {
     >> "$RUN/sim$1.log" 2>&1 &
   SIM_PIDS[$1]=$!
 }
-cleanup() {
-  kill "${SIM_PIDS[@]}" "${KV_PID:-}" "${REPLAY_PID:-}" 2>/dev/null || true
-}
-trap cleanup EXIT
+# The simulators, kvroute and the replay; RUN (the simulators' logs) stays when a run fails.
+trap stop_jobs EXIT
 
-for i in $(seq 0 $((N - 1))); do start_sim "$i"; done
+backends=()
+for i in $(seq 0 $((N - 1))); do start_sim "$i"; backends+=($((BASE_PORT + i))); done
 {
-  echo "version: 1"
-  echo "threads: 2"
-  echo "pid_file: $RUN/kvroute.pid"
-  echo "upgrade_sock: $RUN/upgrade.sock"
+  printf 'version: 1\nthreads: 2\npid_file: %s/kvroute.pid\nupgrade_sock: %s/upgrade.sock\n' "$RUN" "$RUN"
   echo "grace_period_seconds: 0"
-  echo "kvroute:"
-  echo "  listen: \"$LISTEN\""
-  echo "  admin_listen: \"$ADMIN\""
-  echo "  backends:"
-  for i in $(seq 0 $((N - 1))); do echo "    - addr: \"127.0.0.1:$((BASE_PORT + i))\""; done
-  echo "  health_check:"
-  echo "    interval_ms: 500"
+  kvroute_yaml "${LISTEN##*:}" "${ADMIN##*:}" "${backends[@]}"
+  printf '  health_check:\n    interval_ms: 500\n'
 } > "$OUT/kvroute.yaml"
 RUST_LOG=warn "$BIN/kvroute" -c "$OUT/kvroute.yaml" 2> "$OUT/kvroute.log" &
 KV_PID=$!
-for _ in $(seq 1 100); do
-  curl -fs "http://$ADMIN/readyz" > /dev/null 2>&1 && break
-  sleep 0.1
-done
+wait_http 100 "http://$ADMIN/readyz" || true
 sleep 1
 RSS_START=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
 

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# The functions a release kvroute runs, idle then on requests, for the linker to place together.
+# Used by: docs/results/proxy-cost.md (idle RSS); writes link/symbol-order.txt, which build.rs reads.
+#
 # Writes link/symbol-order.txt, the functions build.rs has the linker place side by side in a
 # release kvroute: first those it runs from start until it idles, then those its requests add.
 # - The idle phase covers configuration, Pingora's server, tokio and OpenSSL, and the health
@@ -14,35 +17,22 @@
 #
 # Needs valgrind (callgrind records every function that runs, however briefly) and curl.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
 IDLE=${1:-15}
-for tool in valgrind callgrind_control curl python3; do
-  command -v "$tool" >/dev/null || { echo "symbol_order.sh: $tool not found (apt-get install valgrind curl)" >&2; exit 1; }
-done
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/kvroute-target}
+need_tools "apt-get install valgrind curl" valgrind callgrind_control curl python3
 # Apart, and kvroute as it is installed (README: `cargo build --release -p kvroute`): built
 # together, the two packages' dependencies are built with the union of their features, and
 # many functions then have other mangled names.
-cargo build --release -q -p kvbench
-cargo build --release -q -p kvroute --bin kvroute
-BIN="$CARGO_TARGET_DIR/release/kvroute"
-WORK=$(mktemp -d /tmp/kvroute-order.XXXXXX)
-SIM=; KV=
-cleanup() {
-  for p in $KV $SIM; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+build_release -p kvbench
+build_release -p kvroute --bin kvroute
+BIN=$(release_bin kvroute)
+start_work order
 
-"$CARGO_TARGET_DIR/release/kvbench" sim --servers 2 --base-port 19610 --ttft-ms 1 --itl-ms 1 \
-  >"$WORK/sim.log" 2>&1 & SIM=$!
-{ printf 'version: 1\nthreads: 1\npid_file: %s/kv.pid\nupgrade_sock: %s/kv.sock\n' "$WORK" "$WORK"
-  printf 'grace_period_seconds: 0\ngraceful_shutdown_timeout_seconds: 1\nkvroute:\n'
-  printf '  listen: "127.0.0.1:19580"\n  admin_listen: "127.0.0.1:19581"\n  backends:\n'
-  printf '    - addr: "127.0.0.1:19610"\n    - addr: "127.0.0.1:19611"\n'
-  for i in 2 3; do printf '    - addr: "127.0.0.1:1962%s"\n      tls: {sni: engine%s.internal}\n' "$i" "$i"; done
-} > "$WORK/kv.yaml"
+"$(release_bin kvbench)" sim --servers 2 --base-port 19610 --ttft-ms 1 --itl-ms 1 \
+  >"$WORK/sim.log" 2>&1 &
+{ pingora_yaml kv 1; kvroute_yaml 19580 19581 19610 19611 19622=engine2.internal 19623=engine3.internal; } > "$WORK/kv.yaml"
 RUST_LOG=error valgrind --tool=callgrind --demangle=no --callgrind-out-file="$WORK/cg.out" \
   "$BIN" -c "$WORK/kv.yaml" >"$WORK/valgrind.log" 2>&1 & KV=$!
 sleep "$IDLE"
@@ -72,7 +62,7 @@ for stream in false true; do
 done
 curl -s -o /dev/null --max-time 30 http://127.0.0.1:19581/metrics || true
 sleep 2
-kill -INT "$KV"; wait "$KV" 2>/dev/null || true; KV=
+kill -INT "$KV"; wait "$KV" 2>/dev/null || true
 
 nm "$BIN" | awk 'NF == 3 && $2 ~ /^[tTwW]$/ {print $3}' | sort -u > "$WORK/defined"
 mkdir -p link

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# TLS and HTTP/2 cost: kvroute's TLS listener beside nginx terminating TLS with the same
-# certificate (ECDSA P-256, made here), in front of the same backend (an nginx `return` that
-# answers a chat completion at once), on loopback only.
+# TLS and HTTP/2 cost: kvroute's TLS listener beside nginx terminating TLS, per proxy core.
+# Used by: docs/results/proxy-cost.md
 #
-#   bench/scripts/tls.sh [SECONDS=8] [ROUNDS=3] [OUT=bench/results/tls]
+# kvroute's TLS listener beside nginx terminating TLS with the same certificate (ECDSA P-256,
+# made here), in front of the same backend (an nginx `return` that answers a chat completion at
+# once), on loopback only.
+#
+#   bench/scripts/tls.sh [SECONDS=8] [ROUNDS=3] [OUT=bench/runs/tls]
 #
 # Needs nginx, wrk, h2load and openssl (Debian: apt-get install nginx wrk nghttp2-client
 # openssl). Builds kvroute in release mode. Both proxies run pinned to CPU 1 with one worker
@@ -19,27 +22,17 @@
 #     concurrency without HTTP/2, so the h2 row can be read against it.
 # Also recorded: the CPU share other processes used while it ran (from /proc/stat).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "$0")/lib.sh"
+cd "$REPO_ROOT"
 SECS=${1:-8}
 ROUNDS=${2:-3}
-OUT=${3:-bench/results/tls}
+OUT=${3:-bench/runs/tls}
 mkdir -p "$OUT"
-for tool in nginx wrk h2load openssl taskset python3; do
-  command -v "$tool" >/dev/null || { echo "tls.sh: $tool not found (apt-get install nginx wrk nghttp2-client)" >&2; exit 1; }
-done
-export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/tmp/kvroute-target}
-cargo build --release -q -p kvroute --bin kvroute
-KVROUTE="$CARGO_TARGET_DIR/release/kvroute"
-
-WORK=$(mktemp -d /tmp/kvroute-tls.XXXXXX)
-PIDS=()
-cleanup() {
-  for p in "${PIDS[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null || true; done
-  for f in backend front; do [ -f "$WORK/$f.pid" ] && kill "$(cat "$WORK/$f.pid")" 2>/dev/null || true; done
-  sleep 0.3
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+need_tools "apt-get install nginx wrk nghttp2-client" nginx wrk h2load openssl taskset python3
+build_release -p kvroute --bin kvroute
+KVROUTE=$(release_bin kvroute)
+start_work tls
 
 BACKEND=18401
 NGINX_TLS=18410
@@ -51,96 +44,26 @@ openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
   -subj /CN=localhost -addext "subjectAltName=IP:127.0.0.1,DNS:localhost" \
   -keyout "$WORK/key.pem" -out "$WORK/cert.pem" 2>/dev/null
 
-JSON_BODY='{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}'
-cat > "$WORK/backend.conf" <<CONF
-worker_processes 1;
-pid $WORK/backend.pid;
-error_log $WORK/backend.err warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_max_body_size 10m;
-  keepalive_requests 1000000;
-  server {
-    listen 127.0.0.1:$BACKEND;
-    location / { default_type application/json; return 200 '$JSON_BODY'; }
-  }
-}
-CONF
-cat > "$WORK/front.conf" <<CONF
-worker_processes 1;
-pid $WORK/front.pid;
-error_log $WORK/front.err warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_max_body_size 10m;
-  client_body_buffer_size 1m;
-  keepalive_requests 1000000;
-  upstream fleet { server 127.0.0.1:$BACKEND; keepalive 64; }
-  server {
-    # (listen ... http2 rather than http2 on: Debian 12's nginx 1.22 predates the latter)
-    listen 127.0.0.1:$NGINX_TLS ssl http2;
-    ssl_certificate $WORK/cert.pem;
-    ssl_certificate_key $WORK/key.pem;
-    ssl_protocols TLSv1.2 TLSv1.3;
-    location / {
-      proxy_pass http://fleet;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering on;
-    }
-  }
-}
-CONF
-cat > "$WORK/kv.yaml" <<CONF
-version: 1
-threads: 1
-pid_file: $WORK/kv.pid
-upgrade_sock: $WORK/kv.sock
-grace_period_seconds: 0
-graceful_shutdown_timeout_seconds: 1
-kvroute:
-  listen: "127.0.0.1:$KV_PLAIN"
-  admin_listen: "127.0.0.1:$KV_ADMIN"
-  tls:
-    listen: "127.0.0.1:$KV_TLS"
-    cert: $WORK/cert.pem
-    key: $WORK/key.pem
-  limits:
-    max_connections: 100000
-  backends:
-    - addr: "127.0.0.1:$BACKEND"
-CONF
+nginx_conf backend "$(chat_backend $BACKEND)"
+# (listen ... http2 rather than http2 on: Debian 12's nginx 1.22 predates the latter)
+nginx_conf front "$(nginx_proxy "127.0.0.1:$NGINX_TLS ssl http2" $BACKEND \
+  "ssl_certificate $WORK/cert.pem;" "ssl_certificate_key $WORK/key.pem;" "ssl_protocols TLSv1.2 TLSv1.3;")"
+{
+  pingora_yaml kv 1
+  kvroute_yaml $KV_PLAIN $KV_ADMIN $BACKEND
+  printf '  tls:\n    listen: "127.0.0.1:%s"\n    cert: %s\n    key: %s\n' $KV_TLS "$WORK/cert.pem" "$WORK/key.pem"
+  printf '  limits:\n    max_connections: 100000\n'
+} > "$WORK/kv.yaml"
 
-python3 - "$WORK" <<'PY'
-import json, sys
-work = sys.argv[1]
-text = "lorem ipsum dolor sit amet, consectetur adipiscing elit. "
-msgs = [{"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": (text * 20)[:850]}]
-body = json.dumps({"model": "m", "stream": False, "max_tokens": 2, "messages": msgs})
-open(f"{work}/body.json", "w").write(body)
-for close in (False, True):
-    lua = f"""wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-{'wrk.headers["Connection"] = "close"' if close else ''}
-local f = io.open("{work}/body.json", "rb"); wrk.body = f:read("*all"); f:close()
-"""
-    open(f"{work}/{'close' if close else 'keep'}.lua", "w").write(lua)
-PY
+chat_request "$WORK/body" 1000   # and body.lua, the kept-alive wrk script
+wrk_post "$WORK/body.json" Connection=close > "$WORK/close.lua"
 
-wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.05; done; echo "port $1 never opened" >&2; return 1; }
+start_nginx "$LOAD_CPU" backend
+start_nginx "$PROXY_CPU" front
+spawn "$PROXY_CPU" "$WORK/kv.err" "$KVROUTE" -c "$WORK/kv.yaml"
+for port in $BACKEND $NGINX_TLS $KV_TLS $KV_PLAIN; do wait_port "$port"; done
+wait_http 100 "127.0.0.1:$KV_ADMIN/readyz" || true
 
-taskset -c 0 nginx -c "$WORK/backend.conf" -p "$WORK"
-taskset -c 1 nginx -c "$WORK/front.conf" -p "$WORK"
-RUST_LOG=warn taskset -c 1 "$KVROUTE" -c "$WORK/kv.yaml" 2>"$WORK/kv.err" &
-PIDS+=("$!")
-wait_port $BACKEND; wait_port $NGINX_TLS; wait_port $KV_TLS; wait_port $KV_PLAIN
-for _ in $(seq 100); do curl -sf "127.0.0.1:$KV_ADMIN/readyz" >/dev/null && break; sleep 0.1; done
-
-busy_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8; exit}' /proc/stat; }
 RAW="$OUT/raw.jsonl"
 : > "$RAW"
 record() { # proxy case tool-output-file
@@ -172,23 +95,23 @@ PY
 
 URL="/v1/chat/completions"
 # Outside noise: how busy the machine is with everything started and no load running.
-quiet_busy=$(busy_ticks); sleep 3; quiet_busy=$(( $(busy_ticks) - quiet_busy ))
-start_busy=$(busy_ticks); start_t=$(date +%s.%N)
+quiet_busy=$(busy_ticks_no_steal); sleep 3; quiet_busy=$(( $(busy_ticks_no_steal) - quiet_busy ))
+start_busy=$(busy_ticks_no_steal); start_t=$(date +%s.%N)
 for round in $(seq "$ROUNDS"); do
   echo "round $round/$ROUNDS" >&2
   # keep-alive latency: the backend directly, then each proxy in turn
-  taskset -c 0 wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/keep.lua" "http://127.0.0.1:$BACKEND$URL" > "$WORK/o.txt"
+  taskset -c "$LOAD_CPU" wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/body.lua" "http://127.0.0.1:$BACKEND$URL" > "$WORK/o.txt"
   record direct keepalive "$WORK/o.txt"
   for p in "nginx:https://127.0.0.1:$NGINX_TLS" "kvroute:https://127.0.0.1:$KV_TLS" "kvroute_plain:http://127.0.0.1:$KV_PLAIN"; do
-    taskset -c 0 wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/keep.lua" "${p#*:}$URL" > "$WORK/o.txt"
+    taskset -c "$LOAD_CPU" wrk -t1 -c1 -d"${SECS}s" --latency -s "$WORK/body.lua" "${p#*:}$URL" > "$WORK/o.txt"
     record "${p%%:*}" keepalive "$WORK/o.txt"
   done
   for p in "nginx:https://127.0.0.1:$NGINX_TLS" "kvroute:https://127.0.0.1:$KV_TLS"; do
-    taskset -c 0 wrk -t1 -c16 -d"${SECS}s" --latency -s "$WORK/close.lua" "${p#*:}$URL" > "$WORK/o.txt"
+    taskset -c "$LOAD_CPU" wrk -t1 -c16 -d"${SECS}s" --latency -s "$WORK/close.lua" "${p#*:}$URL" > "$WORK/o.txt"
     record "${p%%:*}" handshakes "$WORK/o.txt"
   done
   for p in "nginx:https://127.0.0.1:$NGINX_TLS" "kvroute:https://127.0.0.1:$KV_TLS"; do
-    taskset -c 0 h2load -D "$SECS" -c 8 -m 16 -t 1 -d "$WORK/body.json" \
+    taskset -c "$LOAD_CPU" h2load -D "$SECS" -c 8 -m 16 -t 1 -d "$WORK/body.json" \
       -H "content-type: application/json" "${p#*:}$URL" > "$WORK/o.txt" 2>&1
     grep -qi "application protocol: h2" "$WORK/o.txt" || { echo "h2load did not negotiate h2 with ${p%%:*}" >&2; cat "$WORK/o.txt" >&2; exit 1; }
     record "${p%%:*}" h2 "$WORK/o.txt"
@@ -196,12 +119,12 @@ for round in $(seq "$ROUNDS"); do
   # The same load generator over HTTP/1.1 (as many connections as h2 has streams): whether
   # HTTP/2 itself costs a proxy anything.
   for p in "nginx:https://127.0.0.1:$NGINX_TLS" "kvroute:https://127.0.0.1:$KV_TLS"; do
-    taskset -c 0 h2load --h1 -D "$SECS" -c 128 -t 1 -d "$WORK/body.json" \
+    taskset -c "$LOAD_CPU" h2load --h1 -D "$SECS" -c 128 -t 1 -d "$WORK/body.json" \
       -H "content-type: application/json" "${p#*:}$URL" > "$WORK/o.txt" 2>&1
     record "${p%%:*}" h1load "$WORK/o.txt"
   done
 done
-end_busy=$(busy_ticks); end_t=$(date +%s.%N)
+end_busy=$(busy_ticks_no_steal); end_t=$(date +%s.%N)
 
 python3 - "$RAW" "$OUT/summary.md" "$SECS" "$ROUNDS" "$start_busy" "$end_busy" "$start_t" "$end_t" "$(getconf CLK_TCK)" "$(nproc)" "$quiet_busy" <<'PY'
 import json, statistics, sys

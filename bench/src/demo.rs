@@ -12,7 +12,7 @@ pub struct DemoArgs {
     /// Wall seconds of sending per policy.
     #[arg(long, default_value_t = 30.0)]
     pub duration_s: f64,
-    #[arg(long, default_value = "bench/results")]
+    #[arg(long, default_value = "bench/runs")]
     pub results_dir: PathBuf,
 }
 

@@ -19,6 +19,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod compare;
 mod demo;
 mod replay;
+mod report;
 mod sim;
 
 #[derive(Parser, Debug)]
@@ -38,6 +39,8 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Round robin vs kvroute's default policy on a small fleet, in about two minutes.
     Demo(demo::DemoArgs),
+    /// Analyse kept records of compare runs: medians, quantiles, tail, turns, burst, concurrency.
+    Report(report::ReportArgs),
     /// Run kvroute (same as the `kvroute` binary) with a config file.
     Proxy {
         #[arg(short = 'c', long)]
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
             Command::Sim(args) => sim::run(args).await.map_err(|e| e.to_string()),
             Command::Compare(args) => compare::run(args).await,
             Command::Demo(args) => demo::run(args).await,
+            Command::Report(args) => report::run(args),
             Command::Proxy { .. } => Ok(()),
         };
         match result {

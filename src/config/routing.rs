@@ -129,7 +129,7 @@ impl Default for RoutingConfig {
             // elsewhere, while one more decode stream costs an engine step a fraction of a
             // millisecond: kv_aware's bound is there to stop pile-ups (a hot key's 4x), and
             // twice the fair share does that. Against 0.5 and 0.75, five workloads, two runs
-            // each (bench/README.md "Load bound headroom"): TTFT p90 on ladder 33-35 ms against
+            // each (docs/results/defaults.md): TTFT p90 on ladder 33-35 ms against
             // 146-154, hot_prefix 66-103 against 179-181, the others' TTFT tied, some
             // end-to-end p99s up to 1.2x.
             epsilon: 1.0,
@@ -140,7 +140,7 @@ impl Default for RoutingConfig {
             // A long prefill stalls every stream decoding beside it (its chunks share their
             // steps): at 0.02 that was priced near nothing, and documents' streams decoded
             // behind other documents' prefills. Five workloads, two or three runs each
-            // (bench/README.md "Decode stalls"): e2e p99 0.82-0.86x on heavy_mix, mooncake and
+            // (docs/results/defaults.md): e2e p99 0.82-0.86x on heavy_mix, mooncake and
             // the ladder, TTFT and hit rate unchanged; 0.3 did no better and cost mooncake hits.
             decode_stall_weight: 0.1,
             duplicate_prefill_weight: 1.0,
@@ -152,7 +152,7 @@ impl Default for RoutingConfig {
             learn_prefill_rate: true,
             // Off: a count costs ~0.1 ms per KB of prompt, several times kvroute's whole
             // per-request work, and placement measured the same with sized estimates (bytes
-            // times the tokens per byte the engines report), bench/README "Proxy cost".
+            // times the tokens per byte the engines report), docs/results/proxy-cost.md.
             count_tokens_max_bytes: 0,
             count_tokens_offthread_max_bytes: 0,
             tokenizer: O200K_BASE.to_string(),

@@ -34,7 +34,7 @@ pub struct CompareArgs {
     /// Results go to `<results-dir>/<name>/`.
     #[arg(long, default_value = "compare")]
     pub name: String,
-    #[arg(long, default_value = "bench/results")]
+    #[arg(long, default_value = "bench/runs")]
     pub results_dir: PathBuf,
     /// kvroute routing policies to compare. An entry may carry options, each after a `/`:
     /// `rates=true` (configure every backend's true prefill rate), `rates=PROFILE*F+PROFILE*F`

@@ -5,12 +5,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::config::{scaled, Engine, SimConfig};
+use super::engine::kv_events::kvpublish::KvEventsOptions;
+use super::engine::lora::LoraConfig;
+use super::engine::profile::{fleet_profiles, Profile, ProfileName};
 use super::error::SimError;
 use super::faults::{check_rate, Faults};
-use super::kvpublish::KvEventsOptions;
-use super::lora::LoraConfig;
-use super::profile::{fleet_profiles, Profile, ProfileName};
-use super::tokenizer::PromptTokenizer;
+use super::text::tokenizer::PromptTokenizer;
 
 const DEFAULT_TTFT_MS: f64 = 20.0;
 const DEFAULT_ITL_MS: f64 = 5.0;
@@ -424,7 +424,7 @@ mod tests {
     #[test]
     fn tokenizer_flag_loads_once_for_every_server_and_bad_paths_fail() {
         assert!(parse(&[]).unwrap().configs[0].tokenizer.is_stand_in());
-        let dir = super::super::tokenizer::shipped_path();
+        let dir = super::super::text::tokenizer::shipped_path();
         let plan = parse(&["--tokenizer", dir.to_str().unwrap()]).unwrap();
         assert!(!plan.configs[0].tokenizer.is_stand_in());
         assert!(Arc::ptr_eq(

@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::engine::lora::LoraConfig;
+use super::engine::profile::{Profile, ProfileName};
 use super::faults::Faults;
-use super::lora::LoraConfig;
-use super::profile::{Profile, ProfileName};
-use super::tokenizer::PromptTokenizer;
+use super::text::tokenizer::PromptTokenizer;
 
 /// Which engine's metric names `/metrics` speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -6,10 +6,10 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
+use super::api::inference::body_hash_hex;
+use super::api::server;
 use super::config::SimConfig;
-use super::generate::completion_text;
-use super::inference::body_hash_hex;
-use super::server;
+use super::text::generate::completion_text;
 
 struct Sim {
     base: String,
@@ -484,7 +484,7 @@ async fn miss_then_hit(sim: &Sim) {
 #[tokio::test]
 async fn engine_prefill_telemetry_in_each_engines_names_and_model_time() {
     use super::config::Engine;
-    use super::profile::{Profile, ProfileName};
+    use super::engine::profile::{Profile, ProfileName};
     let p = Profile::get(ProfileName::H100Llama8b);
     // One step each: all 4,500 tokens, then the 4 the cache did not have.
     let (miss, hit) = (p.t0 + 4_500.0 / p.prefill_rate, p.t0 + 4.0 / p.prefill_rate);
@@ -570,7 +570,7 @@ async fn kv_tokens_in_use_while_a_request_runs() {
 /// A server of another profile runs that profile's physics and says so in `/debug/state`.
 #[tokio::test]
 async fn server_reports_its_profile_and_runs_its_rate() {
-    use super::profile::{Profile, ProfileName};
+    use super::engine::profile::{Profile, ProfileName};
     let l40s = Profile::get(ProfileName::L40sLlama8b);
     let config = SimConfig::for_engine_tests(64_000, 10.0).with_profile(l40s.name, Some(64_000));
     let sim = Sim::with_config(config).await;
@@ -628,8 +628,8 @@ async fn fixed_timing_reports_prefill_as_its_ttft() {
 /// still hits its previous prompt and reply, in both modes.
 #[tokio::test]
 async fn usage_counts_with_the_tokenizer_when_given() {
-    use super::prompt::{render_chat, TURN_END};
-    use super::tokenizer::{shipped_path, PromptTokenizer};
+    use super::text::prompt::{render_chat, TURN_END};
+    use super::text::tokenizer::{shipped_path, PromptTokenizer};
     let path = shipped_path();
     let tokenizer = Arc::new(PromptTokenizer::load(&path).unwrap());
     // Counted here with the tokenizers crate directly, independently of the simulator.

@@ -27,57 +27,39 @@
 //!
 //! # Layout
 //! - `cli`: arguments and their validation into a `SimConfig`.
-//! - `config`: the validated, time-scaled settings shared by every server.
-//! - `server`: the axum router and the listener task; `state`: what each server holds.
-//! - `inference`: the POST endpoints and fixed-timing answers; `admission`: slow start,
-//!   parsing, hang and failure faults, prefix lookup.
-//! - `engine_answer`: engine-mode answers (waiting on the engine, SSE coalescing).
-//! - `engine`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
-//!   `kvpool`: its KV block pool; `profile`: GPU profiles and the step-time model.
-//! - `admin`: health, models, metrics and the `/debug` endpoints.
-//! - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer;
-//!   `tokenizer`: a real Hugging Face tokenizer instead (`--tokenizer`).
-//! - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
-//! - `kvevents`: the pool's changes as vLLM's KV events and their msgpack; `kvpublish`: their
-//!   ZMQ sockets (PUB, and ROUTER for replay).
-//! - `generate`: filler text, token timing and the reply's block hashes; `response` / `sse`:
-//!   answer bodies.
-//! - `stats`: the counters (the server's and its engine's); `metrics`: their Prometheus text;
-//!   `faults`: fault knobs; `reqlog`: request log.
-//! - `error`: the one error type, rendered in OpenAI's error shape.
+//! - `config`: the validated, time-scaled settings shared by every server; `faults`: fault
+//!   knobs; `error`: the one error type, rendered in OpenAI's error shape.
+//! - `api/`, the HTTP face:
+//!   - `server`: the axum router and the listener task; `state`: what each server holds.
+//!   - `inference`: the POST endpoints and fixed-timing answers; `admission`: slow start,
+//!     parsing, hang and failure faults, prefix lookup.
+//!   - `engine_answer`: engine-mode answers (waiting on the engine, SSE coalescing).
+//!   - `admin`: health, models, metrics and the `/debug` endpoints.
+//!   - `response` / `sse`: answer bodies; `metrics`: the counters' Prometheus text; `reqlog`:
+//!     request log.
+//! - `engine/`, the engine model:
+//!   - `task`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
+//!     `kvpool`: its KV block pool; `profile`: GPU profiles and the step-time model.
+//!   - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
+//!   - `lora`: LoRA adapter slots; `stats`: the counters (the server's and its engine's).
+//!   - `kv_events/`: `kvevents`: the pool's changes as vLLM's KV events and their msgpack;
+//!     `kvpublish`: their ZMQ sockets (PUB, and ROUTER for replay).
+//! - `text/`, what the model reads and writes:
+//!   - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer;
+//!     `tokenizer`: a real Hugging Face tokenizer instead (`--tokenizer`).
+//!   - `generate`: filler text, token timing and the reply's block hashes.
 //!
-//! Imports between these modules go one way only, from the endpoints (`server`, `admin`,
-//! `inference`, `engine_answer`) down to the parts they use, so that any module can be read
-//! and tested knowing only the ones below it.
+//! Imports between these modules go one way only, from the endpoints (`api`) down through
+//! `text` to `engine`, which imports neither, so that any module can be read and tested
+//! knowing only the ones below it.
 
-mod admin;
-mod admission;
+mod api;
 mod cli;
 mod config;
 mod engine;
-mod engine_answer;
 mod error;
 mod faults;
-mod filler;
-mod generate;
-mod inference;
-mod kvcache;
-mod kvevents;
-mod kvpool;
-mod kvpublish;
-mod lora;
-mod metrics;
-mod openai;
-mod profile;
-mod prompt;
-mod reqlog;
-mod response;
-mod scheduler;
-mod server;
-mod sse;
-mod state;
-mod stats;
-mod tokenizer;
+mod text;
 
 #[cfg(test)]
 mod e2e_tests;
@@ -86,10 +68,13 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use api::server;
+use engine::kv_events::kvpublish;
+
 pub use cli::SimArgs;
+pub use engine::profile::{fleet_profiles, Profile, ProfileName};
 pub use error::SimError;
-pub use profile::{fleet_profiles, Profile, ProfileName};
-pub use tokenizer::PromptTokenizer;
+pub use text::tokenizer::PromptTokenizer;
 
 /// Binds every server, announces them on stdout, then serves until SIGTERM or SIGINT.
 pub async fn run(args: SimArgs) -> Result<(), SimError> {

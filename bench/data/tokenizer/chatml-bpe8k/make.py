@@ -1,6 +1,6 @@
 """Builds chatml-bpe8k from bpe8k-sharegpt: the same BPE plus ChatML's turn markers as added
 special tokens (ids 8000 and 8001), and a tokenizer_config.json whose chat_template renders
-exactly what `kvbench sim` renders (bench/src/sim/prompt.rs: render_chat), as a ChatML model
+exactly what `kvbench sim` renders (bench/src/sim/text/prompt.rs: render_chat), as a ChatML model
 (Qwen, for one) ships them. Standard library only: python3 make.py"""
 import json
 import pathlib

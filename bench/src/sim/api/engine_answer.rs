@@ -1,0 +1,168 @@
+//! Engine-mode answers: the request is handed to the server's engine and the answer follows
+//! the engine's steps.
+//!
+//! Streaming sends one SSE event per engine step that produced tokens for this stream. An
+//! engine step yields at most one token per request, so normally that is one token per event,
+//! as on vLLM. When the client (or this process) reads slower than the engine steps, the
+//! engine does not wait: the tokens the stream has not yet sent are coalesced into the next
+//! event's text, and the last event still carries `finish_reason`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::admission::Admitted;
+use super::response::{Answer, Usage};
+use super::sse::{sse_response, ChunkWriter, DONE};
+use super::state::ServerState;
+use crate::sim::engine::scheduler::NewRequest;
+use crate::sim::engine::task::Progress;
+use crate::sim::error::ApiError;
+use crate::sim::text::generate::{
+    completion_text, reply_hashes, reply_hashes_and_tokens, token_text,
+};
+
+pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: Instant) -> Response {
+    let Some(engine) = s.engine.as_ref() else {
+        return ApiError::unavailable("kvbench-sim: no engine").into_response();
+    };
+    let n = a.req.max_tokens;
+    let prompt_tokens = a.usage.prompt_tokens;
+    if !engine.fits(prompt_tokens, n) {
+        let msg = format!(
+            "this server's KV cache holds {} tokens, but the request needs {} \
+             ({prompt_tokens} prompt + {n} output tokens)",
+            engine.num_gpu_blocks() * 16,
+            prompt_tokens + n
+        );
+        return ApiError::bad_request(msg).into_response();
+    }
+    // Only now that `n` is known to fit the pool: the hashes cost a few bytes per token.
+    let tokenizer = &s.config.tokenizer;
+    let (endpoint, prompt) = (a.req.endpoint, &a.req.prompt);
+    let (reply_hashes, tokens) = if engine.publishes_kv_events() {
+        reply_hashes_and_tokens(endpoint, prompt, &a.blocks, a.seed, n, tokenizer)
+    } else {
+        let hashes = reply_hashes(endpoint, prompt, &a.blocks, a.seed, n, tokenizer);
+        (hashes, Arc::default())
+    };
+    let req = NewRequest {
+        prompt_tokens,
+        hashes: a.blocks,
+        reply_hashes,
+        max_tokens: n,
+        tokens,
+        salt: a.req.cache_salt.clone(),
+    };
+    let Some(rx) = engine.submit(req, a.dp_rank) else {
+        return ApiError::unavailable("kvbench-sim: engine stopped").into_response();
+    };
+    let mut watcher = Watcher {
+        s: s.clone(),
+        rx,
+        arrived,
+        seq: a.seq,
+        sent: 0,
+        n,
+    };
+    let mut usage = a.usage;
+    if a.req.stream {
+        let stream = EngineStream {
+            watcher,
+            writer: ChunkWriter::new(answer),
+            usage: a.req.include_usage.then_some(usage),
+            done: false,
+        };
+        return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
+            let event = st.next_event().await?;
+            Some((Ok::<Bytes, Infallible>(event), st))
+        }));
+    }
+    while watcher.sent < n {
+        if watcher.next().await.is_none() {
+            return engine_gone();
+        }
+    }
+    usage.cached_tokens = watcher.cached_tokens();
+    Json(answer.completion(&completion_text(n), usage)).into_response()
+}
+
+fn engine_gone() -> Response {
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "kvbench-sim: the engine dropped the request",
+    )
+    .into_response()
+}
+
+/// Follows one request's progress; dropping it tells the engine the client is gone.
+struct Watcher {
+    s: Arc<ServerState>,
+    rx: watch::Receiver<Progress>,
+    arrived: Instant,
+    seq: u64,
+    /// Tokens already passed on to the client.
+    sent: u64,
+    n: u64,
+}
+
+impl Watcher {
+    /// Waits for new tokens; returns the range `sent..upto` now available. None if the engine
+    /// dropped the request.
+    async fn next(&mut self) -> Option<(u64, u64)> {
+        let sent = self.sent;
+        let upto = self
+            .rx
+            .wait_for(|p| p.generated > sent)
+            .await
+            .ok()?
+            .generated
+            .min(self.n);
+        if sent == 0 {
+            let s = &self.s;
+            s.stats.observe_ttft(s.model_seconds_since(self.arrived));
+            let cached = self.cached_tokens();
+            s.log().update(self.seq, |e| e.cached_tokens = Some(cached));
+        }
+        self.sent = upto;
+        Some((sent, upto))
+    }
+
+    fn cached_tokens(&self) -> u64 {
+        self.rx.borrow().cached_tokens.unwrap_or(0)
+    }
+}
+
+struct EngineStream {
+    watcher: Watcher,
+    writer: ChunkWriter,
+    usage: Option<Usage>,
+    done: bool,
+}
+
+impl EngineStream {
+    async fn next_event(&mut self) -> Option<Bytes> {
+        let w = &mut self.watcher;
+        if w.sent < w.n {
+            // A dropped request ends the stream without [DONE], as a crashed engine would.
+            let (from, upto) = w.next().await?;
+            let text: String = (from..upto).map(token_text).collect();
+            return Some(self.writer.token(&text, from == 0, upto == w.n));
+        }
+        if let Some(mut usage) = self.usage.take() {
+            usage.cached_tokens = w.cached_tokens();
+            return Some(self.writer.usage(usage));
+        }
+        if !self.done {
+            self.done = true;
+            return Some(Bytes::from_static(DONE));
+        }
+        None
+    }
+}

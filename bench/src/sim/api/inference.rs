@@ -1,0 +1,263 @@
+//! The POST endpoints. A request is logged on arrival, admitted (`admission`: slow start,
+//! parse, hang and failure faults, prefix-cache lookup), then answered: in engine mode by the
+//! server's engine (`engine_answer`), in fixed-timing mode here, with the first token after the
+//! TTFT and then one token per inter-token interval.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures_util::StreamExt as _;
+use tokio::time::{sleep_until, Instant};
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::admission::{admit, Admitted};
+use super::engine_answer;
+use super::reqlog::Entry;
+use super::response::{Answer, Usage};
+use super::sse::{sse_response, ChunkWriter, DONE};
+use super::state::{header_value, ServerState};
+use crate::sim::engine::kvcache::BLOCK_TOKENS;
+use crate::sim::engine::lora::AdapterUse;
+use crate::sim::engine::stats::Gauge;
+use crate::sim::text::generate::{completion_text, reply_hashes, token_text, Schedule};
+use crate::sim::text::openai::Endpoint;
+
+pub const BODY_HASH_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-xxh3");
+pub const BODY_LEN_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-len");
+const SESSION_HEADER: &str = "x-session-id";
+
+pub async fn chat(State(s): State<Arc<ServerState>>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, Endpoint::Chat, &headers, body).await
+}
+
+pub async fn completions(
+    State(s): State<Arc<ServerState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, Endpoint::Completions, &headers, body).await
+}
+
+pub async fn embeddings(
+    State(s): State<Arc<ServerState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, Endpoint::Embeddings, &headers, body).await
+}
+
+/// Formats a body hash as tests compute it: 16 lowercase hex digits, zero-padded.
+pub fn body_hash_hex(body: &[u8]) -> String {
+    format!("{:016x}", xxh3_64(body))
+}
+
+async fn handle(
+    s: Arc<ServerState>,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Response {
+    let arrived = Instant::now();
+    let hash = body_hash_hex(&body);
+    let session = headers
+        .get(SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let mut entry = Entry::arrival(endpoint.path(), session, body.len(), hash.clone());
+    entry.dp_rank = headers
+        .get(DP_RANK_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let dp_rank = entry.dp_rank.as_deref().and_then(|r| r.trim().parse().ok());
+    let seq = s.log().push(entry);
+    let mut res = match admit(&s, seq, endpoint, &body).await {
+        Ok(mut admitted) => {
+            admitted.dp_rank = dp_rank;
+            // An adapter not loaded is loaded first: its load time is part of the TTFT.
+            let (adapter, wait) =
+                AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model).await;
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+            let res = serve(s.clone(), admitted, arrived).await;
+            match adapter {
+                Some(a) => held_until_body_ends(res, a),
+                None => res,
+            }
+        }
+        Err(e) => e.into_response(),
+    };
+    let status = res.status().as_u16();
+    s.log().update(seq, |e| e.status = Some(status));
+    let headers = res.headers_mut();
+    headers.insert(BODY_HASH_HEADER, header_value(&hash));
+    headers.insert(BODY_LEN_HEADER, HeaderValue::from(body.len()));
+    res
+}
+
+/// A streamed answer is still running when the handler returns: `guard` is released when its
+/// body ends or the client goes away.
+fn held_until_body_ends<G: Send + Sync + 'static>(res: Response, guard: G) -> Response {
+    res.map(|body| {
+        let stream = body.into_data_stream().map(move |chunk| {
+            let _held = &guard;
+            chunk
+        });
+        axum::body::Body::from_stream(stream)
+    })
+}
+
+/// vLLM's and SGLang's header pinning a request to one data-parallel rank.
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
+    let answer = Answer::new(a.req.endpoint, s.index, a.seq, &a.req.model);
+    if a.req.endpoint == Endpoint::Embeddings {
+        return Json(answer.embeddings(a.usage.prompt_tokens)).into_response();
+    }
+    if s.engine.is_some() {
+        return engine_answer::serve(s, a, answer, arrived).await;
+    }
+    let n = a.req.max_tokens;
+    let kv_blocks = (a.usage.prompt_tokens + n).div_ceil(BLOCK_TOKENS);
+    let stream = a.req.stream;
+    let include_usage = a.req.include_usage;
+    let mut gen = Generation {
+        running: s.stats.start_running(kv_blocks),
+        schedule: Schedule {
+            start: Instant::now(),
+            ttft: s.config.ttft,
+            itl: s.config.itl,
+        },
+        state: s,
+        arrived,
+        processed_tokens: a.usage.prompt_tokens.saturating_sub(a.usage.cached_tokens),
+        blocks: a.blocks,
+        seed: a.seed,
+        endpoint: a.req.endpoint,
+        prompt: a.req.prompt,
+    };
+    if stream {
+        let stream = TokenStream {
+            gen,
+            writer: ChunkWriter::new(answer),
+            next: 0,
+            n,
+            usage: include_usage.then_some(a.usage),
+            done: false,
+        };
+        return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
+            let event = st.next_event().await?;
+            Some((Ok::<Bytes, Infallible>(event), st))
+        }));
+    }
+    gen.token(0).await;
+    gen.rest(n).await;
+    gen.replied(n);
+    drop(gen.running);
+    Json(answer.completion(&completion_text(n), a.usage)).into_response()
+}
+
+/// One request on the simulated engine: holds its KV blocks (the running gauge) until dropped.
+struct Generation {
+    state: Arc<ServerState>,
+    schedule: Schedule,
+    arrived: Instant,
+    /// Prompt tokens not served from the prefix cache.
+    processed_tokens: u64,
+    /// Prompt blocks, entered into the prefix cache once prefill is done.
+    blocks: Vec<u64>,
+    /// Their chain's seed (the request's salt).
+    seed: u64,
+    endpoint: Endpoint,
+    /// Canonical prompt, to continue the block chain over the reply once it is out.
+    prompt: Vec<u8>,
+    running: Gauge,
+}
+
+impl Generation {
+    /// Waits until token `i` is due and accounts for it.
+    async fn token(&mut self, i: u64) {
+        sleep_until(self.schedule.token_due(i)).await;
+        if i == 0 {
+            self.prefilled();
+        }
+        self.state.stats.generated(1);
+    }
+
+    /// Waits out tokens 1..n at once (the non-streaming answer is sent whole).
+    async fn rest(&mut self, n: u64) {
+        if n > 1 {
+            sleep_until(self.schedule.token_due(n - 1)).await;
+            self.state.stats.generated(n - 1);
+        }
+    }
+
+    /// The prompt's KV exists once prefill is done, so it is cached from the first token on:
+    /// a concurrent request with the same prefix hits it, as on vLLM.
+    fn prefilled(&mut self) {
+        let s = &self.state;
+        s.stats.observe_ttft(s.model_seconds_since(self.arrived));
+        // Fixed timing has no queue: prefill takes exactly the configured TTFT.
+        let prefill = s.config.ttft.as_secs_f64() * s.config.time_scale;
+        s.stats.prefilled(self.processed_tokens, prefill);
+        s.kv().insert(&self.blocks);
+    }
+
+    /// The whole reply is out: the next turn will send it back after this prompt, so its
+    /// blocks are cached too, as the engine mode's pool does. Prompt and reply go in together
+    /// so that the cache's LRU order keeps the prompt's head the most recent.
+    fn replied(&mut self, n: u64) {
+        let prompt = std::mem::take(&mut self.prompt);
+        let mut blocks = std::mem::take(&mut self.blocks);
+        let tokenizer = &self.state.config.tokenizer;
+        blocks.extend(reply_hashes(
+            self.endpoint,
+            &prompt,
+            &blocks,
+            self.seed,
+            n,
+            tokenizer,
+        ));
+        self.state.kv().insert(&blocks);
+    }
+}
+
+/// Streamed answer: each event is produced by the body stream when its token is due, so it is
+/// written to the socket at that moment, and a client that disconnects drops the generation.
+struct TokenStream {
+    gen: Generation,
+    writer: ChunkWriter,
+    next: u64,
+    n: u64,
+    usage: Option<Usage>,
+    done: bool,
+}
+
+impl TokenStream {
+    async fn next_event(&mut self) -> Option<Bytes> {
+        if self.next < self.n {
+            let i = self.next;
+            self.next += 1;
+            self.gen.token(i).await;
+            let last = i + 1 == self.n;
+            if last {
+                self.gen.replied(self.n);
+            }
+            return Some(self.writer.token(&token_text(i), i == 0, last));
+        }
+        if let Some(usage) = self.usage.take() {
+            return Some(self.writer.usage(usage));
+        }
+        if !self.done {
+            self.done = true;
+            return Some(Bytes::from_static(DONE));
+        }
+        None
+    }
+}

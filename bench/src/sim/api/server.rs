@@ -1,0 +1,84 @@
+//! One simulated server: its routes and the task that serves its listener.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::HeaderName;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+use super::admin;
+use super::inference;
+use super::state::ServerState;
+use crate::sim::config::SimConfig;
+use crate::sim::engine::kv_events::kvpublish::Publisher;
+use crate::sim::error::ApiError;
+
+/// Tests send 5 MB bodies; long-context prompts run to megabytes.
+const BODY_LIMIT: usize = 64 << 20;
+
+pub const SERVER_HEADER: HeaderName = HeaderName::from_static("x-kvbench-server");
+pub const ADDR_HEADER: HeaderName = HeaderName::from_static("x-kvbench-addr");
+
+pub fn router(state: Arc<ServerState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(inference::chat))
+        .route("/v1/completions", post(inference::completions))
+        .route("/v1/embeddings", post(inference::embeddings))
+        .route("/v1/models", get(admin::models))
+        .route("/health", get(admin::health))
+        .route("/metrics", get(admin::metrics))
+        .route("/debug/requests", get(admin::requests))
+        .route(
+            "/debug/faults",
+            post(admin::set_faults).get(admin::get_faults),
+        )
+        .route("/debug/state", get(admin::state))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::map_response_with_state(
+            state.clone(),
+            identify,
+        ))
+        .with_state(state)
+}
+
+/// Every answer names the server that gave it, so tests can see where the proxy routed.
+async fn identify(State(s): State<Arc<ServerState>>, mut res: Response) -> Response {
+    let headers = res.headers_mut();
+    headers.insert(SERVER_HEADER, s.index_header.clone());
+    headers.insert(ADDR_HEADER, s.addr_header.clone());
+    res
+}
+
+async fn not_found() -> Response {
+    ApiError::new(axum::http::StatusCode::NOT_FOUND, "no such route").into_response()
+}
+
+/// Serves `listener` on the current runtime until the process exits; returns its address.
+/// Engine rank r publishes its KV events into `kv_events[r]`, if there is one.
+pub fn spawn(
+    listener: tokio::net::TcpListener,
+    index: usize,
+    config: Arc<SimConfig>,
+    kv_events: Vec<Publisher>,
+) -> std::io::Result<SocketAddr> {
+    use axum::serve::ListenerExt;
+
+    let addr = listener.local_addr()?;
+    let app = router(Arc::new(ServerState::new(index, addr, config, kv_events)));
+    // Nagle plus delayed ACK would hold back small SSE events by tens of milliseconds.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            log::debug!("set_nodelay: {e}");
+        }
+    });
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            log::error!("server {index} on {addr} stopped: {e}");
+        }
+    });
+    Ok(addr)
+}

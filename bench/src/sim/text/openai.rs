@@ -1,0 +1,187 @@
+//! Parsing of OpenAI request bodies into what the simulator needs to serve them.
+
+use serde_json::Value;
+
+use super::prompt::{is_token_ids, render_chat, render_completion};
+use crate::sim::error::ApiError;
+
+pub const DEFAULT_MAX_TOKENS: u64 = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+    Embeddings,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SimRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Output length: always exactly this many tokens (as with `ignore_eos`).
+    pub max_tokens: u64,
+    /// Canonical prompt bytes (see `prompt`).
+    pub prompt: Vec<u8>,
+    /// The prompt was sent as token ids: `prompt` is already a token stream.
+    pub token_ids: bool,
+    /// vLLM's `cache_salt`: only requests with the same salt share cached blocks.
+    pub cache_salt: Option<String>,
+}
+
+pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad_request("request body must be a JSON object"));
+    }
+    let model = match v.get("model") {
+        Some(Value::String(m)) => m.clone(),
+        Some(_) => return Err(ApiError::bad_request("'model' must be a string")),
+        None => return Err(ApiError::bad_request("missing required field 'model'")),
+    };
+    let (prompt, token_ids) = match endpoint {
+        Endpoint::Chat => (render_chat(required(&v, "messages")?)?, false),
+        Endpoint::Completions | Endpoint::Embeddings => {
+            let field = if endpoint == Endpoint::Completions {
+                "prompt"
+            } else {
+                "input"
+            };
+            let p = required(&v, field)?;
+            (render_completion(p)?, is_token_ids(p))
+        }
+    };
+    let stream = optional_bool(&v, "stream")?;
+    let include_usage = match v.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(opts @ Value::Object(_)) => optional_bool(opts, "include_usage")?,
+        Some(_) => return Err(ApiError::bad_request("'stream_options' must be an object")),
+    };
+    // The newer name wins when a client sends both, as in OpenAI's API.
+    let max_tokens = match optional_u64(&v, "max_completion_tokens")? {
+        Some(n) => n,
+        None => optional_u64(&v, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS),
+    };
+    if max_tokens == 0 {
+        return Err(ApiError::bad_request("max_tokens must be at least 1"));
+    }
+    // vLLM's own check and message.
+    let cache_salt = match v.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ))
+        }
+    };
+    Ok(SimRequest {
+        endpoint,
+        model,
+        stream,
+        include_usage,
+        max_tokens,
+        prompt,
+        token_ids,
+        cache_salt,
+    })
+}
+
+fn required<'a>(v: &'a Value, field: &str) -> Result<&'a Value, ApiError> {
+    match v.get(field) {
+        None | Some(Value::Null) => Err(ApiError::bad_request(format!(
+            "missing required field '{field}'"
+        ))),
+        Some(x) => Ok(x),
+    }
+}
+
+fn optional_bool(v: &Value, field: &str) -> Result<bool, ApiError> {
+    match v.get(field) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::bad_request(format!(
+            "'{field}' must be a boolean"
+        ))),
+    }
+}
+
+fn optional_u64(v: &Value, field: &str) -> Result<Option<u64>, ApiError> {
+    match v.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x.as_u64().map(Some).ok_or_else(|| {
+            ApiError::bad_request(format!("'{field}' must be a non-negative integer"))
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<SimRequest, ApiError> {
+        parse(Endpoint::Chat, body.as_bytes())
+    }
+
+    #[test]
+    fn parses_a_streaming_chat_request() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
+                "stream_options":{"include_usage":true},"max_tokens":7,"ignore_eos":true}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model, "m");
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.max_tokens, 7);
+    }
+
+    #[test]
+    fn defaults_and_max_completion_tokens() {
+        let r = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert_eq!(r.max_tokens, DEFAULT_MAX_TOKENS);
+        assert!(!r.stream);
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":3,"max_completion_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!(r.max_tokens, 9);
+    }
+
+    #[test]
+    fn completions_need_a_prompt() {
+        let r = parse(Endpoint::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(r.prompt.len(), 12);
+        let e = parse(Endpoint::Completions, br#"{"model":"m"}"#).unwrap_err();
+        assert!(e.message.contains("prompt"));
+    }
+
+    #[test]
+    fn errors_are_400s() {
+        for body in [
+            "not json",
+            "[1]",
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+            r#"{"model":5,"messages":[{"role":"user","content":"x"}]}"#,
+            r#"{"model":"m"}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":-1}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":1}"#,
+        ] {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST, "{body}");
+        }
+    }
+}
