@@ -158,22 +158,49 @@ fn config_keys() -> BTreeSet<String> {
 /// Problems with a reference page against the code's keys: a key with no row or several, a
 /// `kvroute.` row naming no key.
 fn config_reference_problems(reference: &str, keys: &BTreeSet<String>) -> Vec<String> {
+    one_row_each(
+        reference,
+        "kvroute.",
+        keys,
+        RowWords {
+            missing: "no row in the configuration reference",
+            several: "rows in the configuration reference",
+            unknown: "a row for a key the code does not have",
+        },
+    )
+}
+
+/// How a reference page's problems read, for `one_row_each`.
+struct RowWords {
+    missing: &'static str,
+    several: &'static str,
+    unknown: &'static str,
+}
+
+/// A reference page against the names the code has: every name exactly one row, every row (of a
+/// name starting with `prefix`) a name.
+fn one_row_each(
+    reference: &str,
+    prefix: &str,
+    names: &BTreeSet<String>,
+    words: RowWords,
+) -> Vec<String> {
     let mut rows: BTreeMap<String, usize> = BTreeMap::new();
     for name in row_names(reference) {
-        if name.starts_with("kvroute.") {
+        if name.starts_with(prefix) {
             *rows.entry(name).or_default() += 1;
         }
     }
     let mut problems = Vec::new();
-    for k in keys {
+    for k in names {
         match rows.get(k) {
-            None => problems.push(format!("{k}: no row in the configuration reference")),
+            None => problems.push(format!("{k}: {}", words.missing)),
             Some(1) => {}
-            Some(n) => problems.push(format!("{k}: {n} rows in the configuration reference")),
+            Some(n) => problems.push(format!("{k}: {n} {}", words.several)),
         }
     }
-    for r in rows.keys().filter(|r| !keys.contains(*r)) {
-        problems.push(format!("{r}: a row for a key the code does not have"));
+    for r in rows.keys().filter(|r| !names.contains(*r)) {
+        problems.push(format!("{r}: {}", words.unknown));
     }
     problems
 }
@@ -274,23 +301,16 @@ fn metrics_problems(
     other_pages: &[(String, String)],
     families: &BTreeSet<String>,
 ) -> Vec<String> {
-    let mut rows: BTreeMap<String, usize> = BTreeMap::new();
-    for name in row_names(reference) {
-        if name.starts_with("kvroute_") {
-            *rows.entry(name).or_default() += 1;
-        }
-    }
-    let mut problems = Vec::new();
-    for f in families {
-        match rows.get(f) {
-            None => problems.push(format!("{f}: registered but not in the metrics reference")),
-            Some(1) => {}
-            Some(n) => problems.push(format!("{f}: {n} rows in the metrics reference")),
-        }
-    }
-    for r in rows.keys().filter(|r| !families.contains(*r)) {
-        problems.push(format!("{r}: in the metrics reference but not registered"));
-    }
+    let mut problems = one_row_each(
+        reference,
+        "kvroute_",
+        families,
+        RowWords {
+            missing: "registered but not in the metrics reference",
+            several: "rows in the metrics reference",
+            unknown: "in the metrics reference but not registered",
+        },
+    );
     for (page, text) in other_pages {
         for t in metric_tokens(text) {
             if !names_a_family(&t, families) {

@@ -11,6 +11,9 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+/// The per-request record `replay` writes (report.json's `records`), read back as written.
+pub use crate::replay::record::RequestRecord as Record;
+
 mod burst;
 mod concurrency;
 mod medians;
@@ -69,33 +72,6 @@ pub fn run(args: ReportArgs) -> Result<(), String> {
     };
     print!("{out}");
     Ok(())
-}
-
-/// The fields of replay's per-request record that the reports read. Every field the replay may
-/// leave out or null is optional here, so a report of an older run still loads.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct Record {
-    #[serde(default)]
-    pub id: u64,
-    pub send_ms: f64,
-    #[serde(default)]
-    pub session: Option<String>,
-    #[serde(default)]
-    pub status: Option<u16>,
-    #[serde(default)]
-    pub error: Option<String>,
-    #[serde(default)]
-    pub ttft_ms: Option<f64>,
-    #[serde(default)]
-    pub e2e_ms: f64,
-    #[serde(default)]
-    pub prompt_tokens: Option<u64>,
-    #[serde(default)]
-    pub cached_tokens: Option<u64>,
-    #[serde(default)]
-    pub completion_tokens: Option<u64>,
-    #[serde(default)]
-    pub backend: Option<String>,
 }
 
 impl Record {
@@ -312,6 +288,7 @@ pub mod tests {
             cached_tokens: Some(100),
             completion_tokens: Some(10),
             backend: Some(backend.to_string()),
+            ..Default::default()
         }
     }
 
