@@ -56,6 +56,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         sim_tokenizer: None,
         kv_events: false,
         dp_size: 1,
+        promote: false,
     };
     compare::run(args).await
 }

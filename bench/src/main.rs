@@ -6,6 +6,7 @@
 //! - `replay`: drives one target with a workload and writes a report (`kvbench replay`).
 //! - `compare`: a fleet and a kvroute per policy, one replay each, side-by-side results.
 //! - `demo`: the README's first command, a small `compare`.
+//! - `promote`: a run's summary from `bench/runs/` into the committed `bench/results/`.
 //! - `kvbench proxy -c FILE`: kvroute itself (the library), so comparisons need one binary.
 
 use std::process::ExitCode;
@@ -18,6 +19,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod compare;
 mod demo;
+mod promote;
 mod replay;
 mod report;
 mod sim;
@@ -39,6 +41,9 @@ enum Command {
     Compare(compare::CompareArgs),
     /// Round robin vs kvroute's default policy on a small fleet, in about two minutes.
     Demo(demo::DemoArgs),
+    /// Copy a run's summary (README, results without records, configs, embedded charts) from
+    /// bench/runs/ into the committed bench/results/.
+    Promote(promote::PromoteArgs),
     /// Analyse kept records of compare runs: medians, quantiles, tail, turns, burst, concurrency.
     Report(report::ReportArgs),
     /// Run kvroute (same as the `kvroute` binary) with a config file.
@@ -79,6 +84,7 @@ fn main() -> ExitCode {
             Command::Compare(args) => compare::run(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Report(args) => report::run(args),
+            Command::Promote(args) => promote::run(args),
             Command::Proxy { .. } => Ok(()),
         };
         match result {

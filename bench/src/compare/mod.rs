@@ -1,6 +1,6 @@
 //! `kvbench compare`: for each workload and each routing policy, a fresh simulated fleet and a
 //! kvroute in front of it, one replay, and one side-by-side table and CDF chart per workload
-//! under `bench/results/<name>/`, with the exact command line.
+//! under `bench/runs/<name>/` (`--results-dir`), with the exact command line.
 //!
 //! Every run starts cold (new simulator processes), so no policy inherits another's cache.
 //! A fleet may mix GPU profiles (`--profiles`), and a policy entry may carry options that
@@ -148,6 +148,10 @@ pub struct CompareArgs {
     /// `events=on` runs follow every rank and pin requests to one.
     #[arg(long, default_value_t = 1)]
     pub dp_size: u16,
+    /// When the run is done, copy its summary into bench/results/ (`kvbench promote NAME`);
+    /// refuses to replace a results folder of the same name.
+    #[arg(long)]
+    pub promote: bool,
 }
 
 /// One workload's runs, one per policy.
@@ -310,6 +314,14 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     .map_err(|e| format!("{}: {e}", out.display()))?;
     print!("{md}");
     eprintln!("results: {}", out.display());
+    if args.promote {
+        crate::promote::run(crate::promote::PromoteArgs {
+            name: args.name.clone(),
+            from: args.results_dir.clone(),
+            to: PathBuf::from("bench/results"),
+            force: false,
+        })?;
+    }
     Ok(())
 }
 
