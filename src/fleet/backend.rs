@@ -41,6 +41,10 @@ pub(super) struct Live {
     /// KV capacity the engine reported or showed (tokens; 0 until known). Kept past the
     /// telemetry sample's staleness: a cache does not change size while the engine runs.
     pub(super) learned_kv_capacity: AtomicU64,
+    /// Requests the engine runs at once, as it reports (llama.cpp's slots); 0 until known.
+    pub(super) slots: AtomicU64,
+    /// The warning that nothing says how large the KV cache is was given.
+    pub(super) kv_unknown_said: std::sync::atomic::AtomicBool,
     pub(super) inflight: AtomicU64,
     pub(super) queued_prefill: AtomicU64,
     /// The part of `queued_prefill` pinned to each data-parallel rank.
@@ -83,6 +87,8 @@ impl Live {
             decode_step: AtomicU64::new(0),
             decode_learner: Mutex::new(DecodeLearner::default()),
             learned_kv_capacity: AtomicU64::new(0),
+            slots: AtomicU64::new(0),
+            kv_unknown_said: std::sync::atomic::AtomicBool::new(false),
             inflight: AtomicU64::new(0),
             queued_prefill: AtomicU64::new(0),
             rank_prefill: (0..crate::config::MAX_DP_RANKS)
@@ -272,14 +278,17 @@ impl BackendState {
         self.live.telemetry.lora_running()
     }
 
-    /// The prefill rate placement uses. Without learning, or before the engine's counters
-    /// say enough: the configured rate, else the default. Then a configured rate stands while
-    /// the evidence allows it (at least the proven floor, at most
-    /// `CONFIGURED_RATE_TOLERANCE` times the estimate): on a fleet configured right, learning
-    /// changes nothing, while a rate configured 100x wrong is replaced within a minute. An
-    /// unconfigured backend uses the estimate. Until its engine says, a learning backend is
-    /// assumed at least `explore` fast (the fleet's median learned rate), or one configured
-    /// far too slow would get no request to learn from.
+    /// The prefill rate placement uses. Without learning: the configured rate, else the
+    /// default. Learning, before its engine's counters say anything: the configured rate (at
+    /// least `explore`, the fleet's median learned rate, or one configured far too slow would
+    /// get no request to learn from), else `explore` itself: a backend nothing is known of is
+    /// priced like the fleet it joins, not at a default that may be 200x off (a CPU engine at
+    /// 118 tokens/s priced at 25,000 was sent three cold prefills at once while the backend
+    /// that had learned idled). Only while nothing in the fleet has learned does the default
+    /// stand. Once learned, a configured rate stands while the evidence allows it (at least the
+    /// proven floor, at most `CONFIGURED_RATE_TOLERANCE` times the estimate): on a fleet
+    /// configured right, learning changes nothing, while a rate configured 100x wrong is
+    /// replaced after the first prefills. An unconfigured backend uses the estimate.
     pub fn effective_prefill_rate(&self, explore: f64) -> f64 {
         let prior = self
             .prefill_rate_configured
@@ -288,7 +297,9 @@ impl BackendState {
             return prior;
         }
         match (self.learned_prefill(), self.prefill_rate_configured) {
-            (None, _) => prior.max(explore),
+            (None, Some(c)) => c.max(explore),
+            (None, None) if explore > 0.0 => explore,
+            (None, None) => prior,
             (Some(e), Some(c)) if c >= e.floor && c <= e.rate * CONFIGURED_RATE_TOLERANCE => c,
             (Some(e), _) => e.rate,
         }
@@ -358,9 +369,43 @@ impl BackendState {
     }
 
     pub(super) fn set_learned_kv_capacity(&self, tokens: u64) {
-        self.live
+        let old = self
+            .live
             .learned_kv_capacity
-            .store(tokens, Ordering::Relaxed);
+            .swap(tokens, Ordering::Relaxed);
+        if old != tokens {
+            log::info!(
+                "backend {}: KV capacity from its engine: {tokens} tokens{}",
+                self.name,
+                self.kv_capacity_configured
+                    .map_or_else(String::new, |c| format!(" (configured {c} stands)"))
+            );
+        }
+    }
+
+    /// Says once, on a scrape that showed no KV size, that the index is sized to a default.
+    pub(super) fn kv_capacity_unknown(&self) {
+        if self.kv_capacity_configured.is_some() || self.learned_kv_capacity().is_some() {
+            return;
+        }
+        if !self.live.kv_unknown_said.swap(true, Ordering::Relaxed) {
+            log::warn!(
+                "backend {}: its {} engine reports no KV cache size; the prefix index assumes \
+                 {DEFAULT_KV_CAPACITY_TOKENS} tokens (set kv_capacity_tokens to say)",
+                self.name,
+                format!("{:?}", self.engine).to_lowercase()
+            );
+        }
+    }
+
+    /// Requests the engine runs at once, where it says (llama.cpp's slots).
+    pub fn slots(&self) -> Option<u32> {
+        let n = self.live.slots.load(Ordering::Relaxed);
+        (n > 0).then(|| u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    pub(super) fn set_slots(&self, slots: u32) {
+        self.live.slots.store(u64::from(slots), Ordering::Relaxed);
     }
 
     /// The KV capacity the prefix index is sized to: configured, else learned, else the

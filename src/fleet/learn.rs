@@ -14,7 +14,9 @@
 //! counts, a least-squares fit of `seconds = a * requests + tokens / rate` over the window
 //! separates the two; otherwise, or when the window's intervals cannot tell them apart, the
 //! ratio is used. The fit may only raise the ratio, by at most `MAX_FIT_CORRECTION`.
-//! Estimates are clamped to a sane range and need a minimum of evidence.
+//! Estimates are clamped to a sane range and need a minimum of evidence: for paired counters
+//! (below) one whole prefill of `MIN_PAIRED_TOKENS`, for others `MIN_TOKENS` over
+//! `MIN_REQUESTS` prefills, since a fit needs intervals that differ.
 //!
 //! The plain ratio is also a proof: a prefill cannot outrun its engine, so each request's
 //! prefill seconds are at least its tokens over the rate, and `tokens / seconds` over any set
@@ -32,10 +34,16 @@ use std::collections::VecDeque;
 
 /// Intervals kept: at the default 1 s scrape interval, about a minute of traffic.
 pub(crate) const WINDOW: usize = 60;
-/// Computed prompt tokens the window must hold before it says anything.
+/// Computed prompt tokens the window must hold before it says anything (counters not paired).
 pub(crate) const MIN_TOKENS: f64 = 4096.0;
-/// Prefills the window must hold, where the engine counts them.
+/// Prefills the window must hold, where the engine counts them (counters not paired).
 pub(crate) const MIN_REQUESTS: f64 = 4.0;
+/// Paired counters: computed tokens of the whole prefills the window must hold. One prefill
+/// is a proof of a lower bound, so the first real prompt moves the estimate: on a small fleet
+/// with long prompts (two CPU engines, 800-token documents at 118 tokens/s) an 8-prefill,
+/// 4,096-token gate left one backend unlearned for the whole run. Below this, a prompt's fixed
+/// per-request part dominates and the ratio says more of it than of the rate.
+pub(crate) const MIN_PAIRED_TOKENS: f64 = 256.0;
 /// The fit may raise the plain ratio by at most this much. Under batching, per-request prefill
 /// times are noisy (a short prompt sharing a step with a long one waits for all of it), and an
 /// unbounded fit then swings by orders of magnitude (seen on the simulated mixed fleet: 4k to
@@ -127,18 +135,30 @@ impl PrefillLearner {
                         r.zip(i.requests).map(|(a, b)| a + b),
                     )
                 });
-        if tokens < MIN_TOKENS || seconds <= 0.0 || requests.is_some_and(|r| r < MIN_REQUESTS) {
+        let mut paired = self.window.iter().filter(|i| i.paired).peekable();
+        let (min_tokens, min_requests) = if paired.peek().is_some() {
+            (MIN_PAIRED_TOKENS, 1.0)
+        } else {
+            (MIN_TOKENS, MIN_REQUESTS)
+        };
+        if tokens < min_tokens || seconds <= 0.0 || requests.is_some_and(|r| r < min_requests) {
             return None;
         }
         let ratio = tokens / seconds;
-        let mut paired = self.window.iter().filter(|i| i.paired).peekable();
         let (rate, floor) = if paired.peek().is_some() {
             // Each interval covers whole prefills, so each interval's ratio is a proof, and
             // the best of them is the tightest: one a long prefill had mostly to itself reads
             // close to the engine's rate. It is also the estimate. It reads low where only
             // short prompts came, which sends a backend less work until a long one shows its
             // rate: a correcting loop, where a fit that can read high would feed on itself.
-            let best = paired.map(|i| i.tokens / i.seconds).fold(ratio, f64::max);
+            // Only intervals of a real prompt's size count: a follow-up turn computing 20
+            // tokens reads faster than the engine runs long prompts (a real llama.cpp on one
+            // CPU thread: 180 tokens/s on short suffixes, 130 on 400-token documents), and it
+            // is the long prefills that the estimate must price.
+            let best = paired
+                .filter(|i| i.tokens >= MIN_PAIRED_TOKENS)
+                .map(|i| i.tokens / i.seconds)
+                .fold(ratio, f64::max);
             (best, best)
         } else {
             let rate = match self.fit() {
@@ -315,17 +335,40 @@ mod tests {
         let mut l = PrefillLearner::default();
         l.observe(e.serve(&[]));
         assert_eq!(
-            l.observe(e.serve(&[8_000.0; 3])),
+            l.observe(e.serve(&[100.0])),
             None,
-            "3 prefills are too few"
+            "a tiny prompt says nothing"
         );
         assert!(l.observe(e.serve(&[8_000.0])).is_some());
         // Restarted: counters back near zero, the old window is dropped.
         let mut fresh = Engine::new(1_000.0, 0.0);
         assert_eq!(l.observe(fresh.serve(&[100.0])), None);
-        l.observe(fresh.serve(&[1_000.0; 4]));
-        let r = l.observe(fresh.serve(&[1_000.0; 4])).unwrap().rate;
+        let r = l.observe(fresh.serve(&[1_000.0])).unwrap().rate;
         assert!((r / 1_000.0 - 1.0).abs() < 0.01, "{r}");
+    }
+
+    #[test]
+    fn one_long_paired_prefill_is_enough_and_three_are_within_a_quarter() {
+        // llama.cpp on 2 CPU cores: 118 tokens/s, a few ms of fixed cost a prompt, documents
+        // of ~800 tokens, one prefill a scrape.
+        let mut e = Engine::new(118.0, 0.01);
+        let mut l = PrefillLearner::default();
+        l.observe(e.serve(&[]));
+        let first = l.observe(e.serve(&[820.0])).unwrap();
+        assert!((first.rate / 118.0 - 1.0).abs() < 0.05, "{first:?}");
+        // Follow-up turns compute only their new tokens; the long prefill still shows the rate.
+        l.observe(e.serve(&[60.0]));
+        let third = l.observe(e.serve(&[790.0])).unwrap();
+        assert!((third.rate / 118.0 - 1.0).abs() < 0.25, "{third:?}");
+        // Unpaired counters keep the stricter gate: a fit needs intervals that differ.
+        let mut u = PrefillLearner::default();
+        let mut c = e.c;
+        c.paired = false;
+        u.observe(c);
+        c.tokens += 820.0;
+        c.seconds += 820.0 / 118.0;
+        c.requests = c.requests.map(|r| r + 1.0);
+        assert_eq!(u.observe(c), None);
     }
 
     #[test]

