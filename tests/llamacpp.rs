@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{client, free_port, http_get, Kvroute};
+use common::{free_port, http_get, Kvroute};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -114,10 +114,11 @@ async fn a_real_llama_server_behind_kvroute_learns_its_rate_and_reuses_its_cache
         &[(engine.addr, "      engine: llamacpp\n".to_string())],
         "  routing:\n    policy: kv_aware\n  telemetry:\n    interval_ms: 200\n",
     );
+    // A cold prefill on one CPU thread takes seconds: a longer deadline than `client()`'s.
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()
-        .unwrap_or_else(|_| client());
+        .expect("reqwest client");
 
     // Three documents, three turns each, the turns interleaved across the documents: with
     // two slots, each document's history is in a slot or the host prompt cache.

@@ -16,6 +16,17 @@ pub enum EngineKind {
     Llamacpp,
 }
 
+impl EngineKind {
+    /// The name the config uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Vllm => "vllm",
+            EngineKind::Sglang => "sglang",
+            EngineKind::Llamacpp => "llamacpp",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {

@@ -373,7 +373,9 @@ impl BackendState {
             .live
             .learned_kv_capacity
             .swap(tokens, Ordering::Relaxed);
-        if old != tokens {
+        // Sizes derived from usage (tokens in use over the ratio) wobble with rounding on
+        // every scrape: say only a material change.
+        if old == 0 || tokens.abs_diff(old) * 10 > old {
             log::info!(
                 "backend {}: KV capacity from its engine: {tokens} tokens{}",
                 self.name,
@@ -393,7 +395,7 @@ impl BackendState {
                 "backend {}: its {} engine reports no KV cache size; the prefix index assumes \
                  {DEFAULT_KV_CAPACITY_TOKENS} tokens (set kv_capacity_tokens to say)",
                 self.name,
-                format!("{:?}", self.engine).to_lowercase()
+                self.engine.as_str()
             );
         }
     }

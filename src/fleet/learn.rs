@@ -40,7 +40,7 @@ pub(crate) const MIN_TOKENS: f64 = 4096.0;
 pub(crate) const MIN_REQUESTS: f64 = 4.0;
 /// Paired counters: computed tokens of the whole prefills the window must hold. One prefill
 /// is a proof of a lower bound, so the first real prompt moves the estimate: on a small fleet
-/// with long prompts (two CPU engines, 800-token documents at 118 tokens/s) an 8-prefill,
+/// with long prompts (two CPU engines, 800-token documents at 118 tokens/s) a 4-prefill,
 /// 4,096-token gate left one backend unlearned for the whole run. Below this, a prompt's fixed
 /// per-request part dominates and the ratio says more of it than of the rate.
 pub(crate) const MIN_PAIRED_TOKENS: f64 = 256.0;
