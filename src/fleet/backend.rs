@@ -18,6 +18,7 @@ use super::outlier::Outlier;
 use super::telemetry::Slot;
 use super::upstream::{http_peer, UpstreamTls};
 use crate::config::{EngineKind, DEFAULT_KV_CAPACITY_TOKENS, DEFAULT_PREFILL_TOKENS_PER_S};
+use crate::placement::UNMEASURED_RATE_SPREAD;
 
 /// A configured prefill rate stands while it is at most this many times the learned estimate
 /// (and not below the proven floor): the estimate reads low by about this much where only
@@ -43,6 +44,11 @@ pub(super) struct Live {
     pub(super) learned_kv_capacity: AtomicU64,
     /// Requests the engine runs at once, as it reports (llama.cpp's slots); 0 until known.
     pub(super) slots: AtomicU64,
+    /// Whole prefills behind the learned rate (see `PrefillLearner::evidence`).
+    pub(super) learned_evidence: AtomicU64,
+    /// kvroute's requests in flight here and when each is expected to end (ms since
+    /// [`epoch`]): when a request past the engine's slots would get one.
+    pub(super) ends: Mutex<Vec<(u64, u64)>>,
     /// The warning that nothing says how large the KV cache is was given.
     pub(super) kv_unknown_said: std::sync::atomic::AtomicBool,
     pub(super) inflight: AtomicU64,
@@ -88,6 +94,8 @@ impl Live {
             decode_learner: Mutex::new(DecodeLearner::default()),
             learned_kv_capacity: AtomicU64::new(0),
             slots: AtomicU64::new(0),
+            learned_evidence: AtomicU64::new(0),
+            ends: Mutex::new(Vec::new()),
             kv_unknown_said: std::sync::atomic::AtomicBool::new(false),
             inflight: AtomicU64::new(0),
             queued_prefill: AtomicU64::new(0),
@@ -305,6 +313,26 @@ impl BackendState {
         }
     }
 
+    /// How far the rate placement uses may be off, as a factor (see
+    /// [`crate::placement::BackendLoad::prefill_spread`]): 1 for a rate the operator set or
+    /// learning is off; for a learned one `1 + 1/n` after `n` whole prefills in the window (one
+    /// prefill is a proof of a lower bound, not the rate); [`UNMEASURED_RATE_SPREAD`] while
+    /// nothing is measured.
+    pub fn prefill_spread(&self) -> f64 {
+        if !self.learn {
+            return 1.0;
+        }
+        match (self.learned_prefill(), self.prefill_rate_configured) {
+            (Some(e), Some(c)) if c >= e.floor && c <= e.rate * CONFIGURED_RATE_TOLERANCE => 1.0,
+            (Some(_), _) => {
+                let n = self.live.learned_evidence.load(Ordering::Relaxed).max(1);
+                1.0 + 1.0 / n as f64
+            }
+            (None, Some(_)) => 1.0,
+            (None, None) => UNMEASURED_RATE_SPREAD,
+        }
+    }
+
     /// What the engine's counters say, whether or not placement uses it.
     pub fn learned_prefill(&self) -> Option<PrefillEstimate> {
         let rate = f64::from_bits(self.live.learned_rate.load(Ordering::Relaxed));
@@ -320,7 +348,11 @@ impl BackendState {
         let Ok(mut learner) = self.live.learner.lock() else {
             return;
         };
-        if let Some(e) = learner.observe(counters) {
+        let estimate = learner.observe(counters);
+        self.live
+            .learned_evidence
+            .store(learner.evidence(), Ordering::Relaxed);
+        if let Some(e) = estimate {
             self.live
                 .learned_floor
                 .store(e.floor.to_bits(), Ordering::Relaxed);
@@ -406,6 +438,33 @@ impl BackendState {
         (n > 0).then(|| u32::try_from(n).unwrap_or(u32::MAX))
     }
 
+    /// Seconds until the engine has a slot for one more request, with `busy` requests there
+    /// (kvroute's and, from telemetry, other routers'): 0 while fewer than its slots are
+    /// busy or its slots are unknown. Otherwise the (busy - slots + 1)-th earliest expected
+    /// end of kvroute's requests here; requests it cannot see the end of (another router's)
+    /// count as ending with the last it can, and at least a step is waited.
+    pub fn slot_wait_s(&self, now: Instant, busy: u64) -> f64 {
+        let Some(slots) = self.slots() else {
+            return 0.0;
+        };
+        if busy < u64::from(slots) {
+            return 0.0;
+        }
+        let floor = self.decode_step_seconds().unwrap_or(0.001).max(0.001);
+        let Ok(ends) = self.live.ends.lock() else {
+            return floor;
+        };
+        let now = since_epoch_ms(now);
+        let mut left: Vec<u64> = ends.iter().map(|&(_, e)| e.saturating_sub(now)).collect();
+        drop(ends);
+        let k = (busy - u64::from(slots)) as usize;
+        let wait_ms = match left.len() {
+            0 => 0,
+            len => *left.select_nth_unstable(k.min(len - 1)).1,
+        };
+        (wait_ms as f64 / 1000.0).max(floor)
+    }
+
     pub(super) fn set_slots(&self, slots: u32) {
         self.live.slots.store(u64::from(slots), Ordering::Relaxed);
     }
@@ -419,60 +478,12 @@ impl BackendState {
     }
 }
 
-/// One request's charge on a backend: in flight until dropped; its estimated prefill counts as
-/// queued until the first response byte, then it counts as a decoding stream. Dropping releases
-/// whatever is still charged, however the request ends.
-pub struct InflightGuard {
-    live: Arc<Live>,
-    prefill: u64,
-    /// The data-parallel rank the request is pinned to, whose queue it is in too.
-    rank: Option<usize>,
-    decoding: bool,
-}
-
-impl InflightGuard {
-    pub(super) fn new(live: Arc<Live>, prefill: u64, rank: Option<u32>) -> InflightGuard {
-        live.queued_prefill.fetch_add(prefill, Ordering::Relaxed);
-        let rank = rank
-            .map(|r| r as usize)
-            .filter(|&r| r < live.rank_prefill.len());
-        if let Some(q) = rank.and_then(|r| live.rank_prefill.get(r)) {
-            q.fetch_add(prefill, Ordering::Relaxed);
-        }
-        InflightGuard {
-            live,
-            prefill,
-            rank,
-            decoding: false,
-        }
-    }
-
-    fn prefill_done(&self) {
-        let l = &self.live;
-        l.queued_prefill.fetch_sub(self.prefill, Ordering::Relaxed);
-        if let Some(q) = self.rank.and_then(|r| l.rank_prefill.get(r)) {
-            q.fetch_sub(self.prefill, Ordering::Relaxed);
-        }
-    }
-
-    /// The backend answered: its prefill is done and the request is decoding.
-    pub fn first_byte(&mut self) {
-        if !self.decoding {
-            self.decoding = true;
-            self.prefill_done();
-            self.live.decoding.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl Drop for InflightGuard {
-    fn drop(&mut self) {
-        let l = &self.live;
-        l.inflight.fetch_sub(1, Ordering::Relaxed);
-        if self.decoding {
-            l.decoding.fetch_sub(1, Ordering::Relaxed);
-        } else {
-            self.prefill_done();
-        }
-    }
+/// The median of the backends' learned prefill rates; 0 while none has one.
+pub(super) fn median_learned_rate(backends: &[Arc<BackendState>]) -> f64 {
+    let mut rates: Vec<f64> = backends
+        .iter()
+        .filter_map(|b| b.learned_prefill().map(|e| e.rate))
+        .collect();
+    rates.sort_by(f64::total_cmp);
+    rates.get(rates.len() / 2).copied().unwrap_or(0.0)
 }

@@ -123,6 +123,20 @@ impl PrefillLearner {
         self.estimate()
     }
 
+    /// How many intervals the estimate rests on: with paired counters those of a real
+    /// prompt's size (each at least one whole prefill), else every interval in the window.
+    pub fn evidence(&self) -> u64 {
+        let long = self
+            .window
+            .iter()
+            .filter(|i| i.paired && i.tokens >= MIN_PAIRED_TOKENS)
+            .count();
+        match long {
+            0 => self.window.iter().filter(|i| !i.paired).count() as u64,
+            n => n as u64,
+        }
+    }
+
     /// The window's estimate, or `None` while it holds too little evidence.
     pub fn estimate(&self) -> Option<PrefillEstimate> {
         let (tokens, seconds, requests) =

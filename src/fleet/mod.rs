@@ -4,11 +4,13 @@
 
 pub mod adapters;
 mod backend;
+mod charge;
 mod error;
 mod generation;
 mod health;
 pub mod kv_events;
 pub(crate) mod learn;
+mod load;
 mod metrics;
 pub mod models;
 pub(crate) mod outlier;
@@ -17,7 +19,7 @@ mod scrape;
 pub(crate) mod telemetry;
 mod upstream;
 
-pub use backend::InflightGuard;
+pub use charge::InflightGuard;
 pub use error::FleetError;
 pub use generation::{Current, Generation};
 pub use metrics::FleetMetrics;

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::adapters::{AdapterSlot, Reported};
-use super::backend::{since_epoch_ms, BackendState, InflightGuard, Live};
+use super::backend::{median_learned_rate, since_epoch_ms, BackendState, Live};
 use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
 use super::models::{ModelEntry, PoolCache, ANY_MODEL};
@@ -21,7 +21,7 @@ use super::telemetry::{EngineStats, LoraInfo};
 use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::placement::index::MAX_BACKENDS;
-use crate::placement::{BackendLoad, ExactIndex, Pool, PrefixIndex, Ring, SyncState};
+use crate::placement::{ExactIndex, Pool, PrefixIndex, Ring, SyncState};
 
 /// The prefix index and which backend owns each of its slots. Owners are checked on every
 /// write, so a request placed by an older fleet cannot teach a reassigned slot.
@@ -45,27 +45,21 @@ pub(super) struct Shared {
 }
 
 pub struct Fleet {
-    backends: Vec<Arc<BackendState>>,
+    pub(super) backends: Vec<Arc<BackendState>>,
     ring: Ring,
     pub(super) shared: Arc<Shared>,
     tickets: AtomicU64,
     pub(super) block_tokens: u64,
-    stale_after: Duration,
+    pub(super) stale_after: Duration,
     /// The median learned prefill rate (f64 bits; 0 while none is): a backend whose engine
     /// has not yet said is assumed at least this fast, so that it gets the traffic it needs to
     /// say. Without it, a backend configured far too slow would never be sent a request.
-    explore_rate: AtomicU64,
+    pub(super) explore_rate: AtomicU64,
+    /// Completion tokens a request of this fleet produces, as a moving average (f64 bits; 0
+    /// until one finished): `max_tokens` is a ceiling, and a chat's reply most often ends
+    /// far below it, so a slot is expected to free up sooner than `max_tokens` says.
+    pub(super) typical_output: AtomicU64,
     pools: PoolCache,
-}
-
-/// The median of the backends' learned prefill rates; 0 while none has one.
-fn median_learned_rate(backends: &[Arc<BackendState>]) -> f64 {
-    let mut rates: Vec<f64> = backends
-        .iter()
-        .filter_map(|b| b.learned_prefill().map(|e| e.rate))
-        .collect();
-    rates.sort_by(f64::total_cmp);
-    rates.get(rates.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// A backend as parsed before anything is changed: address, DCGM exporter, Pingora's
@@ -285,6 +279,7 @@ impl Fleet {
             // reload is assumed as fast as they are from its first request, not only after
             // the next scrape (until then it would lose every placement to them).
             explore_rate,
+            typical_output: AtomicU64::new(0),
             pools: PoolCache::default(),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
@@ -401,76 +396,9 @@ impl Fleet {
         self.healthy(i) && self.backends.get(i).is_some_and(|b| !b.ejected(now))
     }
 
-    /// Current health and load of every backend, in ring-index order. An ejected backend
-    /// counts as unhealthy.
-    pub fn loads(&self) -> Vec<BackendLoad> {
-        let now = Instant::now();
-        self.backends
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                let engine = b.telemetry().fresh(self.stale_after);
-                let inflight = b.inflight();
-                BackendLoad {
-                    healthy: self.available(i, now),
-                    weight: b.weight,
-                    inflight,
-                    queued_prefill: b.queued_prefill(),
-                    decoding: b.decoding(),
-                    prefill_rate: self.prefill_rate(i),
-                    decode_step_s: b.decode_step_seconds().unwrap_or(0.0),
-                    engine_load: b
-                        .telemetry()
-                        .others_load(self.stale_after)
-                        .map(|others| others + inflight),
-                    kv_usage: engine.and_then(|e| e.kv_usage),
-                    adapter_load_s: 0.0,
-                }
-            })
-            .collect()
-    }
-
-    /// The prefill rate placement uses for backend `i` (see
-    /// [`BackendState::effective_prefill_rate`]).
-    pub fn prefill_rate(&self, i: usize) -> f64 {
-        let explore = f64::from_bits(self.explore_rate.load(Ordering::Relaxed));
-        self.backends
-            .get(i)
-            .map_or(0.0, |b| b.effective_prefill_rate(explore))
-    }
-
     /// A fresh round-robin ticket.
     pub fn ticket(&self) -> u64 {
         self.tickets.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Count a request with `prefill` estimated uncached tokens against backend `i` (and its
-    /// data-parallel rank `rank`, when pinned to one) until the guard drops.
-    pub fn charge(&self, i: usize, prefill: u64, rank: Option<u32>) -> InflightGuard {
-        let live = self.backends[i].live.clone();
-        live.inflight.fetch_add(1, Ordering::Relaxed);
-        InflightGuard::new(live, prefill, rank)
-    }
-
-    /// Like [`Fleet::charge`], but only while backend `i` has fewer than `cap` (per unit of
-    /// weight) requests in flight; the check and the charge are one atomic step.
-    pub fn try_charge(
-        &self,
-        i: usize,
-        prefill: u64,
-        rank: Option<u32>,
-        cap: u64,
-    ) -> Option<InflightGuard> {
-        let backend = &self.backends[i];
-        let limit = cap.saturating_mul(backend.weight as u64);
-        backend
-            .live
-            .inflight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
-                (v < limit).then_some(v + 1)
-            })
-            .ok()?;
-        Some(InflightGuard::new(backend.live.clone(), prefill, rank))
     }
 
     /// Believe that backend `i` now caches `blocks` (it is being sent them).
@@ -606,6 +534,7 @@ impl Fleet {
 mod tests {
     use super::*;
     use crate::config::BLOCK_BYTES;
+    use crate::fleet::charge::Expected;
     use crate::fleet::learn::PrefillCounters;
 
     fn fleet() -> Fleet {
@@ -731,7 +660,7 @@ mod tests {
     #[test]
     fn charges_are_released_however_requests_end() {
         let f = fleet();
-        let mut g = f.charge(0, 1000, None);
+        let mut g = f.charge(0, 1000, None, Expected::default());
         assert_eq!(
             (f.backends()[0].inflight(), f.backends()[0].queued_prefill()),
             (1, 1000)
@@ -742,7 +671,9 @@ mod tests {
             (0, 1)
         );
         // Pinned to a data-parallel rank: queued there too, until answered or dropped.
-        let before_answer = f.try_charge(0, 500, Some(3), 2).unwrap();
+        let before_answer = f
+            .try_charge(0, 500, Some(3), 2, Expected::default())
+            .unwrap();
         assert_eq!(
             (
                 f.backends()[0].rank_prefill(3),
@@ -750,13 +681,16 @@ mod tests {
             ),
             (500, 0)
         );
-        assert!(f.try_charge(0, 1, None, 2).is_none(), "cap of 2 reached");
+        assert!(
+            f.try_charge(0, 1, None, 2, Expected::default()).is_none(),
+            "cap of 2 reached"
+        );
         drop(g);
         drop(before_answer);
         let b = &f.backends()[0];
         assert_eq!((b.inflight(), b.queued_prefill(), b.decoding()), (0, 0, 0));
         assert_eq!(b.rank_prefill(3), 0);
-        let mut answered = f.charge(0, 200, Some(1));
+        let mut answered = f.charge(0, 200, Some(1), Expected::default());
         answered.first_byte();
         assert_eq!(f.backends()[0].rank_prefill(1), 0);
     }
@@ -815,7 +749,7 @@ mod tests {
         let blocks = [11, 12, 13];
         f1.record(0, &blocks, &[], None);
         f1.record(1, &blocks[..1], &[], None);
-        let held = f1.charge(0, 700, None);
+        let held = f1.charge(0, 700, None, Expected::default());
 
         // Drop b, add c: c takes b's freed slot and must not inherit its beliefs.
         let f2 = f1.reload(&cfg(&[c, a])).unwrap();

@@ -239,7 +239,7 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
         }
     }
     // vLLM counts every prompt token, cached or not, when it is scheduled; what was computed
-    // is the rest. Its `request_prefill_kv_computed_tokens` (vLLM 0.11+) is better: observed
+    // is the rest. Its `request_prefill_kv_computed_tokens` (vLLM 0.13+) is better: observed
     // with the prefill time, so both cover the same requests and a scrape cannot split a long
     // prefill's tokens from its seconds. llama.cpp counts only the tokens it processed.
     let computed = match kind {

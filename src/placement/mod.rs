@@ -23,10 +23,10 @@ pub use crate::config::PolicyKind;
 pub use decision::{Decision, Params, Reason};
 pub use exact::{pick_rank, ExactIndex, Stored, SyncState};
 pub use index::PrefixIndex;
-pub use kv_aware::Terms;
+pub use kv_aware::{backlog_s, est_ttft_s, Terms};
 pub use pool::{choose_in, Pool};
 pub use ring::{capacity, Ring};
-pub use snapshot::{BackendLoad, Snapshot};
+pub use snapshot::{BackendLoad, Snapshot, UNMEASURED_RATE_SPREAD};
 pub use unseen::credit_unseen_history;
 
 /// Choose a backend, or `None` when no backend is healthy and untried.

@@ -2,6 +2,12 @@
 
 use super::ring::Ring;
 
+/// How far a prefill rate nothing has been measured of may be off, as a factor: engines of one
+/// fleet differ by a few times (an L40S prefills about a third as fast as an H100), so a
+/// backend priced at the fleet's median is not trusted to drain a queue faster than a quarter
+/// of that.
+pub const UNMEASURED_RATE_SPREAD: f64 = 4.0;
+
 /// What placement sees of one backend.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BackendLoad {
@@ -15,6 +21,13 @@ pub struct BackendLoad {
     pub decoding: u64,
     /// Prefill throughput, tokens per second.
     pub prefill_rate: f64,
+    /// How far `prefill_rate` may be off, as a factor (1: measured or configured). The work
+    /// already queued there is priced that much slower: a backend known little of must not be
+    /// flooded on a guess, while an idle one is still tried at the estimate.
+    pub prefill_spread: f64,
+    /// Seconds until the engine has a free slot for one more request (0: one is free now, or
+    /// its slots are unknown): a request past its running batch waits for one to finish.
+    pub slot_wait_s: f64,
     /// Seconds an engine step takes now (0 when unknown): the least a first token waits.
     pub decode_step_s: f64,
     /// Requests at the engine from every router: what other routers had there at the last
@@ -37,6 +50,8 @@ impl BackendLoad {
             queued_prefill: 0,
             decoding: 0,
             prefill_rate: 25_000.0,
+            prefill_spread: 1.0,
+            slot_wait_s: 0.0,
             decode_step_s: 0.0,
             engine_load: None,
             kv_usage: None,

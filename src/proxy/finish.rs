@@ -98,6 +98,7 @@ pub(super) fn end_request(
         tokens.learn(&p.model, est, u.prompt_tokens);
     }
     if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
+        fleet.observe_output(u.completion_tokens);
         m.prompt_tokens
             .with_label_values(&[backend, ctx.model_label()])
             .inc_by(u.prompt_tokens);

@@ -345,9 +345,18 @@ impl ProxyHttp for Router {
                 ctx.error = Some(err.clone());
                 return Err(err.into_pingora());
             };
+            let expected = fleet.expected(
+                idx,
+                decision.map_or(0.0, |d| d.est_ttft_s),
+                ctx.route
+                    .profile
+                    .as_ref()
+                    .map_or(0, |p| p.est_output_tokens),
+            );
+            let (prefill, rank) = (ctx.charge.prefill, ctx.route.dp_rank);
             let guard = match decision {
-                Some(_) => fleet.try_charge(idx, ctx.charge.prefill, ctx.route.dp_rank, cap),
-                None => Some(fleet.charge(idx, ctx.charge.prefill, ctx.route.dp_rank)),
+                Some(_) => fleet.try_charge(idx, prefill, rank, cap, expected),
+                None => Some(fleet.charge(idx, prefill, rank, expected)),
             };
             if let Some(g) = guard {
                 if let Some(d) = decision {

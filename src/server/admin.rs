@@ -71,9 +71,11 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                     "learned": b.learned_prefill().map(|e| e.rate),
                     "learned_floor": b.learned_prefill().map(|e| e.floor),
                     "learning": cfg.routing.learn_prefill_rate,
+                    "spread": b.prefill_spread(),
                 },
                 "decode_step_seconds": b.decode_step_seconds(),
                 "slots": b.slots(),
+                "slot_wait_seconds": b.slot_wait_s(now, b.inflight()),
                 "kv_capacity_tokens": {
                     "in_use": b.kv_capacity(),
                     "configured": b.kv_capacity_configured,
