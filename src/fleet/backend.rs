@@ -44,8 +44,8 @@ pub(super) struct Live {
     pub(super) learned_kv_capacity: AtomicU64,
     /// Requests the engine runs at once, as it reports (llama.cpp's slots); 0 until known.
     pub(super) slots: AtomicU64,
-    /// Whole prefills behind the learned rate (see `PrefillLearner::evidence`).
-    pub(super) learned_evidence: AtomicU64,
+    /// How far the learned rate may be off (f64 bits; see `PrefillLearner::spread`).
+    pub(super) learned_spread: AtomicU64,
     /// kvroute's requests in flight here and when each is expected to end (ms since
     /// [`epoch`]): when a request past the engine's slots would get one.
     pub(super) ends: Mutex<Vec<(u64, u64)>>,
@@ -94,7 +94,7 @@ impl Live {
             decode_learner: Mutex::new(DecodeLearner::default()),
             learned_kv_capacity: AtomicU64::new(0),
             slots: AtomicU64::new(0),
-            learned_evidence: AtomicU64::new(0),
+            learned_spread: AtomicU64::new(1f64.to_bits()),
             ends: Mutex::new(Vec::new()),
             kv_unknown_said: std::sync::atomic::AtomicBool::new(false),
             inflight: AtomicU64::new(0),
@@ -315,21 +315,21 @@ impl BackendState {
 
     /// How far the rate placement uses may be off, as a factor (see
     /// [`crate::placement::BackendLoad::prefill_spread`]): 1 for a rate the operator set or
-    /// learning is off; for a learned one `1 + 1/n` after `n` whole prefills in the window (one
-    /// prefill is a proof of a lower bound, not the rate); [`UNMEASURED_RATE_SPREAD`] while
-    /// nothing is measured.
-    pub fn prefill_spread(&self) -> f64 {
+    /// learning is off; for a learned one what its learner says (1 for a proven lower bound,
+    /// more for a fit); [`UNMEASURED_RATE_SPREAD`] while nothing is measured here but other
+    /// backends of the fleet have been (`fleet_measured`). With nothing measured anywhere,
+    /// every backend is as uncertain as the next: 1, or a queue would look dearer than the
+    /// same prefill on another backend known as little.
+    pub fn prefill_spread(&self, fleet_measured: bool) -> f64 {
         if !self.learn {
             return 1.0;
         }
         match (self.learned_prefill(), self.prefill_rate_configured) {
             (Some(e), Some(c)) if c >= e.floor && c <= e.rate * CONFIGURED_RATE_TOLERANCE => 1.0,
-            (Some(_), _) => {
-                let n = self.live.learned_evidence.load(Ordering::Relaxed).max(1);
-                1.0 + 1.0 / n as f64
-            }
+            (Some(_), _) => f64::from_bits(self.live.learned_spread.load(Ordering::Relaxed)),
             (None, Some(_)) => 1.0,
-            (None, None) => UNMEASURED_RATE_SPREAD,
+            (None, None) if fleet_measured => UNMEASURED_RATE_SPREAD,
+            (None, None) => 1.0,
         }
     }
 
@@ -350,8 +350,8 @@ impl BackendState {
         };
         let estimate = learner.observe(counters);
         self.live
-            .learned_evidence
-            .store(learner.evidence(), Ordering::Relaxed);
+            .learned_spread
+            .store(learner.spread().to_bits(), Ordering::Relaxed);
         if let Some(e) = estimate {
             self.live
                 .learned_floor

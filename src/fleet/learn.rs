@@ -123,18 +123,15 @@ impl PrefillLearner {
         self.estimate()
     }
 
-    /// How many intervals the estimate rests on: with paired counters those of a real
-    /// prompt's size (each at least one whole prefill), else every interval in the window.
-    pub fn evidence(&self) -> u64 {
-        let long = self
-            .window
-            .iter()
-            .filter(|i| i.paired && i.tokens >= MIN_PAIRED_TOKENS)
-            .count();
-        match long {
-            0 => self.window.iter().filter(|i| !i.paired).count() as u64,
-            n => n as u64,
+    /// How far the estimate may be off, as a factor. With paired counters the estimate is
+    /// a proven lower bound (the best interval), so a queue priced at it is priced slow
+    /// enough: 1. Otherwise it is a fit that may read high: `1 + 1/n` over the window's `n`
+    /// intervals.
+    pub fn spread(&self) -> f64 {
+        if self.window.iter().any(|i| i.paired) {
+            return 1.0;
         }
+        1.0 + 1.0 / self.window.len().max(1) as f64
     }
 
     /// The window's estimate, or `None` while it holds too little evidence.

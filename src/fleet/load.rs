@@ -30,7 +30,7 @@ impl Fleet {
                     queued_prefill: b.queued_prefill(),
                     decoding: b.decoding(),
                     prefill_rate: self.prefill_rate(i),
-                    prefill_spread: b.prefill_spread(),
+                    prefill_spread: self.prefill_spread(i),
                     slot_wait_s: b.slot_wait_s(now, inflight.max(engine_load.unwrap_or(0))),
                     decode_step_s: b.decode_step_seconds().unwrap_or(0.0),
                     engine_load,
@@ -48,6 +48,14 @@ impl Fleet {
         self.backends
             .get(i)
             .map_or(0.0, |b| b.effective_prefill_rate(explore))
+    }
+
+    /// How far backend `i`'s rate may be off (see [`BackendState::prefill_spread`]).
+    pub fn prefill_spread(&self, i: usize) -> f64 {
+        let measured = f64::from_bits(self.explore_rate.load(Ordering::Relaxed)) > 0.0;
+        self.backends
+            .get(i)
+            .map_or(1.0, |b| b.prefill_spread(measured))
     }
 
     /// How long a request placed on backend `i` with `est_ttft_s` to its first token and
@@ -221,7 +229,7 @@ mod tests {
             "    - addr: \"127.0.0.1:2\"\n    - addr: \"127.0.0.1:3\"\n      prefill_tokens_per_s: 9000\n",
         );
         let spread = |i: usize| f.loads()[i].prefill_spread;
-        assert_eq!(spread(0), UNMEASURED_RATE_SPREAD, "nothing measured");
+        assert_eq!(spread(0), 1.0, "nothing measured anywhere: all alike");
         assert_eq!(spread(1), 1.0, "the operator's rate");
         let scrape = |tokens: f64, seconds: f64| EngineStats {
             prefill: Some(PrefillCounters {
@@ -234,15 +242,32 @@ mod tests {
         };
         f.observe_scrape(0, scrape(0.0, 0.0), None);
         f.observe_scrape(0, scrape(800.0, 6.0), None);
-        assert_eq!(spread(0), 2.0, "one prefill: a proof of a lower bound");
-        f.observe_scrape(0, scrape(820.0, 6.1), None);
         assert_eq!(
             spread(0),
-            2.0,
-            "a 20-token follow-up shows little of the rate"
+            1.0,
+            "one paired prefill proves a lower bound: priced at it"
         );
-        f.observe_scrape(0, scrape(1_620.0, 12.0), None);
-        f.observe_scrape(0, scrape(2_420.0, 18.0), None);
-        assert!((spread(0) - 4.0 / 3.0).abs() < 1e-9, "{}", spread(0));
+        // Another backend, nothing measured of it while backend 0 is.
+        let h = fleet("    - addr: \"127.0.0.1:2\"\n    - addr: \"127.0.0.1:3\"\n");
+        h.observe_scrape(0, scrape(0.0, 0.0), None);
+        h.observe_scrape(0, scrape(800.0, 6.0), None);
+        assert_eq!(h.loads()[1].prefill_spread, UNMEASURED_RATE_SPREAD);
+        // Counters not paired: the fit may read high until the window fills.
+        let g = fleet("    - addr: \"127.0.0.1:2\"\n");
+        let unpaired = |tokens: f64, seconds: f64, requests: f64| EngineStats {
+            prefill: Some(PrefillCounters {
+                tokens,
+                seconds,
+                requests: Some(requests),
+                paired: false,
+            }),
+            ..EngineStats::default()
+        };
+        g.observe_scrape(0, unpaired(0.0, 0.0, 0.0), None);
+        for k in 1..=4 {
+            let k = f64::from(k);
+            g.observe_scrape(0, unpaired(2_000.0 * k, k, k), None);
+        }
+        assert_eq!(g.loads()[0].prefill_spread, 1.25, "a fit over 4 intervals");
     }
 }

@@ -228,12 +228,20 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             (EngineKind::Vllm, "vllm:cache_config_info") => {
                 let blocks = label(labels, "num_gpu_blocks").and_then(|b| b.parse::<u64>().ok());
                 let size = label(labels, "block_size").and_then(|b| b.parse::<u64>().ok());
-                // A product past u64 is no cache size: ignored, not wrapped to a small one;
-                // nor is 0 (an engine still profiling), which would blind the index.
-                let tokens = blocks.zip(size).and_then(|(b, z)| b.checked_mul(z));
+                // vLLM 0.24+ says the size in tokens itself, right for hybrid models whose
+                // blocks do not multiply out; before, blocks times their size. A product past
+                // u64 is no cache size: ignored, not wrapped to a small one; nor is 0 (an
+                // engine still profiling), which would blind the index.
+                let tokens = label(labels, "kv_cache_size_tokens")
+                    .and_then(|t| t.parse::<u64>().ok())
+                    .or_else(|| blocks.zip(size).and_then(|(b, z)| b.checked_mul(z)));
                 if let Some(tokens) = tokens.filter(|&t| t > 0) {
                     s.kv_capacity_tokens = Some(tokens);
                 }
+            }
+            // SGLang 0.5.6+ says its KV pool's size once it started.
+            (EngineKind::Sglang, "sglang:max_total_num_tokens") if (1.0..1e15).contains(&v) => {
+                s.kv_capacity_tokens = Some(v as u64)
             }
             _ => {}
         }
@@ -528,6 +536,60 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
         // Not JSON, or no slots: nothing.
         assert_eq!(parse_llamacpp_props("<html>"), None);
         assert_eq!(parse_llamacpp_props(r#"{"total_slots":0}"#), None);
+    }
+
+    /// vLLM 0.34.0 and SGLang 0.5.23 as their own metric code renders them (names, labels and
+    /// types exact, values made up; `tests/fixtures/scrapes/README.md` says how).
+    const VLLM_0_34: &str = include_str!("../../tests/fixtures/scrapes/vllm-0.34.0.metrics.txt");
+    const SGLANG_0_5_23: &str =
+        include_str!("../../tests/fixtures/scrapes/sglang-0.5.23.metrics.txt");
+
+    #[test]
+    fn every_vllm_name_kvroute_reads_is_in_vllm_0_34() {
+        let s = parse_engine(EngineKind::Vllm, VLLM_0_34);
+        assert_eq!(
+            (s.running, s.waiting, s.kv_usage),
+            (Some(0.0), Some(0.0), Some(0.0))
+        );
+        // Paired prefill counters (0.13+): computed tokens with the prefill time.
+        let p = s.prefill.unwrap();
+        assert_eq!(
+            (p.tokens, p.requests, p.paired),
+            (11_578.0, Some(8.0), true)
+        );
+        assert!((p.seconds - 0.718).abs() < 1e-9, "{p:?}");
+        let d = s.decode.unwrap();
+        assert_eq!(d.tokens, 2986.0);
+        assert_eq!(
+            (s.prefix_queries, s.prefix_hits),
+            (Some(23_994.0), Some(12_416.0))
+        );
+        // 6,272 blocks of 64 (0.34's default block size), said in tokens too.
+        assert_eq!(s.kv_capacity_tokens, Some(401_408));
+        let lora = parse_lora(EngineKind::Vllm, VLLM_0_34).unwrap();
+        assert_eq!((lora.running.len(), lora.max_loras), (0, Some(2)));
+        // The names kvroute still accepts from older versions are gone from this one.
+        for old in [
+            "vllm:gpu_cache_usage_perc",
+            "vllm:time_per_output_token_seconds",
+        ] {
+            assert!(!VLLM_0_34.contains(old), "{old}");
+        }
+    }
+
+    #[test]
+    fn every_sglang_name_kvroute_reads_is_in_sglang_0_5_23() {
+        let s = parse_engine(EngineKind::Sglang, SGLANG_0_5_23);
+        assert_eq!(
+            (s.running, s.waiting, s.kv_usage, s.kv_tokens_used),
+            (Some(0.0), Some(0.0), Some(0.0), Some(0.0))
+        );
+        let d = s.decode.unwrap();
+        assert_eq!(d.tokens, 2986.0);
+        // Idle, its usage says nothing of its size: the pool's size does.
+        assert_eq!(s.kv_capacity_tokens, Some(415_744));
+        // SGLang exports no prefill time kvroute could pair with computed tokens.
+        assert_eq!(s.prefill, None);
     }
 
     #[test]

@@ -27,9 +27,9 @@
 //!
 //! The home's credit (the key's owner, or with `balance_new_conversations` the backend holding
 //! the history) is the future value of affinity: a conversation's later turns follow it
-//! wherever it goes, so a move must be worth it. A new conversation has nothing to move: with
-//! one replica, the owner keeps its credit for one only while it could start it at once, so a
-//! new conversation does not wait behind another's prefill while a backend idles.
+//! wherever it goes, so a move must be worth it. A first turn has nothing to move: with one
+//! replica, the owner keeps its credit for one only while it could start it at once, so a new
+//! conversation does not wait behind another's prefill while a backend idles.
 //!
 //! An invariant holds over every choice: a request is never sent where it waits for a slot
 //! while another admissible backend has one free and would answer it sooner (its cached
@@ -246,12 +246,14 @@ pub(super) fn choose(
             }
             if home.map_or(rank == 0, |h| h == i) {
                 // Affinity has future value (the conversation's next turns): another backend
-                // must beat the owner by the prefill of `min_prefix_saving_tokens`. A new
-                // conversation has no turns to keep together yet: with one replica it earns
-                // the credit only where it starts at once (two cold prefills sharing one
-                // engine each take twice as long while another backend idles).
+                // must beat the owner by the prefill of `min_prefix_saving_tokens`. A first
+                // turn has no turns to keep together yet: with one replica it earns the credit
+                // only where it starts at once, against the noise of learned rates and so
+                // that conversations sharing a short system prompt still spread. Waiting
+                // behind another prefill it does not earn: two cold prefills sharing one
+                // engine each take twice as long while another backend idles.
                 let b = &snap.backends[i];
-                if params.replicas > 1 || !new_conversation || backlog_s(b) == 0.0 {
+                if params.replicas > 1 || profile.has_history || backlog_s(b) == 0.0 {
                     t.score -= params.min_prefix_saving_tokens as f64 / b.prefill_rate.max(1.0);
                 }
                 // A new conversation the owner can take stays there when other replicas

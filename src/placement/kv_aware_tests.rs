@@ -171,17 +171,20 @@ fn balanced_conversations_return_to_the_backend_holding_their_history() {
     let block = params().block_tokens;
     let mut matched = vec![0u64; 4];
     matched[order[3]] = 5 * block;
-    let one = |matched: &[u64], p: &RequestProfile, balance: bool| {
+    let with = |matched: &[u64], p: &RequestProfile, balance: bool, replicas: u32| {
         let params = Params {
             balance_new_conversations: balance,
+            replicas,
             ..params()
         };
         decide(&params, &loads, &r, matched, p)
     };
+    let one = |matched: &[u64], p: &RequestProfile, balance: bool| with(matched, p, balance, 1);
     let d = one(&matched, &turn, true);
     assert_eq!((d.backend, d.reason), (order[3], Reason::CachedPrefix));
     // Unbalanced, the owner keeps it: the saving is short of the affinity credit.
     assert_eq!(one(&matched, &turn, false).backend, order[0]);
+    assert_eq!(with(&matched, &turn, true, 2).backend, order[0]);
     // A backend holding only part of the history (a shared system prompt) is no home.
     matched[order[3]] = 2 * block;
     assert_eq!(one(&matched, &turn, true).backend, order[0]);
@@ -500,6 +503,40 @@ fn a_new_conversation_does_not_wait_behind_a_cold_prefill_while_a_backend_idles(
         ..params()
     };
     let d = decide(&params, &loads, &r, &[], &req(key, 850));
+    assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+}
+
+#[test]
+fn a_first_turn_does_not_wait_on_its_owner_to_compute_a_prompt_its_holder_has() {
+    let r = ring(3);
+    let key = 77;
+    let order: Vec<usize> = r.walk(key, 3).collect();
+    let mut loads = vec![
+        BackendLoad {
+            prefill_rate: 240.0,
+            ..BackendLoad::idle()
+        };
+        3
+    ];
+    // A group's 600-token system prompt is being computed on the last ring position (2.5 s
+    // left); this user's first question shares it. The owner is busy with a prompt of its own
+    // and would compute the group's again after it (2.6 s, and a second copy the group's next
+    // users split over): no affinity credit for a first turn that would wait.
+    let holder = order[2];
+    loads[holder].inflight = 1;
+    loads[holder].queued_prefill = 600;
+    loads[order[0]].inflight = 1;
+    loads[order[0]].queued_prefill = 100;
+    let mut matched = [0u32; 3];
+    matched[holder] = 9; // 576 tokens
+    let d = pick(&loads, &r, &matched, &req(key, 630));
+    assert_eq!((d.backend, d.reason), (holder, Reason::CachedPrefix));
+    // A later turn of the owner's own conversation keeps its credit.
+    let mut later = req(key, 630);
+    later.has_history = true;
+    let mut owned = matched;
+    owned[order[0]] = 9;
+    let d = pick(&loads, &r, &owned, &later);
     assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
 }
 

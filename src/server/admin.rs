@@ -71,7 +71,7 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                     "learned": b.learned_prefill().map(|e| e.rate),
                     "learned_floor": b.learned_prefill().map(|e| e.floor),
                     "learning": cfg.routing.learn_prefill_rate,
-                    "spread": b.prefill_spread(),
+                    "spread": fleet.prefill_spread(i),
                 },
                 "decode_step_seconds": b.decode_step_seconds(),
                 "slots": b.slots(),

@@ -7,10 +7,13 @@
 //! change kvroute's config (`kv_aware/rates=true`, see `policy`) or name a peer router to run
 //! instead of kvroute (`sglang-router/cache_aware`, see `peer`).
 
+mod args;
 mod estimates;
+pub mod llama;
 mod models;
 mod peer;
 mod policy;
+mod ports;
 mod procs;
 
 use std::fmt::Write as _;
@@ -22,137 +25,14 @@ use crate::replay::args::WorkloadKind;
 use crate::replay::report::{self, Report};
 use crate::replay::stats::Summary;
 use crate::replay::{charts, runner, ReplayArgs};
-use crate::sim::{fleet_profiles, ProfileName, PromptTokenizer};
+use crate::sim::{ProfileName, PromptTokenizer};
+use args::{check_policies, fleet, groups, sim_args, with_replicas};
+pub use args::{CompareArgs, FleetKind};
 use estimates::Estimates;
 use models::{Audit, ModelGroup};
 use policy::PeerRouter;
 pub use policy::PolicyRun;
 use procs::Router;
-
-#[derive(clap::Args, Debug, Clone)]
-pub struct CompareArgs {
-    /// Results go to `<results-dir>/<name>/`.
-    #[arg(long, default_value = "compare")]
-    pub name: String,
-    #[arg(long, default_value = "bench/runs")]
-    pub results_dir: PathBuf,
-    /// kvroute routing policies to compare. An entry may carry options, each after a `/`:
-    /// `rates=true` (configure every backend's true prefill rate), `rates=PROFILE*F+PROFILE*F`
-    /// (true rate times F for those profiles), `learn=on|off` (`routing.learn_prefill_rate`),
-    /// e.g. `kv_aware/rates=true/learn=off`. A peer router instead of kvroute:
-    /// `sglang-router/cache_aware`, `sglang-router/round_robin`, `vllm-router/cache_aware`,
-    /// `vllm-router/round_robin` (see --peer-venv). The whole entry labels the run.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        value_parser = PolicyRun::parse,
-        default_value = "round_robin,least_load,session_hash,bounded_hash"
-    )]
-    pub policies: Vec<PolicyRun>,
-    /// Run each kvroute entry with each of these replica counts (`ENTRY/replicas=N` for N > 1):
-    /// N kvroute processes with one config in front of the one fleet, turn k of every
-    /// conversation (request k of an open-loop trace) sent to replica k mod N.
-    #[arg(long, value_delimiter = ',', default_value = "1")]
-    pub replicas: Vec<usize>,
-    #[arg(
-        long,
-        value_delimiter = ',',
-        value_enum,
-        default_value = "sharegpt,mooncake,hot_prefix,heavy_mix,ladder"
-    )]
-    pub workloads: Vec<WorkloadKind>,
-    /// Simulated GPU servers [default: 8, or the servers --profiles lists, which it must
-    /// then equal].
-    #[arg(long)]
-    pub servers: Option<u32>,
-    /// Simulator speed-up; reported times are model time. Wall-clock jitter is multiplied by
-    /// this factor in model time, so keep it small when TTFTs of tens of ms matter.
-    #[arg(long, default_value_t = 2.0)]
-    pub time_scale: f64,
-    /// mooncake, hot_prefix, heavy_mix: arrival rate as a multiple of the trace's own.
-    #[arg(long, default_value_t = 1.0)]
-    pub trace_speedup: f64,
-    /// Wall seconds of sending per run.
-    #[arg(long, default_value_t = 60.0)]
-    pub duration_s: f64,
-    #[arg(long)]
-    pub max_requests: Option<u64>,
-    #[arg(long, default_value_t = 2000.0)]
-    pub slo_ttft_ms: f64,
-    /// Model seconds at the start of each run left out of its summary (see `replay --warmup-s`).
-    #[arg(long, default_value_t = 0.0)]
-    pub warmup_s: f64,
-    /// Simulator GPU profile of every server [default: h100-llama8b].
-    #[arg(long, value_enum)]
-    pub profile: Option<ProfileName>,
-    /// A mixed fleet, `NAME:COUNT,NAME:COUNT` (as `kvbench sim --profiles`).
-    #[arg(long, conflicts_with = "profile")]
-    pub profiles: Option<String>,
-    /// A fleet of several models, `NAME:SERVERS[:ADAPTER+ADAPTER...],...`: one simulator per
-    /// group, each server pinned to its group's base model and LoRA adapters in kvroute's
-    /// config. The `multi_model` workload ranks the models' popularity in this order.
-    #[arg(long, conflicts_with = "profiles")]
-    pub models: Option<String>,
-    /// --models: adapters a server holds at once (`kvbench sim --max-loras`).
-    #[arg(long, default_value_t = 2)]
-    pub max_loras: usize,
-    /// --models: model milliseconds one adapter load takes (`kvbench sim --lora-load-ms`).
-    #[arg(long, default_value_t = 200.0)]
-    pub lora_load_ms: f64,
-    /// multi_model: Zipf exponent of the models' popularity.
-    #[arg(long, default_value_t = 1.0)]
-    pub model_zipf: f64,
-    /// Simulator KV pool per server, tokens (default: the profile's).
-    #[arg(long)]
-    pub kv_tokens: Option<u64>,
-    /// sharegpt: conversations in flight.
-    #[arg(long, default_value_t = 128)]
-    pub conversations: u32,
-    /// Send the workload's session ids as `x-session-id` (default: content affinity only).
-    #[arg(long)]
-    pub session_header: bool,
-    /// ladder: model-time request rates. The default steps past what 8 servers can prefill
-    /// without cache hits.
-    #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,48")]
-    pub rates: Vec<f64>,
-    /// ladder: model seconds per rate step.
-    #[arg(long, default_value_t = 20.0)]
-    pub step_s: f64,
-    /// Keep every run's per-request records (turn, TTFT, cached tokens, backend) in its
-    /// `report.json`, for a diagnosis; by default they are dropped to keep results small.
-    #[arg(long)]
-    pub keep_records: bool,
-    /// ladder: groups, each with its own system prompt. The default's prefixes (96 x 8000
-    /// tokens) need more KV than one server holds, so a router must partition them.
-    #[arg(long, default_value_t = 96)]
-    pub groups: u32,
-    #[arg(long, default_value_t = 8000)]
-    pub system_tokens: u64,
-    /// sharegpt: conversation file (default: the workload's).
-    #[arg(long)]
-    pub sharegpt_file: Option<PathBuf>,
-    /// The venv holding the peer routers (`bench/scripts/install-peers.sh` makes it).
-    #[arg(long, default_value = "bench/.venv-peers")]
-    pub peer_venv: PathBuf,
-    /// The simulated engines count prompt tokens with this Hugging Face tokenizer (`kvbench
-    /// sim --tokenizer`), e.g. bench/data/tokenizer/bpe8k-sharegpt, instead of bytes / 4.
-    #[arg(long)]
-    pub sim_tokenizer: Option<PathBuf>,
-    /// The simulated engines publish KV events (`sim --kv-events`), which `kv_aware/events=on`
-    /// runs follow. They then tokenize with --sim-tokenizer, by default the shipped ChatML
-    /// tokenizer (bench/data/tokenizer/chatml-bpe8k), whose chat template kvroute renders.
-    #[arg(long)]
-    pub kv_events: bool,
-    /// Engines behind each simulated server (`sim --dp-size`, vLLM's data parallelism with
-    /// its internal balancer): --servers 4 --dp-size 2 is eight GPUs behind four endpoints.
-    /// `events=on` runs follow every rank and pin requests to one.
-    #[arg(long, default_value_t = 1)]
-    pub dp_size: u16,
-    /// When the run is done, copy its summary into bench/results/ (`kvbench promote NAME`);
-    /// refuses to replace a results folder of the same name.
-    #[arg(long)]
-    pub promote: bool,
-}
 
 /// One workload's runs, one per policy.
 struct Section {
@@ -173,63 +53,8 @@ struct ReplayCli {
     args: ReplayArgs,
 }
 
-/// The model groups of --models, if given.
-fn groups(args: &CompareArgs) -> Result<Option<Vec<ModelGroup>>, String> {
-    args.models.as_deref().map(models::parse_spec).transpose()
-}
-
-/// The profile of each server, in fleet order.
-fn fleet(args: &CompareArgs) -> Result<Vec<ProfileName>, String> {
-    let grouped = groups(args)?.map(|g| g.iter().map(|g| g.servers as usize).sum::<usize>());
-    if let (Some(total), Some(n)) = (grouped, args.servers) {
-        if total != n as usize {
-            return Err(format!("--servers {n}, but --models lists {total}"));
-        }
-    }
-    let default = args.profiles.is_none().then_some(grouped.unwrap_or(8));
-    let servers = args.servers.map(|n| n as usize).or(default);
-    fleet_profiles(servers, args.profile, args.profiles.as_deref())
-}
-
-/// Every entry once per replica count (a peer only once: replicas are kvroute's).
-fn with_replicas(policies: &[PolicyRun], counts: &[usize]) -> Result<Vec<PolicyRun>, String> {
-    let mut out = Vec::new();
-    for p in policies {
-        for &n in counts {
-            match (n, p.peer) {
-                (1, _) => out.push(p.clone()),
-                (_, Some(_)) => {}
-                (n, None) => out.push(PolicyRun::parse(&format!("{}/replicas={n}", p.label))?),
-            }
-        }
-        if p.peer.is_some() && !counts.contains(&1) {
-            out.push(p.clone());
-        }
-    }
-    Ok(out)
-}
-
-/// Each run writes under its own directory, so two entries must not share one.
-fn check_policies(policies: &[PolicyRun]) -> Result<(), String> {
-    if policies.is_empty() {
-        return Err("--policies: at least one policy".into());
-    }
-    for (i, a) in policies.iter().enumerate() {
-        for b in &policies[..i] {
-            if a.dir_name() == b.dir_name() {
-                return Err(format!(
-                    "--policies: {:?} and {:?} would share results directory {:?}",
-                    b.label,
-                    a.label,
-                    a.dir_name()
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 pub async fn run(args: CompareArgs) -> Result<(), String> {
+    args.check_real()?;
     let fleet = fleet(&args)?;
     let groups = groups(&args)?;
     if groups.is_none() && args.workloads.contains(&WorkloadKind::MultiModel) {
@@ -338,36 +163,6 @@ async fn peer_versions(args: &CompareArgs) -> Result<Option<String>, String> {
     peer::versions(&args.peer_venv, &peers).await.map(Some)
 }
 
-/// The simulator's arguments besides `--servers` and `--base-port`.
-fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String> {
-    let mut sim_args = vec!["--time-scale".to_string(), args.time_scale.to_string()];
-    match &args.profiles {
-        Some(spec) => sim_args.extend(["--profiles".to_string(), spec.clone()]),
-        None => {
-            let name = fleet.first().copied().unwrap_or(ProfileName::H100Llama8b);
-            sim_args.extend(["--profile".to_string(), name.as_str().to_string()]);
-        }
-    }
-    if let Some(kv) = args.kv_tokens {
-        sim_args.extend(["--kv-tokens".to_string(), kv.to_string()]);
-    }
-    match (&args.sim_tokenizer, args.kv_events) {
-        (Some(path), _) => sim_args.extend(["--tokenizer".to_string(), path.display().to_string()]),
-        (None, true) => sim_args.extend(["--tokenizer".to_string(), CHATML_TOKENIZER.to_string()]),
-        (None, false) => {}
-    }
-    if args.kv_events {
-        sim_args.extend(["--kv-events".to_string(), "0".to_string()]);
-    }
-    if args.dp_size > 1 {
-        sim_args.extend(["--dp-size".to_string(), args.dp_size.to_string()]);
-    }
-    sim_args
-}
-
-/// The tokenizer `--kv-events` runs count with unless told: one with a chat template.
-const CHATML_TOKENIZER: &str = "bench/data/tokenizer/chatml-bpe8k";
-
 async fn run_one(
     exe: &Path,
     args: &CompareArgs,
@@ -390,8 +185,11 @@ async fn run_one(
             })
             .collect::<Vec<_>>()
     });
-    let (fleets, backends) =
-        procs::start_fleets(exe, &base, profiles, group_args.as_deref(), &dir).await?;
+    let (fleets, backends) = if args.real() {
+        procs::start_llama(&args.llama(), profiles.len(), &dir).await?
+    } else {
+        procs::start_fleets(exe, &base, profiles, group_args.as_deref(), &dir).await?
+    };
     let router = Router::start(exe, &backends, policy, &dir, &args.peer_venv).await?;
     let mut cli: Vec<String> = vec!["replay".into()];
     let mut push = |k: &str, v: String| {
@@ -405,11 +203,28 @@ async fn run_one(
     }
     push("--workload", workload.name().to_string());
     push("--out", dir.display().to_string());
-    push("--time-scale", args.time_scale.to_string());
-    push("--duration-s", args.duration_s.to_string());
+    push("--time-scale", args.time_scale().to_string());
+    push("--duration-s", args.duration_s().to_string());
     push("--slo-ttft-ms", args.slo_ttft_ms.to_string());
     push("--warmup-s", args.warmup_s.to_string());
-    push("--conversations", args.conversations.to_string());
+    push("--conversations", args.conversations().to_string());
+    if groups.is_none() {
+        push("--model", args.model_name(profiles).to_string());
+    }
+    let shape = [
+        ("--documents", args.documents.map(|v| v.to_string())),
+        (
+            "--document-tokens",
+            args.document_tokens.map(|v| v.to_string()),
+        ),
+        ("--turns", args.turns.map(|v| v.to_string())),
+        ("--phases", args.phases.clone()),
+    ];
+    for (flag, value) in shape {
+        if let Some(v) = value {
+            push(flag, v);
+        }
+    }
     push("--label", policy.label.clone());
     push("--trace-speedup", args.trace_speedup.to_string());
     if let Some(n) = args.max_requests {
@@ -444,7 +259,7 @@ async fn run_one(
     let warm = (router.admin(), args.warmup_s > 0.0);
     let warm = match warm {
         (Some(admin), true) => {
-            let wall = std::time::Duration::from_secs_f64(args.warmup_s / args.time_scale);
+            let wall = std::time::Duration::from_secs_f64(args.warmup_s / args.time_scale());
             Some(tokio::spawn(async move {
                 tokio::time::sleep(wall).await;
                 estimates::scrape(admin).await
@@ -458,6 +273,7 @@ async fn run_one(
         None => None,
     };
     router.stop(&dir).await;
+    procs::save_engine_metrics(&backends, &dir).await;
     let audit = match groups {
         Some(_) => {
             let served: Vec<_> = backends
@@ -544,7 +360,15 @@ fn command_line() -> String {
 }
 
 fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
-    let servers =
+    let servers = if args.real() {
+        format!(
+            "{} real llama.cpp servers (`{} {}`, model `{}`)",
+            fleet.len(),
+            args.llama_server.display(),
+            args.llama_args,
+            args.llama_model.display()
+        )
+    } else {
         match (&args.profiles, &args.models) {
             (Some(spec), _) => format!("{} simulated servers (`{spec}`)", fleet.len()),
             (None, Some(spec)) => {
@@ -562,11 +386,12 @@ fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
                 let name = fleet.first().copied().unwrap_or(ProfileName::H100Llama8b);
                 format!("{} simulated `{}` servers", fleet.len(), name.as_str())
             }
-        };
+        }
+    };
     let mut s = format!(
-        "{servers}, time scale {} (times below are model time), {} s of sending per run, TTFT SLO {} ms, {}",
-        args.time_scale,
-        args.duration_s,
+        "{servers}, time scale {} (times below are model time), at most {} s of sending per run, TTFT SLO {} ms, {}",
+        args.time_scale(),
+        args.duration_s(),
         args.slo_ttft_ms,
         if args.session_header { "session ids sent as x-session-id" } else { "no session header (content affinity only)" }
     );
@@ -610,6 +435,15 @@ fn render(
     {
         let _ = writeln!(md, "## {}\n", w.name());
         md.push_str(&report::markdown_table(runs));
+        if let Some(turns) = report::turns_table(runs) {
+            let _ = writeln!(
+                md,
+                "\nFirst turns against follow-ups, the run's wall time, and the polling rounds \
+                 (every 500 ms) in which one engine had a request waiting for a slot while \
+                 another had none at all (from the engines' own gauges):\n"
+            );
+            md.push_str(&turns);
+        }
         if !audits.is_empty() {
             md.push_str(&models::audit_table(runs, audits));
         }

@@ -382,6 +382,10 @@ pub fn kvroute_yaml(
                 let _ = writeln!(yaml, "        data_parallel_size: {}", e.ranks);
             }
         }
+        // A llama.cpp engine, real or its stand-in, is scraped as one.
+        if m.profile == super::llama::PROFILE {
+            yaml.push_str("      engine: llamacpp\n");
+        }
         if let Some(&(_, w)) = run.weights.iter().find(|(p, _)| *p == m.profile) {
             let _ = writeln!(yaml, "      weight: {w}");
         }

@@ -2,7 +2,7 @@
 //! front of it, kvroute (`kvbench proxy`, the kvroute library embedded) or a peer router
 //! (`peer`). All are killed when dropped, so a failed run leaves nothing behind.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -10,10 +10,60 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use super::llama::{LlamaFleet, LlamaSpec};
 use super::models::ModelGroup;
 use super::peer::PeerProcess;
 use super::policy::{kvroute_yaml, KvEndpoints, Member, PolicyRun};
+use super::ports::free_addr;
 use crate::sim::ProfileName;
+
+/// The engines of one run, simulated or real; dropping it stops them.
+pub struct Engines {
+    _sim: Vec<SimFleet>,
+    _llama: Option<LlamaFleet>,
+}
+
+/// `n` real llama.cpp servers as the fleet: every member runs the `cpu-smollm2` stand-in's
+/// engine for real.
+pub async fn start_llama(
+    spec: &LlamaSpec,
+    n: usize,
+    dir: &Path,
+) -> Result<(Engines, Vec<Member>), String> {
+    let fleet = LlamaFleet::start(spec, n, dir).await?;
+    let members = fleet
+        .addrs
+        .iter()
+        .map(|&addr| Member {
+            addr,
+            profile: super::llama::PROFILE,
+            models: Vec::new(),
+            kv_events: None,
+        })
+        .collect();
+    let engines = Engines {
+        _sim: Vec::new(),
+        _llama: Some(fleet),
+    };
+    Ok((engines, members))
+}
+
+/// Each engine's `/metrics` at the end of a run, as `engine-<i>.metrics.txt` in `dir`: what
+/// the engines counted themselves (their prefill rate, cache hits), to hold kvroute's
+/// beliefs against. A failure is reported, not fatal.
+pub async fn save_engine_metrics(backends: &[Member], dir: &Path) {
+    for (i, m) in backends.iter().enumerate() {
+        let url = format!("http://{}/metrics", m.addr);
+        let to = dir.join(format!("engine-{i}.metrics.txt"));
+        let body = match reqwest::get(&url).await {
+            Ok(r) => r.text().await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = body.and_then(|b| std::fs::write(&to, b).map_err(|e| e.to_string())) {
+            eprintln!("compare: could not save {url} to {}: {e}", to.display());
+        }
+    }
+}
 
 /// The simulators of one run (one per model group, else one) and their servers in fleet
 /// order.
@@ -24,7 +74,7 @@ pub async fn start_fleets(
     profiles: &[ProfileName],
     groups: Option<&[(ModelGroup, Vec<String>)]>,
     dir: &Path,
-) -> Result<(Vec<SimFleet>, Vec<Member>), String> {
+) -> Result<(Engines, Vec<Member>), String> {
     let plan: Vec<(usize, Vec<String>, Vec<String>)> = match groups {
         None => vec![(profiles.len(), base.to_vec(), Vec::new())],
         Some(gs) => gs
@@ -65,7 +115,11 @@ pub async fn start_fleets(
         }
         fleets.push(fleet);
     }
-    Ok((fleets, members))
+    let engines = Engines {
+        _sim: fleets,
+        _llama: None,
+    };
+    Ok((engines, members))
 }
 
 pub struct SimFleet {
@@ -240,12 +294,6 @@ fn router_log_filter() -> String {
         .ok()
         .filter(|f| !f.trim().is_empty())
         .unwrap_or_else(|| "warn,kvroute::fleet=info".to_owned())
-}
-
-fn free_addr() -> Result<SocketAddr, String> {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free port: {e}"))
 }
 
 impl Proxy {

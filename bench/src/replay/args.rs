@@ -23,6 +23,13 @@ pub enum WorkloadKind {
     /// ShareGPT chat over several models (`--models`), Zipf popularity, closed loop.
     #[value(name = "multi_model", alias = "multi-model")]
     MultiModel,
+    /// Multi-turn chat about documents, in phases of rising concurrency (`--phases`).
+    Documents,
+    /// Groups of users sharing a long system prompt, one question each, closed loop.
+    #[value(name = "prefix_groups", alias = "prefix-groups")]
+    PrefixGroups,
+    /// An agent's loop: a shared system prompt, then tool calls and outputs, closed loop.
+    Agentic,
 }
 
 impl WorkloadKind {
@@ -35,6 +42,9 @@ impl WorkloadKind {
             Self::Ladder => "ladder",
             Self::Prompts => "prompts",
             Self::MultiModel => "multi_model",
+            Self::Documents => "documents",
+            Self::PrefixGroups => "prefix_groups",
+            Self::Agentic => "agentic",
         }
     }
 
@@ -48,7 +58,9 @@ impl WorkloadKind {
             Self::Mooncake => Some("data/traces/mooncake/synthetic_trace.jsonl"),
             Self::HotPrefix => Some("data/traces/synthetic/hot_prefix.jsonl"),
             Self::HeavyMix => Some("data/traces/synthetic/heavy_mix.jsonl"),
-            Self::Ladder | Self::Prompts => None,
+            Self::Ladder | Self::Prompts | Self::Documents | Self::PrefixGroups | Self::Agentic => {
+                None
+            }
         }
     }
 }
@@ -122,16 +134,38 @@ pub struct ReplayArgs {
     /// Name of this run in tables and charts (default: the workload).
     #[arg(long)]
     pub label: Option<String>,
-    /// ladder: groups sharing one system prompt each.
-    #[arg(long, default_value_t = 8)]
-    pub groups: u32,
-    /// ladder: users per group.
-    #[arg(long, default_value_t = 8)]
-    pub users: u32,
-    #[arg(long, default_value_t = 6000)]
-    pub system_tokens: u64,
-    #[arg(long, default_value_t = 200)]
-    pub question_tokens: u64,
+    /// ladder, prefix_groups: groups sharing one system prompt each [default: ladder 8,
+    /// prefix_groups 4].
+    #[arg(long)]
+    pub groups: Option<u32>,
+    /// ladder, prefix_groups: users per group [default: ladder 8, prefix_groups 6].
+    #[arg(long)]
+    pub users: Option<u32>,
+    /// ladder, prefix_groups, agentic: tokens of each system prompt [default: ladder 6000,
+    /// prefix_groups 600, agentic 400].
+    #[arg(long)]
+    pub system_tokens: Option<u64>,
+    /// ladder, prefix_groups: tokens of a question; agentic: of a tool's output [default:
+    /// ladder 200, prefix_groups 30, agentic 120].
+    #[arg(long)]
+    pub question_tokens: Option<u64>,
+    /// documents: conversations, each about its own document.
+    #[arg(long, default_value_t = 10)]
+    pub documents: u32,
+    /// documents: tokens of each document.
+    #[arg(long, default_value_t = 800)]
+    pub document_tokens: u64,
+    /// documents: turns of each conversation; agentic: steps of each task [default:
+    /// documents 3, agentic 6].
+    #[arg(long)]
+    pub turns: Option<u32>,
+    /// documents: the conversations in phases, one after the other, with this many at once
+    /// in each (the documents shared out evenly).
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    pub phases: Vec<u32>,
+    /// agentic: tasks (conversations); `--conversations` of them at once.
+    #[arg(long, default_value_t = 4)]
+    pub tasks: u32,
     #[arg(long, default_value_t = 100)]
     pub output_tokens: u32,
     /// ladder: request rates (req/s of wall time), one step each.
@@ -178,10 +212,21 @@ impl ReplayArgs {
         if self.workload == WorkloadKind::Prompts && self.file.is_none() {
             return Err("--workload prompts needs --file".into());
         }
+        if self.groups == Some(0) || self.users == Some(0) || self.turns == Some(0) {
+            return Err("--groups, --users and --turns must be at least 1".into());
+        }
+        if self.workload == WorkloadKind::Documents
+            && (self.documents == 0 || self.phases.is_empty() || self.phases.contains(&0))
+        {
+            return Err("--documents and each of --phases must be at least 1".into());
+        }
+        if self.workload == WorkloadKind::Agentic && self.tasks == 0 {
+            return Err("--tasks must be at least 1".into());
+        }
         if self.workload == WorkloadKind::Ladder {
             positive("--step-s", self.step_s)?;
-            if self.groups == 0 || self.users == 0 || self.rates.is_empty() {
-                return Err("--groups, --users and --rates must be non-empty".into());
+            if self.rates.is_empty() {
+                return Err("--rates must be non-empty".into());
             }
             for &r in &self.rates {
                 positive("each of --rates", r)?;
@@ -192,10 +237,10 @@ impl ReplayArgs {
 
     pub fn ladder(&self) -> LadderConfig {
         LadderConfig {
-            groups: self.groups,
-            users: self.users,
-            system_tokens: self.system_tokens,
-            question_tokens: self.question_tokens,
+            groups: self.groups.unwrap_or(8),
+            users: self.users.unwrap_or(8),
+            system_tokens: self.system_tokens.unwrap_or(6000),
+            question_tokens: self.question_tokens.unwrap_or(200),
             output_tokens: self.output_tokens,
             // Rates and steps are model time; the schedule runs in wall time.
             rates: self.rates.iter().map(|r| r * self.time_scale).collect(),

@@ -56,6 +56,7 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outco
         id,
         send_ms: ms(ctx.start, sent),
         step: req.step,
+        turn: req.turn,
         session: req.session,
         model: req.model,
         status: p.status,

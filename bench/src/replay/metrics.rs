@@ -38,8 +38,12 @@ pub fn parse_gauges(text: &str) -> Gauges {
             continue;
         };
         match name {
-            "vllm:num_requests_running" => *g.running.get_or_insert(0.0) += value,
-            "vllm:num_requests_waiting" => *g.waiting.get_or_insert(0.0) += value,
+            "vllm:num_requests_running"
+            | "sglang:num_running_reqs"
+            | "llamacpp:requests_processing" => *g.running.get_or_insert(0.0) += value,
+            "vllm:num_requests_waiting"
+            | "sglang:num_queue_reqs"
+            | "llamacpp:requests_deferred" => *g.waiting.get_or_insert(0.0) += value,
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 g.kv_cache_usage = Some(g.kv_cache_usage.map_or(value, |v: f64| v.max(value)));
             }
@@ -47,6 +51,35 @@ pub fn parse_gauges(text: &str) -> Gauges {
         }
     }
     g
+}
+
+/// Of the polling rounds (samples grouped by `POLL_EVERY` windows of the run) that saw two
+/// backends or more, those in which a backend had a request waiting while another had none
+/// running or waiting; and how many rounds saw two or more. A router that keeps the fleet
+/// busy evenly has none: a request queued behind a full engine while another engine idled is
+/// the time to first token a placement threw away.
+pub fn queued_while_idle(samples: &[LoadSample]) -> (u64, u64) {
+    let mut rounds: std::collections::BTreeMap<u64, Vec<&LoadSample>> = Default::default();
+    for s in samples {
+        let round = (s.t_ms / POLL_EVERY.as_secs_f64() / 1e3) as u64;
+        rounds.entry(round).or_default().push(s);
+    }
+    let (mut hit, mut seen) = (0, 0);
+    for round in rounds.values() {
+        let mut backends: Vec<&&LoadSample> = round.iter().collect();
+        backends.sort_by(|a, b| a.backend.cmp(&b.backend));
+        backends.dedup_by(|a, b| a.backend == b.backend);
+        if backends.len() < 2 {
+            continue;
+        }
+        seen += 1;
+        let queued = backends.iter().any(|s| s.waiting > 0.0);
+        let idle = backends.iter().any(|s| s.running + s.waiting == 0.0);
+        if queued && idle {
+            hit += 1;
+        }
+    }
+    (hit, seen)
 }
 
 /// `name{labels} value [timestamp]` -> (name, value). Label values may hold spaces, so the
@@ -105,6 +138,34 @@ pub async fn poll(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queued_while_idle_counts_rounds_with_a_waiting_request_beside_an_idle_backend() {
+        let s = |t_ms: f64, backend: &str, running: f64, waiting: f64| LoadSample {
+            t_ms,
+            backend: backend.into(),
+            running,
+            waiting,
+            kv_cache_usage: None,
+        };
+        let samples = [
+            // Round 0: a queues while b idles.
+            s(10.0, "a", 2.0, 1.0),
+            s(40.0, "b", 0.0, 0.0),
+            // Round 1: a queues, b is busy too.
+            s(510.0, "a", 2.0, 1.0),
+            s(520.0, "b", 1.0, 0.0),
+            // Round 2: nobody queues though b idles.
+            s(1010.0, "a", 2.0, 0.0),
+            s(1020.0, "b", 0.0, 0.0),
+            // Round 3: one backend only answered: not counted.
+            s(1510.0, "a", 2.0, 3.0),
+        ];
+        assert_eq!(queued_while_idle(&samples), (1, 3));
+        let llama = "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n";
+        let g = parse_gauges(llama);
+        assert_eq!((g.running, g.waiting), (Some(2.0), Some(1.0)));
+    }
 
     #[test]
     fn parses_vllm_gauges() {

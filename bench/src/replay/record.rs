@@ -28,6 +28,8 @@ pub struct ChatRequest {
     pub model: Option<String>,
     /// Ladder rate step, for per-step summaries.
     pub step: Option<usize>,
+    /// Which turn of its conversation this is (0: the first), for multi-turn workloads.
+    pub turn: Option<u32>,
     /// Oracle accounting, in workload-specific units (blocks, bytes or tokens): the part of
     /// this prompt one infinite cache would already hold, given everything sent before it.
     pub oracle_hit: f64,
@@ -41,6 +43,9 @@ pub struct RequestRecord {
     pub send_ms: f64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub step: Option<usize>,
+    /// Turn of its conversation (0: the first), for multi-turn workloads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
     /// The model the request named, when not `--model`.

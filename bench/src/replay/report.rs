@@ -102,6 +102,33 @@ pub fn markdown_table(rows: &[(String, Summary)]) -> String {
     s
 }
 
+/// First-turn and follow-up TTFT, wall time and rounds queued while idle, for runs of a
+/// multi-turn workload or with the engines polled; `None` when no run has either.
+pub fn turns_table(rows: &[(String, Summary)]) -> Option<String> {
+    let any = rows
+        .iter()
+        .any(|(_, m)| m.followup_ttft_p90_ms.is_some() || m.queued_while_idle.is_some());
+    if !any {
+        return None;
+    }
+    let mut s = "| run | first-turn TTFT p50/p90 ms | follow-up TTFT p50/p90 ms | wall s | queued while another idled (rounds) |\n|---|---|---|---|---|\n".to_owned();
+    for (label, m) in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {}/{} | {}/{} | {:.1} | {} |",
+            label.replace('|', "/"),
+            ms(m.first_ttft_p50_ms),
+            ms(m.first_ttft_p90_ms),
+            ms(m.followup_ttft_p50_ms),
+            ms(m.followup_ttft_p90_ms),
+            m.duration_s,
+            m.queued_while_idle
+                .map_or("n/a".into(), |(hit, seen)| format!("{hit} of {seen}")),
+        );
+    }
+    Some(s)
+}
+
 fn ms(v: Option<f64>) -> String {
     v.map_or("n/a".into(), |v| format!("{v:.0}"))
 }

@@ -21,11 +21,13 @@ use super::workloads::ladder::LadderSchedule;
 use super::workloads::mooncake::{self, MooncakeSchedule};
 use super::workloads::multi_model;
 use super::workloads::prompts;
+use super::workloads::shapes;
 use super::workloads::sharegpt::{self, Chat, Conversation};
 use super::workloads::OpenLoop;
 
 enum Plan {
-    Closed(Vec<Conversation>),
+    /// Conversations in phases, one phase after the other, each with its concurrency.
+    Closed(Vec<(Vec<Conversation>, u32)>),
     /// Independent requests, closed loop.
     Queue(Vec<ChatRequest>),
     Open(Box<dyn OpenLoop>),
@@ -60,15 +62,38 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         loopback_url("--metrics-url", u)?;
     }
     let file = args.workload_file()?;
+    let c = args.conversations;
     let plan = match (args.workload, &file) {
         (WorkloadKind::Ladder, _) => Plan::Open(Box::new(LadderSchedule::new(args.ladder()))),
-        (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(sharegpt::load(f)?),
-        (WorkloadKind::MultiModel, Some(f)) => Plan::Closed(multi_model::assign(
-            sharegpt::load(f)?,
-            &args.models,
-            args.model_zipf,
+        (WorkloadKind::Documents, _) => Plan::Closed(shapes::documents(
+            args.documents,
+            args.document_tokens,
+            args.turns.unwrap_or(3),
+            &args.phases,
             args.seed,
-        )?),
+        )),
+        (WorkloadKind::PrefixGroups, _) => Plan::Queue(shapes::prefix_groups(
+            args.groups.unwrap_or(4),
+            args.users.unwrap_or(6),
+            args.system_tokens.unwrap_or(600),
+            args.question_tokens.unwrap_or(30),
+            args.seed,
+        )),
+        (WorkloadKind::Agentic, _) => Plan::Closed(vec![(
+            shapes::agentic(
+                args.tasks,
+                args.turns.unwrap_or(6),
+                args.system_tokens.unwrap_or(400),
+                args.question_tokens.unwrap_or(120),
+                args.seed,
+            ),
+            c,
+        )]),
+        (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(vec![(sharegpt::load(f)?, c)]),
+        (WorkloadKind::MultiModel, Some(f)) => Plan::Closed(vec![(
+            multi_model::assign(sharegpt::load(f)?, &args.models, args.model_zipf, args.seed)?,
+            c,
+        )]),
         (WorkloadKind::Prompts, Some(f)) => {
             Plan::Queue(prompts::requests(prompts::load(f)?, args.max_output_tokens))
         }
@@ -131,8 +156,10 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     }
 
     match plan {
-        Plan::Closed(convs) => {
-            run_closed(&shared, convs, args.conversations, args.max_output_tokens).await
+        Plan::Closed(phases) => {
+            for (convs, workers) in phases {
+                run_closed(&shared, convs, workers, args.max_output_tokens).await;
+            }
         }
         Plan::Queue(reqs) => run_queue(&shared, reqs, args.conversations).await,
         Plan::Open(sched) => run_open(&shared, sched, t_start, duration).await,
@@ -167,6 +194,10 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         .lock()
         .map(|mut v| std::mem::take(&mut *v))
         .unwrap_or_default();
+    let mut summary = summary;
+    if !load_samples.is_empty() {
+        summary.queued_while_idle = Some(metrics::queued_while_idle(&load_samples));
+    }
     let config = serde_json::json!({
         "label": label,
         "workload": args.workload.name(),
@@ -182,8 +213,14 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "model": args.model,
         "models": (args.workload == WorkloadKind::MultiModel).then_some((&args.models, args.model_zipf)),
         "session_header": args.session_header,
-        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts)
+        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts | WorkloadKind::PrefixGroups | WorkloadKind::Agentic)
             .then_some(args.conversations),
+        "documents": (args.workload == WorkloadKind::Documents).then(|| serde_json::json!({
+            "documents": args.documents, "document_tokens": args.document_tokens,
+            "turns": args.turns.unwrap_or(3), "phases": args.phases})),
+        "shape": matches!(args.workload, WorkloadKind::PrefixGroups | WorkloadKind::Agentic).then(|| serde_json::json!({
+            "groups": args.groups, "users": args.users, "tasks": args.tasks, "turns": args.turns,
+            "system_tokens": args.system_tokens, "question_tokens": args.question_tokens})),
         "ladder": (args.workload == WorkloadKind::Ladder).then(|| args.ladder()),
         "metrics_urls": args.metrics_urls,
         "requests_sent": records.len(),

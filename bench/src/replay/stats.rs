@@ -62,6 +62,21 @@ pub struct Summary {
     pub small_ttft_p99_ms: Option<f64>,
     /// TTFT of successful requests at percentiles 0, 1, ..., 100: enough to redraw a CDF.
     pub ttft_quantiles_ms: Vec<f64>,
+    /// TTFT of first turns and of later turns (multi-turn workloads): whether follow-ups find
+    /// their history where they land, apart from the cold prefills of new conversations.
+    #[serde(default)]
+    pub first_ttft_p50_ms: Option<f64>,
+    #[serde(default)]
+    pub first_ttft_p90_ms: Option<f64>,
+    #[serde(default)]
+    pub followup_ttft_p50_ms: Option<f64>,
+    #[serde(default)]
+    pub followup_ttft_p90_ms: Option<f64>,
+    /// Of the rounds of the backends' `/metrics` polled (`--metrics-url`), those in which one
+    /// backend had a request waiting for a slot while another had none at all, and how many
+    /// rounds were polled (see `metrics::queued_while_idle`).
+    #[serde(default)]
+    pub queued_while_idle: Option<(u64, u64)>,
 }
 
 /// Prompts this short count as "small" for `small_ttft_*`.
@@ -98,6 +113,13 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
         }
     };
 
+    let turn_ttft = |first: bool| -> Vec<f64> {
+        ok.iter()
+            .filter(|r| r.turn.is_some_and(|t| (t == 0) == first))
+            .filter_map(|r| r.ttft_ms)
+            .collect()
+    };
+    let (first_ttft, followup_ttft) = (turn_ttft(true), turn_ttft(false));
     let small_ttft: Vec<f64> = ok
         .iter()
         .filter(|r| r.prompt_tokens.is_some_and(|p| p <= SMALL_PROMPT_TOKENS))
@@ -161,6 +183,11 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
                 .filter_map(|p| percentile_sorted(&ttft, p as f64))
                 .collect()
         },
+        first_ttft_p50_ms: percentile(&first_ttft, 50.0),
+        first_ttft_p90_ms: percentile(&first_ttft, 90.0),
+        followup_ttft_p50_ms: percentile(&followup_ttft, 50.0),
+        followup_ttft_p90_ms: percentile(&followup_ttft, 90.0),
+        queued_while_idle: None,
     }
 }
 

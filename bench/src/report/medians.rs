@@ -10,8 +10,10 @@ use serde_json::Value;
 
 use super::{fixed, median, read_json};
 
-/// Column name, summary key, decimals.
-const METRICS: [(&str, &str, usize); 6] = [
+/// Column name, summary key (`key.N`: element N of an array), decimals.
+type Metric = (&'static str, &'static str, usize);
+
+const METRICS: [Metric; 6] = [
     ("TTFT p50 ms", "ttft_p50_ms", 0),
     ("TTFT p90 ms", "ttft_p90_ms", 0),
     ("TTFT p99 ms", "ttft_p99_ms", 0),
@@ -20,15 +22,61 @@ const METRICS: [(&str, &str, usize); 6] = [
     ("goodput req/s", "goodput_rps", 2),
 ];
 
+/// Multi-turn workloads and polled engines: first turns and follow-ups apart, the run's wall
+/// time and the polling rounds with a request queued while another engine idled.
+const TURNS: [Metric; 5] = [
+    ("first-turn TTFT p90 ms", "first_ttft_p90_ms", 0),
+    ("follow-up TTFT p50 ms", "followup_ttft_p50_ms", 0),
+    ("follow-up TTFT p90 ms", "followup_ttft_p90_ms", 0),
+    ("wall s", "duration_s", 1),
+    (
+        "rounds queued while another idled",
+        "queued_while_idle.0",
+        0,
+    ),
+];
+
+/// A summary's value for `key` (`key.N`: element N of the array at `key`).
+fn value(summary: &Value, key: &str) -> Option<f64> {
+    match key.split_once('.') {
+        Some((key, i)) => summary.get(key)?.get(i.parse::<usize>().ok()?)?.as_f64(),
+        None => summary.get(key)?.as_f64(),
+    }
+}
+
 /// Per (workload, policy), each metric's value in every run that had it, in run order.
-#[derive(Default)]
 struct Table {
+    metrics: &'static [Metric],
     workloads: Vec<String>,
     policies: HashMap<String, Vec<String>>,
-    cells: HashMap<(String, String), [Vec<f64>; METRICS.len()]>,
+    cells: HashMap<(String, String), Vec<Vec<f64>>>,
+}
+
+impl Default for Table {
+    fn default() -> Table {
+        Table::new(&METRICS)
+    }
 }
 
 impl Table {
+    fn new(metrics: &'static [Metric]) -> Table {
+        Table {
+            metrics,
+            workloads: Vec::new(),
+            policies: HashMap::new(),
+            cells: HashMap::new(),
+        }
+    }
+
+    /// Whether any run had any of the metrics besides its wall time (which every run has).
+    fn any(&self) -> bool {
+        self.cells.values().any(|cell| {
+            cell.iter()
+                .zip(self.metrics)
+                .any(|(v, (_, key, _))| *key != "duration_s" && !v.is_empty())
+        })
+    }
+
     fn add(&mut self, path: &str, results: &Value) -> Result<(), String> {
         let bad = |what: &str| format!("{path}: not a compare results.json ({what})");
         let workloads = results
@@ -57,10 +105,14 @@ impl Table {
                 if !policies.contains(&label) {
                     policies.push(label.clone());
                 }
-                let cell = self.cells.entry((workload.clone(), label)).or_default();
-                for (values, (_, key, _)) in cell.iter_mut().zip(METRICS) {
+                let n = self.metrics.len();
+                let cell = self
+                    .cells
+                    .entry((workload.clone(), label))
+                    .or_insert_with(|| vec![Vec::new(); n]);
+                for (values, (_, key, _)) in cell.iter_mut().zip(self.metrics) {
                     // A metric a run could not measure (no requests answered) is null.
-                    if let Some(v) = summary.get(key).and_then(Value::as_f64) {
+                    if let Some(v) = value(summary, key) {
                         values.push(v);
                     }
                 }
@@ -71,9 +123,9 @@ impl Table {
 
     fn render(&self, runs: usize) -> String {
         let mut out = format!("Medians of {runs} runs (each run's value in brackets).\n\n");
-        let names: Vec<&str> = METRICS.iter().map(|(name, _, _)| *name).collect();
+        let names: Vec<&str> = self.metrics.iter().map(|(name, _, _)| *name).collect();
         out.push_str(&format!("| workload | policy | {} |\n", names.join(" | ")));
-        out.push_str(&format!("|---|---|{}\n", "---|".repeat(METRICS.len())));
+        out.push_str(&format!("|---|---|{}\n", "---|".repeat(self.metrics.len())));
         for w in &self.workloads {
             for p in self.policies.get(w).into_iter().flatten() {
                 let Some(cell) = self.cells.get(&(w.clone(), p.clone())) else {
@@ -81,8 +133,8 @@ impl Table {
                 };
                 let cells: Vec<String> = cell
                     .iter()
-                    .zip(METRICS)
-                    .map(|(values, (_, _, digits))| match median(values.clone()) {
+                    .zip(self.metrics)
+                    .map(|(values, &(_, _, digits))| match median(values.clone()) {
                         None => "n/a".to_string(),
                         Some(m) => {
                             let each: Vec<String> =
@@ -99,12 +151,18 @@ impl Table {
 }
 
 pub fn report(paths: &[String]) -> Result<String, String> {
-    let mut table = Table::default();
+    let (mut table, mut turns) = (Table::default(), Table::new(&TURNS));
     for path in paths {
         let results: Value = read_json(Path::new(path))?;
         table.add(path, &results)?;
+        turns.add(path, &results)?;
     }
-    Ok(table.render(paths.len()))
+    let mut out = table.render(paths.len());
+    if turns.any() {
+        out.push('\n');
+        out.push_str(&turns.render(paths.len()));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -137,6 +195,32 @@ mod tests {
         assert!(
             out.starts_with("Medians of 3 runs (each run's value in brackets).\n\n| workload |")
         );
+    }
+
+    #[test]
+    fn turns_and_queued_rounds_get_a_table_of_their_own() {
+        let run = |f: f64, q: u64| {
+            json!({"results": [{"workload": "documents", "runs": [
+                ["kv_aware", {"ttft_p90_ms": 3000.0, "first_ttft_p90_ms": 3400.0,
+                              "followup_ttft_p50_ms": 150.0, "followup_ttft_p90_ms": f,
+                              "duration_s": 60.0, "queued_while_idle": [q, 100]}],
+            ]}]})
+        };
+        let mut t = Table::new(&TURNS);
+        for (f, q) in [(160.0, 0), (300.0, 2), (170.0, 1)] {
+            t.add("r", &run(f, q)).unwrap();
+        }
+        assert!(t.any());
+        let row = t.render(3).lines().last().unwrap().to_owned();
+        assert_eq!(
+            row,
+            "| documents | kv_aware | 3400 (3400, 3400, 3400) | 150 (150, 150, 150) \
+             | 170 (160, 300, 170) | 60.0 (60.0, 60.0, 60.0) | 1 (0, 2, 1) |"
+        );
+        // Runs of a workload without turns: no table.
+        let mut plain = Table::new(&TURNS);
+        plain.add("r", &results(15.4, None, 59.0)).unwrap();
+        assert!(!plain.any());
     }
 
     #[test]

@@ -39,7 +39,8 @@ pub struct SimArgs {
     #[arg(long)]
     pub itl_ms: Option<f64>,
     /// The GPU/model profile of every server: its KV pool and, in engine mode, its step-time
-    /// model [default: h100-llama8b].
+    /// model and scheduler limits; cpu-smollm2 is a llama.cpp server (two slots), and speaks
+    /// llama.cpp unless --engine says otherwise [default: h100-llama8b].
     #[arg(long, value_enum)]
     pub profile: Option<ProfileName>,
     /// A mixed fleet, `NAME:COUNT,NAME:COUNT` (e.g. `h100-llama8b:4,l40s-llama8b:4`): server
@@ -49,9 +50,10 @@ pub struct SimArgs {
     /// KV pool size in tokens, overriding the profile's (rounded down to 16-token blocks).
     #[arg(long)]
     pub kv_tokens: Option<u64>,
-    /// Metric names to expose on /metrics.
-    #[arg(long, value_enum, default_value_t = Engine::Vllm)]
-    pub engine: Engine,
+    /// The engine each server speaks for: its /metrics names, and for llamacpp its /props
+    /// and /slots [default: the profile's: llamacpp for cpu-smollm2, else vllm].
+    #[arg(long, value_enum)]
+    pub engine: Option<Engine>,
     /// Fraction of POST requests answered 500.
     #[arg(long, default_value_t = 0.0)]
     pub fail_rate: f64,
@@ -185,7 +187,8 @@ impl SimArgs {
         };
         let base = SimConfig {
             model: self.model.clone(),
-            engine: self.engine,
+            // Each server's own, set below.
+            engine: Engine::Vllm,
             ttft: scaled(ttft_ms, self.time_scale),
             itl: scaled(itl_ms, self.time_scale),
             slow_start: scaled(self.slow_start_ms, self.time_scale),
@@ -208,7 +211,10 @@ impl SimArgs {
         };
         let configs = fleet
             .iter()
-            .map(|&name| base.with_profile(name, self.kv_tokens))
+            .map(|&name| SimConfig {
+                engine: self.engine.unwrap_or(Engine::of_profile(name)),
+                ..base.with_profile(name, self.kv_tokens)
+            })
             .collect();
         Ok(Plan {
             configs,
@@ -512,6 +518,39 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// `--profile cpu-smollm2` speaks llama.cpp unless `--engine` says otherwise; in a mixed
+    /// fleet each server speaks its own profile's engine.
+    #[test]
+    fn the_llamacpp_profile_implies_its_engine() {
+        let plan = parse(&["--profile", "cpu-smollm2"]).unwrap();
+        assert!(plan.configs.iter().all(|c| c.engine == Engine::Llamacpp));
+        let config = &plan.configs[0];
+        assert_eq!(config.profile.max_num_seqs, 2);
+        assert_eq!(config.num_gpu_blocks(), 19_842 / 16);
+        let plan = parse(&["--profile", "cpu-smollm2", "--engine", "vllm"]).unwrap();
+        assert!(plan.configs.iter().all(|c| c.engine == Engine::Vllm));
+        let plan = parse(&["--engine", "llamacpp"]).unwrap();
+        assert_eq!(plan.configs[0].engine, Engine::Llamacpp);
+        assert_eq!(plan.configs[0].profile.name, ProfileName::H100Llama8b);
+        let mixed = parse_argv(&[
+            "--base-port",
+            "0",
+            "--profiles",
+            "h100-llama8b:1,cpu-smollm2:2",
+        ])
+        .unwrap();
+        let engines: Vec<Engine> = mixed.configs.iter().map(|c| c.engine).collect();
+        assert_eq!(engines, [Engine::Vllm, Engine::Llamacpp, Engine::Llamacpp]);
+        let all = [
+            "--profiles",
+            "h100-llama8b:1,cpu-smollm2:1",
+            "--engine",
+            "sglang",
+        ];
+        let forced = parse_argv(&[&["--base-port", "0"][..], &all].concat()).unwrap();
+        assert!(forced.configs.iter().all(|c| c.engine == Engine::Sglang));
     }
 
     #[test]

@@ -9,12 +9,25 @@ use super::engine::profile::{Profile, ProfileName};
 use super::faults::Faults;
 use super::text::tokenizer::PromptTokenizer;
 
-/// Which engine's metric names `/metrics` speaks.
+/// Which engine's metric names `/metrics` speaks (and, for llama.cpp, its `/props` and
+/// `/slots`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Engine {
     Vllm,
     Sglang,
     Llamacpp,
+}
+
+impl Engine {
+    /// The engine a profile stands for, when `--engine` does not say: llama.cpp for
+    /// `cpu-smollm2`, vLLM for the GPU profiles.
+    pub fn of_profile(name: ProfileName) -> Self {
+        if name.is_llamacpp() {
+            Engine::Llamacpp
+        } else {
+            Engine::Vllm
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +83,19 @@ impl SimConfig {
         Self {
             time_scale,
             profile: Profile::get(ProfileName::H100Llama8b).with_kv_tokens(kv_tokens),
+            fixed_timing: false,
+            ..Self::for_tests()
+        }
+    }
+
+    /// A llama.cpp server as `--profile cpu-smollm2` runs it, in engine mode.
+    #[cfg(test)]
+    pub fn for_llamacpp_tests(time_scale: f64) -> Self {
+        Self {
+            model: "smollm2".to_owned(),
+            engine: Engine::Llamacpp,
+            time_scale,
+            profile: Profile::get(ProfileName::CpuSmollm2),
             fixed_timing: false,
             ..Self::for_tests()
         }

@@ -519,8 +519,16 @@ async fn engine_prefill_telemetry_in_each_engines_names_and_model_time() {
                 assert!(close(seconds, miss + hit), "{m}");
                 let rate = sample(&m, "llamacpp:prompt_tokens_seconds");
                 assert!(close(rate, 4_504.0 / (miss + hit)), "{m}");
-                assert_eq!(sample(&m, "llamacpp:kv_cache_tokens"), 0.0);
+                assert_eq!(sample(&m, "llamacpp:prompt_tokens_cached_total"), 4_496.0);
+                // Two requests of 4 tokens, counted when they ended.
+                assert_eq!(sample(&m, "llamacpp:tokens_predicted_total"), 8.0);
+                // llama-server 0.6.0 exports no KV usage.
+                assert!(!m.contains("kv_cache"), "{m}");
                 assert!(!m.contains("vllm:"));
+                // The scrape reset the throughput gauge, not the counters.
+                let again = sim.metrics().await;
+                assert_eq!(sample(&again, "llamacpp:prompt_tokens_seconds"), 0.0);
+                assert_eq!(sample(&again, "llamacpp:prompt_tokens_total"), 4_504.0);
             }
             Engine::Sglang => {
                 assert_eq!(sample(&m, "sglang:prompt_tokens_total"), 9_000.0);
@@ -535,10 +543,7 @@ async fn engine_prefill_telemetry_in_each_engines_names_and_model_time() {
 #[tokio::test]
 async fn kv_tokens_in_use_while_a_request_runs() {
     use super::config::Engine;
-    for (engine, name) in [
-        (Engine::Sglang, "sglang:num_used_tokens"),
-        (Engine::Llamacpp, "llamacpp:kv_cache_tokens"),
-    ] {
+    for (engine, name) in [(Engine::Sglang, "sglang:num_used_tokens")] {
         let config = SimConfig {
             engine,
             ..SimConfig::for_engine_tests(64_000, 1.0)
@@ -621,6 +626,22 @@ async fn fixed_timing_reports_prefill_as_its_ttft() {
         close(sample(&m, "llamacpp:prompt_seconds_total"), 0.04),
         "{m}"
     );
+    // Two requests of 5 tokens, four intervals of 5 ms after the first.
+    assert_eq!(sample(&m, "llamacpp:tokens_predicted_total"), 10.0);
+    assert!(close(
+        sample(&m, "llamacpp:tokens_predicted_seconds_total"),
+        0.04
+    ));
+    let v: Value = sim
+        .post("/v1/chat/completions", &body)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let t = &v["timings"];
+    assert!(close(t["prompt_ms"].as_f64().unwrap(), 20.0), "{t}");
+    assert!(close(t["predicted_ms"].as_f64().unwrap(), 20.0), "{t}");
+    assert_eq!(t["predicted_n"], 5);
 }
 
 /// With `--tokenizer`, `usage.prompt_tokens` is the tokenizer's count of the rendered prompt
@@ -749,4 +770,242 @@ async fn data_parallel_ranks_keep_their_own_caches() {
     );
     // A rank past the last is no pin: the balancer places it, on a rank that holds it.
     assert!(cached(Some("9")).await > 100);
+}
+
+/// A server speaking llama.cpp (`--profile cpu-smollm2`) at time scale `k`.
+async fn llama_sim(k: f64) -> Sim {
+    Sim::with_config(SimConfig::for_llamacpp_tests(k)).await
+}
+
+impl Sim {
+    async fn status(&self, path: &str) -> u16 {
+        let res = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap();
+        res.status().as_u16()
+    }
+}
+
+/// `/props` and `/slots` as llama-server 0.6.0 answers them (kvroute reads `total_slots` and
+/// `default_generation_settings.n_ctx` from `/props`); only a llama.cpp server has them.
+#[tokio::test]
+async fn llamacpp_props_and_slots() {
+    let sim = llama_sim(10.0).await;
+    let props = sim.get_json("/props").await;
+    assert_eq!(props["total_slots"], 2);
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 4096);
+    // Every field the simulator sends has the type the recorded server's has.
+    let recorded: Value = serde_json::from_str(include_str!(
+        "../../../tests/fixtures/scrapes/llamacpp-0.6.0.props.json"
+    ))
+    .unwrap();
+    let kind = |v: &Value| match v {
+        Value::Null => "null",
+        Value::Bool(_) => "bool",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    };
+    for key in [
+        "total_slots",
+        "model_path",
+        "model_alias",
+        "build_info",
+        "is_sleeping",
+    ] {
+        assert!(props.get(key).is_some(), "no {key}: {props}");
+    }
+    for (key, v) in props.as_object().unwrap() {
+        assert_eq!(kind(v), kind(&recorded[key]), "{key}");
+    }
+    for (key, v) in props["default_generation_settings"]["params"]
+        .as_object()
+        .unwrap()
+    {
+        let want = &recorded["default_generation_settings"]["params"][key];
+        assert_eq!(kind(v), kind(want), "params.{key}");
+    }
+    let idle = json!({"n_ctx": 4096, "speculative": false, "is_processing": false});
+    let slots = sim.get_json("/slots").await;
+    assert_eq!(slots.as_array().unwrap().len(), 2, "{slots}");
+    for (id, slot) in slots.as_array().unwrap().iter().enumerate() {
+        let mut want = idle.clone();
+        want["id"] = json!(id);
+        assert_eq!(*slot, want);
+    }
+    // vLLM has neither.
+    let vllm = engine_sim().await;
+    assert_eq!(vllm.status("/props").await, 404);
+    assert_eq!(vllm.status("/slots").await, 404);
+    assert_eq!(sim.status("/props").await, 200);
+}
+
+/// Three concurrent streams on two slots: the third is reported deferred and starts only
+/// when a slot frees; afterwards llama.cpp's counters describe what ran.
+#[tokio::test]
+async fn llamacpp_third_concurrent_request_is_deferred_until_a_slot_frees() {
+    const N: u64 = 150;
+    let sim = Arc::new(llama_sim(10.0).await);
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let sim = sim.clone();
+        tasks.push(tokio::spawn(async move {
+            // ~100-token prompts, distinct so that none hits another's cache.
+            let prompt = format!("{i} {}", "Tell me a story about slots. ".repeat(13));
+            let body = json!({"model": "smollm2", "prompt": prompt, "max_tokens": N,
+                "stream": true});
+            let res = sim.post("/v1/completions", &body).await;
+            let mut stream = res.bytes_stream();
+            let mut first = None;
+            let mut text = String::new();
+            while let Some(chunk) = stream.next().await {
+                first.get_or_insert_with(tokio::time::Instant::now);
+                text.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
+            }
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+            (first.unwrap(), tokio::time::Instant::now())
+        }));
+    }
+    // While all three are in flight: two processing, one deferred, both slots busy.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = sim.metrics().await;
+        let (processing, deferred) = (
+            sample(&m, "llamacpp:requests_processing"),
+            sample(&m, "llamacpp:requests_deferred"),
+        );
+        assert!(processing <= 2.0, "{m}");
+        if (processing, deferred) == (2.0, 1.0) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never 2 + 1\n{m}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let slots = sim.get_json("/slots").await;
+    let busy = slots
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["is_processing"] == true)
+        .count();
+    assert!(busy >= 1, "{slots}");
+    let mut times = Vec::new();
+    for t in tasks {
+        times.push(t.await.unwrap());
+    }
+    let last_first_token = times.iter().map(|t| t.0).max().unwrap();
+    let first_done = times.iter().map(|t| t.1).min().unwrap();
+    assert!(
+        last_first_token >= first_done,
+        "the deferred request started before a slot freed"
+    );
+    let m = sim.metrics().await;
+    assert_eq!(sample(&m, "llamacpp:requests_processing"), 0.0);
+    assert_eq!(sample(&m, "llamacpp:requests_deferred"), 0.0);
+    assert_eq!(
+        sample(&m, "llamacpp:tokens_predicted_total"),
+        3.0 * N as f64
+    );
+    let per_decode = sample(&m, "llamacpp:n_busy_slots_per_decode");
+    assert!(per_decode > 1.0 && per_decode < 2.0, "{m}");
+    assert!(
+        sample(&m, "llamacpp:n_decode_total") >= 2.0 * N as f64,
+        "{m}"
+    );
+    // The longest sequence: a prompt and all but its last output token.
+    let longest = sample(&m, "llamacpp:n_tokens_max");
+    assert!((N + 90..N + 120).contains(&(longest as u64)), "{m}");
+}
+
+/// A prompt that fills a slot's context is refused with llama.cpp's words; one that leaves
+/// less room than `max_tokens` gets what fits.
+#[tokio::test]
+async fn llamacpp_context_refuses_a_full_prompt_and_cuts_the_output() {
+    let sim = llama_sim(100.0).await;
+    let full = json!({"model": "m", "prompt": "abcd".repeat(4_096), "max_tokens": 1});
+    let res = sim.post("/v1/completions", &full).await;
+    assert_eq!(res.status(), 400);
+    let text = res.text().await.unwrap();
+    assert!(
+        text.contains("request (4096 tokens) exceeds the available context size (4096 tokens)"),
+        "{text}"
+    );
+    let long = json!({"model": "m", "prompt": "abcd".repeat(4_000), "max_tokens": 500});
+    let v: Value = sim
+        .post("/v1/completions", &long)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 96);
+    assert_eq!(v["choices"][0]["text"], completion_text(96));
+    assert_eq!(v["timings"]["predicted_n"], 96);
+}
+
+/// llama.cpp's `timings` beside `usage`, in model milliseconds, streamed and not; the metrics
+/// count the same times.
+#[tokio::test]
+async fn llamacpp_answers_carry_timings() {
+    use super::engine::profile::{Profile, ProfileName};
+    let p = Profile::get(ProfileName::CpuSmollm2);
+    let sim = llama_sim(10.0).await;
+    let text = sim
+        .post("/v1/chat/completions", &chat_body(true))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let usage_chunk: Value = text
+        .split_terminator("\n\n")
+        .filter_map(|e| serde_json::from_str::<Value>(e.strip_prefix("data: ")?).ok())
+        .find(|c| c.get("usage").is_some())
+        .unwrap();
+    let prompt = usage_chunk["usage"]["prompt_tokens"].as_u64().unwrap();
+    let t = &usage_chunk["timings"];
+    assert_eq!(t["cache_n"], 0, "{t}");
+    assert_eq!(t["prompt_n"], prompt);
+    let prompt_ms = t["prompt_ms"].as_f64().unwrap();
+    let want = (p.t0 + prompt as f64 / p.prefill_rate) * 1e3;
+    assert!(close(prompt_ms, want), "{prompt_ms} vs {want}");
+    assert_eq!(t["predicted_n"], 5);
+    // Four decode steps of one stream after the first token.
+    let predicted_ms = t["predicted_ms"].as_f64().unwrap();
+    let step = |ctx: u64| p.step_seconds(0, 1, ctx) * 1e3;
+    let want: f64 = (0..4).map(|k| step(prompt + k)).sum();
+    assert!(close(predicted_ms, want), "{predicted_ms} vs {want}");
+
+    let v: Value = sim
+        .post("/v1/chat/completions", &chat_body(false))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0);
+    assert_eq!(v["timings"]["cache_n"], cached);
+    assert_eq!(v["timings"]["prompt_n"], prompt - cached);
+    let second_ms = v["timings"]["predicted_ms"].as_f64().unwrap();
+    let m = sim.metrics().await;
+    assert_eq!(sample(&m, "llamacpp:tokens_predicted_total"), 10.0);
+    let seconds = sample(&m, "llamacpp:tokens_predicted_seconds_total");
+    assert!(close(seconds, (predicted_ms + second_ms) / 1e3), "{m}");
+    assert_eq!(
+        sample(&m, "llamacpp:prompt_tokens_cached_total"),
+        cached as f64
+    );
+    // vLLM's answers have none.
+    let vllm = engine_sim().await;
+    let v: Value = vllm
+        .post("/v1/chat/completions", &chat_body(false))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(v.get("timings").is_none());
 }

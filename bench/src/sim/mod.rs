@@ -7,13 +7,21 @@
 //!   chunked prefill, a KV block pool with prefix reuse, LRU eviction and preemption, and a
 //!   step-time model from a GPU profile (`--profile`, `--kv-tokens`); `--profiles
 //!   h100-llama8b:4,l40s-llama8b:4` mixes profiles in one fleet (server i gets the i-th).
+//! - `--profile cpu-smollm2`: a real llama.cpp `llama-server` (SmolLM2-135M on one CPU thread,
+//!   two slots, `--cache-ram 256`) as measured on this machine: two requests run at once and
+//!   the rest wait, `n_batch` 2,048, a 4,096-token context per slot (a prompt that fills it
+//!   is refused, and output stops where it is full), a pool of the slots plus the RAM prompt
+//!   cache. It speaks llama.cpp unless `--engine` says otherwise.
 //! - Fixed-timing mode (when `--ttft-ms` or `--itl-ms` is given): every request gets its first
 //!   token after the TTFT and the rest one per inter-token interval, independent of load; a
 //!   per-server LRU prefix cache still reports `cached_tokens`. kvroute's integration tests
 //!   use this mode.
-//! - Both report `usage.prompt_tokens_details.cached_tokens` the way vLLM does.
+//! - Both report `usage.prompt_tokens_details.cached_tokens` the way vLLM does, and a server
+//!   speaking llama.cpp adds its `timings` (prompt and decode, in model milliseconds).
 //! - Engine telemetry on `/metrics` in vLLM, SGLang or llama.cpp names and meanings,
-//!   including each request's prefill time, measured in model time by the engine's step loop.
+//!   including each request's prefill time, measured in model time by the engine's step loop;
+//!   for llama.cpp exactly the families of a real llama-server 0.6.0, plus its `/props`
+//!   (slots and per-slot context, which kvroute reads) and `/slots`.
 //! - Fault knobs (failure rate, hangs, unhealthy, slow start) and request introspection under
 //!   `/debug/*`, so kvroute's integration tests can see what each backend received.
 //! - `--kv-events PORT`: each engine publishes its KV pool's changes as vLLM's KV cache
@@ -34,12 +42,14 @@
 //!   - `inference`: the POST endpoints and fixed-timing answers; `admission`: slow start,
 //!     parsing, hang and failure faults, prefix lookup.
 //!   - `engine_answer`: engine-mode answers (waiting on the engine, SSE coalescing).
-//!   - `admin`: health, models, metrics and the `/debug` endpoints.
+//!   - `admin`: health, models, metrics, llama.cpp's `/props` and `/slots`, and the `/debug`
+//!     endpoints.
 //!   - `response` / `sse`: answer bodies; `metrics`: the counters' Prometheus text; `reqlog`:
 //!     request log.
 //! - `engine/`, the engine model:
 //!   - `task`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
-//!     `kvpool`: its KV block pool; `profile`: GPU profiles and the step-time model.
+//!     `kvpool`: its KV block pool; `profile`: GPU profiles (and the measured llama.cpp CPU
+//!     server, `cpu-smollm2`), the step-time model and the scheduler's limits.
 //!   - `kvcache`: chained block hashes and fixed mode's bounded prefix cache.
 //!   - `lora`: LoRA adapter slots; `stats`: the counters (the server's and its engine's).
 //!   - `kv_events/`: `kvevents`: the pool's changes as vLLM's KV events and their msgpack;

@@ -129,6 +129,7 @@ impl OpenLoop for LadderSchedule {
                 max_tokens: self.cfg.output_tokens.max(1),
                 session: Some(format!("group-{}-user-{}", a.group, a.user)),
                 step: Some(a.step),
+                turn: None,
                 oracle_hit: hit,
                 oracle_total: sys + self.cfg.question_tokens as f64,
             },

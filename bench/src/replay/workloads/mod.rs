@@ -13,6 +13,7 @@ pub mod ladder;
 pub mod mooncake;
 pub mod multi_model;
 pub mod prompts;
+pub mod shapes;
 pub mod sharegpt;
 
 /// One open-loop request and its due time (wall clock, from the run start).

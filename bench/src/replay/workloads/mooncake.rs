@@ -104,6 +104,7 @@ impl OpenLoop for MooncakeSchedule {
                 max_tokens: rec.output_length.clamp(1, u32::MAX as u64) as u32,
                 session: rec.session_id.clone(),
                 step: None,
+                turn: None,
                 oracle_hit: hit,
                 oracle_total: total,
             },

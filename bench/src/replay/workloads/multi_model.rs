@@ -67,6 +67,7 @@ mod tests {
                     output_length: 4,
                 }],
                 model: None,
+                system: None,
             })
             .collect()
     }

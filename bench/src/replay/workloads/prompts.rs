@@ -52,6 +52,7 @@ pub fn requests(prompts: Vec<Prompt>, default_max_tokens: u32) -> Vec<ChatReques
                 max_tokens,
                 session: Some(format!("prompt-{i}")),
                 step: None,
+                turn: None,
                 oracle_hit: hit,
                 oracle_total: total,
             }

@@ -28,6 +28,9 @@ pub struct Conversation {
     /// The model every turn names (`multi_model`); None sends `--model`.
     #[serde(skip)]
     pub model: Option<String>,
+    /// A system message before the first turn (the synthetic shapes; ShareGPT has none).
+    #[serde(skip)]
+    pub system: Option<String>,
 }
 
 pub fn load(path: &Path) -> Result<Vec<Conversation>, String> {
@@ -52,10 +55,15 @@ pub struct Chat {
 
 impl Chat {
     pub fn new(conv: Conversation, max_tokens_cap: u32) -> Self {
+        let history = conv
+            .system
+            .iter()
+            .map(|s| Message::new("system", s.clone()))
+            .collect();
         Self {
             conv,
             next_turn: 0,
-            history: Vec::new(),
+            history,
             prev_stream: String::new(),
             max_tokens_cap,
         }
@@ -76,6 +84,7 @@ impl Chat {
             session: Some(self.conv.session_id.clone()),
             model: self.conv.model.clone(),
             step: None,
+            turn: Some(self.next_turn as u32 - 1),
             oracle_hit: hit,
             oracle_total: total,
         })
@@ -128,6 +137,7 @@ mod tests {
                 },
             ],
             model: None,
+            system: None,
         }
     }
 

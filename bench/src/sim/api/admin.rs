@@ -1,4 +1,5 @@
-//! The non-inference endpoints: health, model list, metrics and test introspection.
+//! The non-inference endpoints: health, model list, metrics, llama.cpp's `/props` and
+//! `/slots`, and test introspection.
 
 use std::sync::Arc;
 
@@ -50,7 +51,8 @@ pub async fn models(State(s): State<Arc<ServerState>>) -> Json<serde_json::Value
 pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
     let cfg = &s.config;
     let blocks = cfg.num_gpu_blocks();
-    let snapshot = s.stats.snapshot(blocks);
+    // A scrape starts llama.cpp's next interval (its throughput gauges).
+    let snapshot = s.stats.scrape(blocks);
     let mut text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
     if !cfg.lora.adapters.is_empty() {
         if let Ok(lora) = s.lora.slots.lock() {
@@ -73,6 +75,66 @@ pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
         text,
     )
         .into_response()
+}
+
+/// The slots of a llama.cpp server: `--parallel` per engine, and the context of each.
+fn slots_and_ctx(s: &ServerState) -> (usize, u64) {
+    let p = &s.config.profile;
+    (p.max_num_seqs * s.config.dp_size.max(1), p.slot_ctx())
+}
+
+/// llama.cpp's `GET /props`, shaped as llama-server 0.6.0 answers it
+/// (`tests/fixtures/scrapes/llamacpp-0.6.0.props.json`): what kvroute reads is `total_slots`
+/// and `default_generation_settings.n_ctx`, one slot's context. Served only when the server
+/// speaks llama.cpp (`server::router`).
+pub async fn props(State(s): State<Arc<ServerState>>) -> Response {
+    let (total_slots, n_ctx) = slots_and_ctx(&s);
+    let model = &s.config.model;
+    Json(json!({
+        "default_generation_settings": {
+            "params": {
+                "n_predict": -1,
+                "max_tokens": -1,
+                "temperature": 0.800000011920929,
+                "top_k": 40,
+                "top_p": 0.949999988079071,
+                "stream": false,
+                "speculative.types": "none",
+                "lora": [],
+            },
+            "n_ctx": n_ctx,
+        },
+        "total_slots": total_slots,
+        "model_alias": model,
+        "model_path": format!("{model}.gguf"),
+        "modalities": {"vision": false, "video": false, "audio": false},
+        "endpoint_slots": true,
+        "endpoint_props": false,
+        "endpoint_metrics": true,
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "build_info": "b0-kvbench-sim",
+        "is_sleeping": false,
+    }))
+    .into_response()
+}
+
+/// llama.cpp's `GET /slots`: one entry per slot, the first `requests_processing` of them
+/// busy (the simulator does not pin requests to slots).
+pub async fn slots(State(s): State<Arc<ServerState>>) -> Response {
+    let (total, n_ctx) = slots_and_ctx(&s);
+    let busy = s.stats.snapshot(s.config.num_gpu_blocks()).running;
+    let slots: Vec<serde_json::Value> = (0..total)
+        .map(|id| {
+            json!({
+                "id": id,
+                "n_ctx": n_ctx,
+                "speculative": false,
+                "is_processing": (id as u64) < busy,
+            })
+        })
+        .collect();
+    Json(slots).into_response()
 }
 
 pub async fn requests(State(s): State<Arc<ServerState>>) -> Response {

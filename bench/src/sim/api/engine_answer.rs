@@ -6,6 +6,10 @@
 //! as on vLLM. When the client (or this process) reads slower than the engine steps, the
 //! engine does not wait: the tokens the stream has not yet sent are coalesced into the next
 //! event's text, and the last event still carries `finish_reason`.
+//!
+//! A profile with a per-request context (llama.cpp's slot, `cpu-smollm2`) refuses a prompt
+//! that fills it, as llama.cpp does, and cuts the output where the context is full. A server
+//! speaking llama.cpp adds its `timings` beside `usage`, in model milliseconds.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,9 +22,10 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::admission::Admitted;
-use super::response::{Answer, Usage};
+use super::response::{Answer, Timings, Usage};
 use super::sse::{sse_response, ChunkWriter, DONE};
 use super::state::ServerState;
+use crate::sim::config::Engine;
 use crate::sim::engine::scheduler::NewRequest;
 use crate::sim::engine::task::Progress;
 use crate::sim::error::ApiError;
@@ -32,8 +37,17 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     let Some(engine) = s.engine.as_ref() else {
         return ApiError::unavailable("kvbench-sim: no engine").into_response();
     };
-    let n = a.req.max_tokens;
     let prompt_tokens = a.usage.prompt_tokens;
+    let profile = &s.config.profile;
+    let Some(n) = profile.output_within_context(prompt_tokens, a.req.max_tokens) else {
+        // llama.cpp's words.
+        let msg = format!(
+            "request ({prompt_tokens} tokens) exceeds the available context size ({} tokens), \
+             try increasing it",
+            profile.slot_ctx()
+        );
+        return ApiError::bad_request(msg).into_response();
+    };
     if !engine.fits(prompt_tokens, n) {
         let msg = format!(
             "this server's KV cache holds {} tokens, but the request needs {} \
@@ -72,11 +86,14 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         n,
     };
     let mut usage = a.usage;
+    usage.completion_tokens = n;
+    let llamacpp = s.config.engine == Engine::Llamacpp;
     if a.req.stream {
         let stream = EngineStream {
             watcher,
             writer: ChunkWriter::new(answer),
             usage: a.req.include_usage.then_some(usage),
+            timings: llamacpp,
             done: false,
         };
         return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
@@ -90,7 +107,8 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         }
     }
     usage.cached_tokens = watcher.cached_tokens();
-    Json(answer.completion(&completion_text(n), usage)).into_response()
+    let timings = llamacpp.then(|| watcher.timings());
+    Json(answer.completion(&completion_text(n), usage, timings)).into_response()
 }
 
 fn engine_gone() -> Response {
@@ -137,12 +155,26 @@ impl Watcher {
     fn cached_tokens(&self) -> u64 {
         self.rx.borrow().cached_tokens.unwrap_or(0)
     }
+
+    /// llama.cpp's `timings` of the request, once its last token is out.
+    fn timings(&self) -> Timings {
+        let p = *self.rx.borrow();
+        Timings {
+            cache_n: p.cached_tokens.unwrap_or(0),
+            prompt_n: p.prompt_computed,
+            prompt_ms: p.prompt_seconds * 1e3,
+            predicted_n: p.generated.min(self.n),
+            predicted_ms: p.decode_seconds * 1e3,
+        }
+    }
 }
 
 struct EngineStream {
     watcher: Watcher,
     writer: ChunkWriter,
     usage: Option<Usage>,
+    /// Whether the usage chunk carries llama.cpp's `timings`.
+    timings: bool,
     done: bool,
 }
 
@@ -157,7 +189,8 @@ impl EngineStream {
         }
         if let Some(mut usage) = self.usage.take() {
             usage.cached_tokens = w.cached_tokens();
-            return Some(self.writer.usage(usage));
+            let timings = self.timings.then(|| w.timings());
+            return Some(self.writer.usage(usage, timings));
         }
         if !self.done {
             self.done = true;

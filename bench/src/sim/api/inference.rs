@@ -18,9 +18,10 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::admission::{admit, Admitted};
 use super::engine_answer;
 use super::reqlog::Entry;
-use super::response::{Answer, Usage};
+use super::response::{Answer, Timings, Usage};
 use super::sse::{sse_response, ChunkWriter, DONE};
 use super::state::{header_value, ServerState};
+use crate::sim::config::Engine;
 use crate::sim::engine::kvcache::BLOCK_TOKENS;
 use crate::sim::engine::lora::AdapterUse;
 use crate::sim::engine::stats::Gauge;
@@ -149,6 +150,7 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
             next: 0,
             n,
             usage: include_usage.then_some(a.usage),
+            cached_tokens: a.usage.cached_tokens,
             done: false,
         };
         return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
@@ -159,8 +161,9 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
     gen.token(0).await;
     gen.rest(n).await;
     gen.replied(n);
+    let timings = gen.timings(a.usage.cached_tokens, n);
     drop(gen.running);
-    Json(answer.completion(&completion_text(n), a.usage)).into_response()
+    Json(answer.completion(&completion_text(n), a.usage, timings)).into_response()
 }
 
 /// One request on the simulated engine: holds its KV blocks (the running gauge) until dropped.
@@ -209,10 +212,30 @@ impl Generation {
         s.kv().insert(&self.blocks);
     }
 
+    /// Model seconds of one inter-token interval.
+    fn itl_seconds(&self) -> f64 {
+        self.schedule.itl.as_secs_f64() * self.state.config.time_scale
+    }
+
+    /// llama.cpp's `timings` of a reply of `n` tokens, when the server speaks llama.cpp: the
+    /// prompt took the TTFT, the rest one interval a token.
+    fn timings(&self, cached_tokens: u64, n: u64) -> Option<Timings> {
+        let config = &self.state.config;
+        (config.engine == Engine::Llamacpp).then(|| Timings {
+            cache_n: cached_tokens,
+            prompt_n: self.processed_tokens,
+            prompt_ms: config.ttft.as_secs_f64() * config.time_scale * 1e3,
+            predicted_n: n,
+            predicted_ms: n.saturating_sub(1) as f64 * self.itl_seconds() * 1e3,
+        })
+    }
+
     /// The whole reply is out: the next turn will send it back after this prompt, so its
     /// blocks are cached too, as the engine mode's pool does. Prompt and reply go in together
     /// so that the cache's LRU order keeps the prompt's head the most recent.
     fn replied(&mut self, n: u64) {
+        let decode = n.saturating_sub(1) as f64 * self.itl_seconds();
+        self.state.stats.predicted(n, decode);
         let prompt = std::mem::take(&mut self.prompt);
         let mut blocks = std::mem::take(&mut self.blocks);
         let tokenizer = &self.state.config.tokenizer;
@@ -236,6 +259,7 @@ struct TokenStream {
     next: u64,
     n: u64,
     usage: Option<Usage>,
+    cached_tokens: u64,
     done: bool,
 }
 
@@ -252,7 +276,8 @@ impl TokenStream {
             return Some(self.writer.token(&token_text(i), i == 0, last));
         }
         if let Some(usage) = self.usage.take() {
-            return Some(self.writer.usage(usage));
+            let timings = self.gen.timings(self.cached_tokens, self.n);
+            return Some(self.writer.usage(usage, timings));
         }
         if !self.done {
             self.done = true;

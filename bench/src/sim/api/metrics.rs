@@ -8,6 +8,12 @@
 //! `request_prefill_kv_computed_tokens` the tokens each prefill computed, observed with its
 //! `request_prefill_time_seconds` (vLLM observes both when the request finishes, the simulator
 //! when its prefill does). All times are model seconds.
+//!
+//! llama.cpp's families are exactly those of a real `llama-server` 0.6.0
+//! (`tests/fixtures/scrapes/llamacpp-0.6.0.metrics.txt`), in its order, with its HELP text
+//! and types: no KV usage (that version exports none; its slots and their context are on
+//! `/props`). Its throughput gauges cover only what finished since the previous scrape, which
+//! resets them (`Stats::scrape`); its generation counters count a request when it ends.
 
 use std::fmt::Write;
 
@@ -104,27 +110,115 @@ pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) 
         }
         Engine::Llamacpp => {
             // llama.cpp's server labels nothing: it serves one model.
-            t.gauge("llamacpp:requests_processing", "", s.running as f64);
-            t.gauge("llamacpp:requests_deferred", "", s.waiting as f64);
-            t.gauge("llamacpp:kv_cache_usage_ratio", "", s.kv_cache_usage);
-            let processed = s.prompt_tokens_processed_total;
-            t.counter("llamacpp:prompt_tokens", "", processed);
-            t.counter_f64("llamacpp:prompt_seconds", "", s.prompt_seconds_total);
-            let throughput = if s.prompt_seconds_total > 0.0 {
-                processed as f64 / s.prompt_seconds_total
-            } else {
-                0.0
-            };
-            t.gauge("llamacpp:prompt_tokens_seconds", "", throughput);
-            t.gauge("llamacpp:kv_cache_tokens", "", s.kv_tokens_used as f64);
-            t.counter("llamacpp:tokens_predicted", "", s.generation_tokens_total);
-            // Seconds of generation after each stream's first token (llama.cpp's
-            // `t_token_generation`).
-            t.counter_f64("llamacpp:tokens_predicted_seconds", "", s.itl.sum);
+            let per_decode = s.busy_seqs_total as f64 / s.steps_total.max(1) as f64;
+            let values = [
+                s.prompt_tokens_processed_total as f64,
+                s.prefix_cache_hits_total as f64,
+                s.prompt_seconds_total,
+                s.predicted_total.tokens as f64,
+                s.predicted_total.seconds,
+                s.steps_total as f64,
+                s.max_seq_tokens as f64,
+                // No speculative decoding.
+                0.0,
+                0.0,
+                0.0,
+                s.interval.prompt.rate(),
+                s.interval.predicted.rate(),
+                s.running as f64,
+                s.waiting as f64,
+                per_decode,
+            ];
+            for ((name, help, kind), value) in LLAMACPP_FAMILIES.iter().zip(values) {
+                let _ = writeln!(t.out, "# HELP {name} {help}");
+                let _ = writeln!(t.out, "# TYPE {name} {kind}");
+                t.sample(name, "", value);
+            }
         }
     }
     t.out
 }
+
+/// llama-server 0.6.0's `/metrics`, family by family: name, HELP text, type. Counters are
+/// named with `_total` in their HELP and TYPE lines too, and `n_tokens_max` (a maximum) is
+/// typed a counter, as llama.cpp writes them.
+const LLAMACPP_FAMILIES: [(&str, &str, &str); 15] = [
+    (
+        "llamacpp:prompt_tokens_total",
+        "Number of prompt tokens processed, excluding cached tokens",
+        "counter",
+    ),
+    (
+        "llamacpp:prompt_tokens_cached_total",
+        "Number of prompt tokens reused from the cache",
+        "counter",
+    ),
+    (
+        "llamacpp:prompt_seconds_total",
+        "Total time spent processing prompts",
+        "counter",
+    ),
+    (
+        "llamacpp:tokens_predicted_total",
+        "Number of generation tokens processed",
+        "counter",
+    ),
+    (
+        "llamacpp:tokens_predicted_seconds_total",
+        "Total time spent generating tokens",
+        "counter",
+    ),
+    (
+        "llamacpp:n_decode_total",
+        "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+        "counter",
+    ),
+    (
+        "llamacpp:n_tokens_max",
+        "Largest observed sequence length (prompt + generation)",
+        "counter",
+    ),
+    (
+        "llamacpp:spec_decode_num_draft_tokens_total",
+        "Speculative: Total draft tokens generated",
+        "counter",
+    ),
+    (
+        "llamacpp:spec_decode_num_accepted_tokens_total",
+        "Speculative: Total draft tokens accepted by the target model",
+        "counter",
+    ),
+    (
+        "llamacpp:spec_decode_num_drafts_total",
+        "Speculative: Total speculative decoding verification steps",
+        "counter",
+    ),
+    (
+        "llamacpp:prompt_tokens_seconds",
+        "Average prompt throughput in tokens/s",
+        "gauge",
+    ),
+    (
+        "llamacpp:predicted_tokens_seconds",
+        "Average generation throughput in tokens/s",
+        "gauge",
+    ),
+    (
+        "llamacpp:requests_processing",
+        "Number of requests processing",
+        "gauge",
+    ),
+    (
+        "llamacpp:requests_deferred",
+        "Number of requests deferred",
+        "gauge",
+    ),
+    (
+        "llamacpp:n_busy_slots_per_decode",
+        "Average number of busy slots per llama_decode() call",
+        "gauge",
+    ),
+];
 
 fn escape_label(v: &str) -> String {
     v.replace('\\', "\\\\")
@@ -191,12 +285,14 @@ mod tests {
     use super::*;
     use crate::sim::engine::stats::Stats;
 
-    /// One request: 100 prompt tokens, 64 of them cached, so 36 computed in 0.4 model s.
+    /// One request: 100 prompt tokens, 64 of them cached, so 36 computed in 0.4 model s;
+    /// then 16 tokens, the last 0.3 model s after the first.
     fn busy_stats() -> Arc<Stats> {
         let stats = Arc::new(Stats::default());
         stats.admitted(100, 64);
         stats.prefilled(36, 0.4);
         stats.generated(16);
+        stats.predicted(16, 0.3);
         stats.observe_ttft(0.03);
         stats
     }
@@ -268,21 +364,25 @@ mod tests {
         for line in [
             "llamacpp:requests_processing 1",
             "llamacpp:requests_deferred 0",
-            "llamacpp:kv_cache_usage_ratio 0.05",
             // Computed prompt tokens only: the 64 cached ones are not processed.
-            "# TYPE llamacpp:prompt_tokens counter",
+            "# TYPE llamacpp:prompt_tokens_total counter",
             "llamacpp:prompt_tokens_total 36",
-            "# TYPE llamacpp:prompt_seconds counter",
+            "llamacpp:prompt_tokens_cached_total 64",
+            "# TYPE llamacpp:prompt_seconds_total counter",
             "llamacpp:prompt_seconds_total 0.4",
             "# TYPE llamacpp:prompt_tokens_seconds gauge",
             "llamacpp:prompt_tokens_seconds 90",
-            "# TYPE llamacpp:kv_cache_tokens gauge",
-            "llamacpp:kv_cache_tokens 80",
+            // Counted when the request ends: 16 tokens, 0.3 s after the first.
             "llamacpp:tokens_predicted_total 16",
+            "llamacpp:tokens_predicted_seconds_total 0.3",
         ] {
             assert!(ll.lines().any(|l| l == line), "missing {line}\n{ll}");
         }
         assert!(!ll.contains("vllm:"));
+        assert!(
+            !ll.contains("kv_cache"),
+            "llama-server 0.6.0 exports no KV usage\n{ll}"
+        );
         // Before any prefill, the throughput gauge is 0, not NaN.
         let idle = render(Engine::Llamacpp, "m", &Stats::default().snapshot(100), 100);
         assert!(
@@ -290,5 +390,69 @@ mod tests {
                 .any(|l| l == "llamacpp:prompt_tokens_seconds 0"),
             "{idle}"
         );
+    }
+
+    /// A real llama-server 0.6.0's `/metrics`, recorded (see its README).
+    const LLAMACPP_FIXTURE: &str =
+        include_str!("../../../../tests/fixtures/scrapes/llamacpp-0.6.0.metrics.txt");
+
+    /// The families of an exposition: its HELP and TYPE lines, and its samples' names.
+    fn shape(text: &str) -> (Vec<&str>, Vec<&str>) {
+        let comments = text.lines().filter(|l| l.starts_with('#')).collect();
+        let names = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .map(|l| l.split([' ', '{']).next().unwrap_or(""))
+            .collect();
+        (comments, names)
+    }
+
+    #[test]
+    fn llamacpp_text_has_exactly_the_recorded_families() {
+        let (want_comments, want_names) = shape(LLAMACPP_FIXTURE);
+        assert_eq!(want_names.len(), 15, "{LLAMACPP_FIXTURE}");
+        for s in [busy_stats().scrape(100), Stats::default().snapshot(100)] {
+            let text = render(Engine::Llamacpp, "m", &s, 100);
+            let (comments, names) = shape(&text);
+            // The same HELP and TYPE lines, in the same order; one sample per family.
+            assert_eq!(comments, want_comments, "{text}");
+            assert_eq!(names, want_names, "{text}");
+            for line in text.lines().filter(|l| !l.starts_with('#')) {
+                let value = line.rsplit(' ').next().unwrap();
+                assert!(value.parse::<f64>().unwrap().is_finite(), "{line}");
+            }
+        }
+    }
+
+    /// The throughput gauges cover what finished since the previous scrape; the counters go on.
+    #[test]
+    fn llamacpp_throughput_gauges_reset_on_each_scrape() {
+        let stats = busy_stats();
+        let first = render(Engine::Llamacpp, "m", &stats.scrape(100), 100);
+        assert!(first
+            .lines()
+            .any(|l| l == "llamacpp:predicted_tokens_seconds 53.333333333333336"));
+        // `/debug/state` reads without resetting.
+        assert_eq!(stats.snapshot(100).interval.prompt.tokens, 0);
+        let second = render(Engine::Llamacpp, "m", &stats.scrape(100), 100);
+        for line in [
+            "llamacpp:prompt_tokens_seconds 0",
+            "llamacpp:predicted_tokens_seconds 0",
+            "llamacpp:prompt_tokens_total 36",
+            "llamacpp:tokens_predicted_total 16",
+        ] {
+            assert!(
+                second.lines().any(|l| l == line),
+                "missing {line}\n{second}"
+            );
+        }
+        stats.prefilled(100, 0.5);
+        let third = render(Engine::Llamacpp, "m", &stats.scrape(100), 100);
+        assert!(third
+            .lines()
+            .any(|l| l == "llamacpp:prompt_tokens_seconds 200"));
+        assert!(third
+            .lines()
+            .any(|l| l == "llamacpp:prompt_tokens_total 136"));
     }
 }

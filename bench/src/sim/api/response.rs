@@ -1,4 +1,4 @@
-//! Non-streaming answer bodies, in OpenAI's shapes.
+//! Non-streaming answer bodies, in OpenAI's shapes, and llama.cpp's `timings`.
 
 use serde_json::{json, Value};
 
@@ -18,6 +18,38 @@ impl Usage {
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+/// What llama.cpp adds beside `usage` (in a non-streamed answer and in the stream's usage
+/// chunk): the prompt tokens the cache gave and those computed, the output tokens, and how
+/// long each took (model milliseconds; the decode time runs from the first token to the last).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timings {
+    pub cache_n: u64,
+    pub prompt_n: u64,
+    pub prompt_ms: f64,
+    pub predicted_n: u64,
+    pub predicted_ms: f64,
+}
+
+impl Timings {
+    /// As llama.cpp writes them, with its derived rates (0, not a division by 0, when a count
+    /// or a time is 0).
+    pub fn to_json(self) -> Value {
+        let per_token = |ms: f64, n: u64| if n > 0 { ms / n as f64 } else { 0.0 };
+        let per_second = |ms: f64, n: u64| if ms > 0.0 { 1e3 / ms * n as f64 } else { 0.0 };
+        json!({
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": per_token(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": per_second(self.prompt_ms, self.prompt_n),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": per_token(self.predicted_ms, self.predicted_n),
+            "predicted_per_second": per_second(self.predicted_ms, self.predicted_n),
         })
     }
 }
@@ -49,7 +81,8 @@ impl Answer {
         }
     }
 
-    pub fn completion(&self, text: &str, usage: Usage) -> Value {
+    /// The whole answer; llama.cpp's `timings` beside `usage` when given.
+    pub fn completion(&self, text: &str, usage: Usage, timings: Option<Timings>) -> Value {
         let (object, choice) = match self.endpoint {
             Endpoint::Chat => (
                 "chat.completion",
@@ -65,14 +98,18 @@ impl Answer {
                 json!({"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}),
             ),
         };
-        json!({
+        let mut v = json!({
             "id": self.id,
             "object": object,
             "created": self.created,
             "model": self.model,
             "choices": [choice],
             "usage": usage.to_json(),
-        })
+        });
+        if let Some(t) = timings {
+            v["timings"] = t.to_json();
+        }
+        v
     }
 
     /// A small fixed vector: embeddings exist so the proxy's passthrough can be tested.
@@ -102,13 +139,38 @@ mod tests {
             completion_tokens: 3,
             cached_tokens: 32,
         };
-        let v = a.completion(" tok0 tok1 tok2", usage);
+        let v = a.completion(" tok0 tok1 tok2", usage, None);
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["id"], "chatcmpl-kvbench-2-7");
         assert_eq!(v["choices"][0]["message"]["role"], "assistant");
         assert_eq!(v["choices"][0]["finish_reason"], "length");
         assert_eq!(v["usage"]["total_tokens"], 43);
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
+        assert!(v.get("timings").is_none());
+        let timings = Timings {
+            cache_n: 32,
+            prompt_n: 8,
+            prompt_ms: 40.0,
+            predicted_n: 3,
+            predicted_ms: 30.0,
+        };
+        let v = a.completion(" tok0 tok1 tok2", usage, Some(timings));
+        let t = &v["timings"];
+        assert_eq!(
+            (t["cache_n"].as_u64(), t["prompt_n"].as_u64()),
+            (Some(32), Some(8))
+        );
+        assert_eq!(t["prompt_per_token_ms"], 5.0);
+        assert_eq!(t["prompt_per_second"], 200.0);
+        assert_eq!(t["predicted_per_token_ms"], 10.0);
+        assert_eq!(t["predicted_per_second"], 100.0);
+        let nothing = Timings {
+            prompt_n: 0,
+            prompt_ms: 0.0,
+            ..timings
+        };
+        assert_eq!(nothing.to_json()["prompt_per_second"], 0.0);
+        assert_eq!(nothing.to_json()["prompt_per_token_ms"], 0.0);
     }
 
     #[test]
@@ -119,7 +181,7 @@ mod tests {
             completion_tokens: 1,
             cached_tokens: 0,
         };
-        let v = a.completion(" tok0", usage);
+        let v = a.completion(" tok0", usage, None);
         assert_eq!(v["object"], "text_completion");
         assert_eq!(v["choices"][0]["text"], " tok0");
     }

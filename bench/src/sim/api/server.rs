@@ -12,7 +12,7 @@ use axum::Router;
 use super::admin;
 use super::inference;
 use super::state::ServerState;
-use crate::sim::config::SimConfig;
+use crate::sim::config::{Engine, SimConfig};
 use crate::sim::engine::kv_events::kvpublish::Publisher;
 use crate::sim::error::ApiError;
 
@@ -23,7 +23,15 @@ pub const SERVER_HEADER: HeaderName = HeaderName::from_static("x-kvbench-server"
 pub const ADDR_HEADER: HeaderName = HeaderName::from_static("x-kvbench-addr");
 
 pub fn router(state: Arc<ServerState>) -> Router {
-    Router::new()
+    let mut routes = Router::new();
+    // llama.cpp's own endpoints, where kvroute learns its slots and their context; other
+    // engines have none (404).
+    if state.config.engine == Engine::Llamacpp {
+        routes = routes
+            .route("/props", get(admin::props))
+            .route("/slots", get(admin::slots));
+    }
+    routes
         .route("/v1/chat/completions", post(inference::chat))
         .route("/v1/completions", post(inference::completions))
         .route("/v1/embeddings", post(inference::embeddings))

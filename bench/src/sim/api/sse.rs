@@ -9,7 +9,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use super::response::{Answer, Usage};
+use super::response::{Answer, Timings, Usage};
 use crate::sim::text::openai::Endpoint;
 
 pub const DONE: &[u8] = b"data: [DONE]\n\n";
@@ -48,17 +48,22 @@ impl ChunkWriter {
         Bytes::from(out)
     }
 
-    /// The final usage chunk (`stream_options.include_usage`): no choices, only usage.
-    pub fn usage(&self, usage: Usage) -> Bytes {
+    /// The final usage chunk (`stream_options.include_usage`): no choices, only usage, and
+    /// llama.cpp's `timings` when given.
+    pub fn usage(&self, usage: Usage, timings: Option<Timings>) -> Bytes {
         let a = &self.answer;
-        event(&json!({
+        let mut chunk = json!({
             "id": a.id,
             "object": chunk_object(a.endpoint),
             "created": a.created,
             "model": a.model,
             "choices": [],
             "usage": usage.to_json(),
-        }))
+        });
+        if let Some(t) = timings {
+            chunk["timings"] = t.to_json();
+        }
+        event(&chunk)
     }
 }
 
@@ -142,14 +147,18 @@ mod tests {
         let last = parse_event(&w.token(" tok2", false, true));
         assert_eq!(last["choices"][0]["finish_reason"], "length");
 
-        let usage = parse_event(&w.usage(Usage {
-            prompt_tokens: 10,
-            completion_tokens: 3,
-            cached_tokens: 0,
-        }));
+        let usage = parse_event(&w.usage(
+            Usage {
+                prompt_tokens: 10,
+                completion_tokens: 3,
+                cached_tokens: 0,
+            },
+            None,
+        ));
         assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
         assert_eq!(usage["usage"]["total_tokens"], 13);
         assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        assert!(usage.get("timings").is_none());
     }
 
     #[test]

