@@ -1009,3 +1009,426 @@ async fn llamacpp_answers_carry_timings() {
         .unwrap();
     assert!(v.get("timings").is_none());
 }
+
+// The Responses and Messages APIs: served as chat, answered in their own shapes.
+
+impl Sim {
+    async fn request(&self, method: reqwest::Method, path: &str) -> (u16, Value) {
+        let res = self
+            .http
+            .request(method, format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(res.headers()["x-kvbench-server"], "3", "{path}");
+        let status = res.status().as_u16();
+        (status, res.json().await.unwrap())
+    }
+}
+
+/// `event: <type>\ndata: <json>` events of a typed-event stream, in order.
+async fn typed_events(res: reqwest::Response) -> Vec<(String, Value)> {
+    assert_eq!(res.status(), 200);
+    assert_eq!(res.headers()["content-type"], "text/event-stream");
+    assert_eq!(res.headers()["x-kvbench-server"], "3");
+    let text = res.text().await.unwrap();
+    assert!(!text.contains("[DONE]"), "{text}");
+    text.split_terminator("\n\n")
+        .map(|e| {
+            let (kind, data) = e.split_once('\n').unwrap();
+            let kind = kind.strip_prefix("event: ").unwrap().to_owned();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], kind.as_str());
+            (kind, data)
+        })
+        .collect()
+}
+
+const AGENT_REPLY: u64 = 40;
+
+fn responses_turn1(stream: bool) -> Value {
+    json!({
+        "model": "sim-llama-8b",
+        "instructions": "You are a coding agent. ".repeat(20),
+        "input": [{"role": "user", "content": "Fix the failing test. ".repeat(10)}],
+        "max_output_tokens": AGENT_REPLY,
+        "stream": stream,
+    })
+}
+
+/// Turn 2 sent back with the id of turn 1: it hits all of turn 1's prompt and reply, in
+/// both modes, and so does the same turn sent whole (stateless).
+#[tokio::test]
+async fn responses_second_turn_hits_the_cache_in_both_modes() {
+    for sim in [Sim::start().await, engine_sim().await] {
+        let res = sim.post("/v1/responses", &responses_turn1(false)).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["x-kvbench-server"], "3");
+        let first: Value = res.json().await.unwrap();
+        let id = first["id"].as_str().unwrap();
+        assert!(id.starts_with("resp_") && !id.contains("kvbench"), "{id}");
+        assert_eq!(first["object"], "response");
+        assert_eq!(first["status"], "completed");
+        assert_eq!(first["model"], "sim-llama-8b");
+        let reply = &first["output"][0];
+        assert_eq!(reply["type"], "message");
+        assert_eq!(reply["role"], "assistant");
+        assert_eq!(reply["content"][0]["type"], "output_text");
+        assert_eq!(reply["content"][0]["text"], completion_text(AGENT_REPLY));
+        let usage = &first["usage"];
+        assert_eq!(usage["output_tokens"], AGENT_REPLY);
+        assert_eq!(
+            usage["total_tokens"].as_u64(),
+            Some(usage["input_tokens"].as_u64().unwrap() + AGENT_REPLY)
+        );
+        assert_eq!(usage["input_tokens_details"]["cached_tokens"], 0);
+
+        let next = json!({"role": "user", "content": "More."});
+        let mut turn2 = responses_turn1(false);
+        turn2["previous_response_id"] = json!(id);
+        turn2["input"] = json!([next]);
+        let mut stateless = responses_turn1(false);
+        stateless["input"] = json!([responses_turn1(false)["input"][0], reply, next]);
+        for body in [turn2, stateless] {
+            let v: Value = sim.post("/v1/responses", &body).await.json().await.unwrap();
+            let input = v["usage"]["input_tokens"].as_u64().unwrap();
+            let cached = v["usage"]["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap();
+            // The new user turn and the generation prompt are 14 tokens.
+            assert!(cached > 0 && input - cached < 14 + 16, "{input} {cached}");
+        }
+        let log = sim.get_json("/debug/requests").await;
+        assert!(log
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["path"] == "/v1/responses" && e["status"] == 200));
+    }
+}
+
+fn messages_turn1(stream: bool) -> Value {
+    json!({
+        "model": "sim-llama-8b",
+        "system": [{"type": "text", "text": "You are a coding agent. ".repeat(20)}],
+        "messages": [{"role": "user", "content": "Fix the failing test. ".repeat(10)}],
+        "max_tokens": AGENT_REPLY,
+        "stream": stream,
+        "metadata": {"user_id": "u1"},
+    })
+}
+
+#[tokio::test]
+async fn messages_second_turn_hits_the_cache_in_both_modes() {
+    for sim in [Sim::start().await, engine_sim().await] {
+        let res = sim.post("/v1/messages", &messages_turn1(false)).await;
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers()["x-kvbench-server"], "3");
+        let first: Value = res.json().await.unwrap();
+        assert!(first["id"].as_str().unwrap().starts_with("msg_"));
+        assert_eq!(first["type"], "message");
+        assert_eq!(first["role"], "assistant");
+        assert_eq!(first["stop_reason"], "max_tokens");
+        assert!(first["stop_sequence"].is_null());
+        let reply = completion_text(AGENT_REPLY);
+        assert_eq!(first["content"], json!([{"type": "text", "text": reply}]));
+        let usage = &first["usage"];
+        assert_eq!(usage["cache_read_input_tokens"], 0);
+        assert_eq!(usage["cache_creation_input_tokens"], 0);
+        assert_eq!(usage["output_tokens"], AGENT_REPLY);
+        let counted: Value = sim
+            .post("/v1/messages/count_tokens", &messages_turn1(false))
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(counted["input_tokens"], usage["input_tokens"]);
+
+        let mut turn2 = messages_turn1(false);
+        turn2["messages"] = json!([
+            messages_turn1(false)["messages"][0],
+            {"role": "assistant", "content": first["content"]},
+            {"role": "user", "content": "More."},
+        ]);
+        let v: Value = sim.post("/v1/messages", &turn2).await.json().await.unwrap();
+        let uncached = v["usage"]["input_tokens"].as_u64().unwrap();
+        let cached = v["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+        assert!(cached > 0 && uncached < 14 + 16, "{uncached} {cached}");
+        let counted: Value = sim
+            .post("/v1/messages/count_tokens", &turn2)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(counted["input_tokens"], uncached + cached);
+        let log = sim.get_json("/debug/requests").await;
+        let paths: Vec<&str> = log
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["path"].as_str().unwrap())
+            .collect();
+        let (m, c) = ("/v1/messages", "/v1/messages/count_tokens");
+        assert_eq!(paths, [m, c, m, c]);
+    }
+}
+
+#[tokio::test]
+async fn responses_stream_events_in_order_with_usage() {
+    for sim in [Sim::start().await, engine_sim().await] {
+        let events = typed_events(sim.post("/v1/responses", &responses_turn1(true)).await).await;
+        let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+        let opening = [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ];
+        let closing = [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ];
+        assert_eq!(kinds[..4], opening);
+        assert_eq!(kinds[kinds.len() - 4..], closing);
+        let deltas = &events[4..events.len() - 4];
+        assert!(deltas
+            .iter()
+            .all(|(k, _)| k == "response.output_text.delta"));
+        for (i, (_, v)) in events.iter().enumerate() {
+            assert_eq!(v["sequence_number"], i as u64);
+        }
+        assert_eq!(events[0].1["response"]["status"], "in_progress");
+        let text: String = deltas
+            .iter()
+            .map(|(_, v)| v["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(text, completion_text(AGENT_REPLY));
+        let done = &events[events.len() - 1].1["response"];
+        assert_eq!(done["status"], "completed");
+        assert_eq!(deltas[0].1["item_id"], done["output"][0]["id"]);
+        assert_eq!(done["output"][0]["content"][0]["text"], text);
+        assert_eq!(done["usage"]["output_tokens"], AGENT_REPLY);
+        let input = done["usage"]["input_tokens"].as_u64().unwrap();
+        assert_eq!(done["usage"]["total_tokens"], input + AGENT_REPLY);
+
+        // The streamed answer is stored and continued like any other.
+        let id = done["id"].as_str().unwrap();
+        let (status, got) = sim
+            .request(reqwest::Method::GET, &format!("/v1/responses/{id}"))
+            .await;
+        assert_eq!((status, &got), (200, done));
+        let mut turn2 = responses_turn1(true);
+        turn2["previous_response_id"] = json!(id);
+        turn2["input"] = json!("More.");
+        let events = typed_events(sim.post("/v1/responses", &turn2).await).await;
+        let usage = &events.last().unwrap().1["response"]["usage"];
+        let cached = usage["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached > input, "{cached} {input}");
+    }
+    // One token a step in fixed timing: one delta a token.
+    let sim = Sim::start().await;
+    let events = typed_events(sim.post("/v1/responses", &responses_turn1(true)).await).await;
+    assert_eq!(events.len() as u64, 8 + AGENT_REPLY);
+}
+
+#[tokio::test]
+async fn messages_stream_events_in_order_with_usage() {
+    for sim in [Sim::start().await, engine_sim().await] {
+        sim.post("/v1/messages", &messages_turn1(false)).await;
+        let events = typed_events(sim.post("/v1/messages", &messages_turn1(true)).await).await;
+        let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(kinds[..2], ["message_start", "content_block_start"]);
+        assert_eq!(
+            kinds[kinds.len() - 3..],
+            ["content_block_stop", "message_delta", "message_stop"]
+        );
+        let deltas = &events[2..events.len() - 3];
+        assert!(deltas.iter().all(|(k, _)| k == "content_block_delta"));
+        let text: String = deltas
+            .iter()
+            .map(|(_, v)| v["delta"]["text"].as_str().unwrap())
+            .collect();
+        assert_eq!(text, completion_text(AGENT_REPLY));
+        let start = &events[0].1["message"];
+        assert_eq!(start["content"], json!([]));
+        assert!(start["stop_reason"].is_null());
+        let usage = &start["usage"];
+        let counted: Value = sim
+            .post("/v1/messages/count_tokens", &messages_turn1(true))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let (uncached, cached) = (
+            usage["input_tokens"].as_u64().unwrap(),
+            usage["cache_read_input_tokens"].as_u64().unwrap(),
+        );
+        // The same prompt again: all cached but its last partial block.
+        assert!(cached > 0 && uncached < 16, "{uncached} {cached}");
+        assert_eq!(counted["input_tokens"], uncached + cached);
+        assert_eq!(usage["output_tokens"], 0);
+        let delta = &events[events.len() - 2].1;
+        assert_eq!(delta["delta"]["stop_reason"], "max_tokens");
+        assert_eq!(delta["usage"], json!({"output_tokens": AGENT_REPLY}));
+    }
+}
+
+#[tokio::test]
+async fn responses_store_previous_get_input_items_and_delete() {
+    use reqwest::Method;
+    let sim = Sim::start().await;
+    let first: Value = sim
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "input": "Hello", "max_output_tokens": 3}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id1 = first["id"].as_str().unwrap();
+    let (status, got) = sim
+        .request(Method::GET, &format!("/v1/responses/{id1}"))
+        .await;
+    assert_eq!((status, &got), (200, &first));
+    let (_, items) = sim
+        .request(Method::GET, &format!("/v1/responses/{id1}/input_items"))
+        .await;
+    assert_eq!(items["object"], "list");
+    assert_eq!(items["has_more"], false);
+    assert_eq!(items["data"].as_array().unwrap().len(), 1);
+    assert_eq!(items["data"][0]["role"], "user");
+    assert_eq!(
+        items["data"][0]["content"],
+        json!([{"type": "input_text", "text": "Hello"}])
+    );
+    assert_eq!(items["first_id"], items["data"][0]["id"]);
+    assert_eq!(items["last_id"], items["data"][0]["id"]);
+
+    let turn2 = json!({"model": "m", "previous_response_id": id1, "max_output_tokens": 2,
+        "input": [{"type": "function_call_output", "call_id": "c1", "output": "ok"}]});
+    let second: Value = sim
+        .post("/v1/responses", &turn2)
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id2 = second["id"].as_str().unwrap();
+    let (_, items) = sim
+        .request(Method::GET, &format!("/v1/responses/{id2}/input_items"))
+        .await;
+    let data = items["data"].as_array().unwrap();
+    let kinds: Vec<&str> = data.iter().map(|i| i["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["message", "message", "function_call_output"]);
+    assert_eq!(data[1], first["output"][0]);
+    assert!(data.iter().all(|i| i["id"].is_string()));
+    assert_eq!(items["last_id"], data[2]["id"]);
+
+    let (status, v) = sim
+        .request(Method::POST, &format!("/v1/responses/{id2}/cancel"))
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("Cannot cancel a response that is not in progress"));
+
+    let (status, v) = sim
+        .request(Method::DELETE, &format!("/v1/responses/{id1}"))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(v, json!({"id": id1, "object": "response", "deleted": true}));
+    for (method, path) in [
+        (Method::GET, format!("/v1/responses/{id1}")),
+        (Method::DELETE, format!("/v1/responses/{id1}")),
+        (Method::GET, format!("/v1/responses/{id1}/input_items")),
+        (Method::POST, format!("/v1/responses/{id1}/cancel")),
+    ] {
+        let (status, v) = sim.request(method, &path).await;
+        assert_eq!(status, 404, "{path}");
+        assert_eq!(
+            v,
+            json!({"error": {"message": format!("Response with id '{id1}' not found."),
+                   "type": "invalid_request_error", "param": null,
+                   "code": "response_not_found"}})
+        );
+    }
+    // The continuation keeps its whole conversation after its parent is gone.
+    let (status, _) = sim
+        .request(Method::GET, &format!("/v1/responses/{id2}/input_items"))
+        .await;
+    assert_eq!(status, 200);
+    let res = sim
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "previous_response_id": id1, "input": "x"}),
+        )
+        .await;
+    assert_eq!(res.status(), 404);
+    assert_eq!(res.headers()["x-kvbench-server"], "3");
+    let v: Value = res.json().await.unwrap();
+    assert_eq!(v["error"]["param"], "previous_response_id");
+    assert_eq!(v["error"]["code"], "response_not_found");
+
+    let unstored: Value = sim
+        .post(
+            "/v1/responses",
+            &json!({"model": "m", "input": "x", "store": false}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let id = unstored["id"].as_str().unwrap();
+    let (status, _) = sim
+        .request(Method::GET, &format!("/v1/responses/{id}"))
+        .await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn messages_errors_have_anthropics_shape() {
+    let sim = Sim::start().await;
+    let res = sim
+        .post(
+            "/v1/messages",
+            &json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(res.status(), 400);
+    assert!(res.headers().contains_key("x-kvbench-body-xxh3"));
+    let v: Value = res.json().await.unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["message"], "max_tokens: Field required");
+
+    sim.post("/debug/faults", &json!({"fail_rate": 1.0})).await;
+    let res = sim.post("/v1/messages", &messages_turn1(false)).await;
+    assert_eq!(res.status(), 500);
+    let v: Value = res.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "api_error");
+
+    let starting = Sim::with_config(SimConfig {
+        slow_start: Duration::from_secs(60),
+        ..SimConfig::for_tests()
+    })
+    .await;
+    for path in ["/v1/messages", "/v1/messages/count_tokens"] {
+        let res = starting.post(path, &messages_turn1(false)).await;
+        assert_eq!(res.status(), 529, "{path}");
+        let v: Value = res.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "overloaded_error");
+    }
+    // Responses errors keep OpenAI's shape.
+    let res = starting
+        .post("/v1/responses", &responses_turn1(false))
+        .await;
+    assert_eq!(res.status(), 503);
+    let v: Value = res.json().await.unwrap();
+    assert!(v["error"]["message"].is_string());
+}

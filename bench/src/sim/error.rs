@@ -12,6 +12,10 @@ use serde_json::{json, Value};
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// OpenAI's `param`: the request field at fault, when one is.
+    pub param: Option<&'static str>,
+    /// OpenAI's `code`: a machine-readable reason, when the API defines one.
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -19,6 +23,26 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, message)
+    }
+
+    pub fn with_param(self, param: &'static str) -> Self {
+        Self {
+            param: Some(param),
+            ..self
+        }
+    }
+
+    pub fn with_code(self, code: &'static str) -> Self {
+        Self {
+            code: Some(code),
+            ..self
         }
     }
 
@@ -33,7 +57,9 @@ impl ApiError {
     /// OpenAI's `type` names the class of error; clients branch on it.
     fn error_type(&self) -> &'static str {
         match self.status {
+            // OpenAI (and vLLM) call a missing stored object an invalid request too.
             StatusCode::BAD_REQUEST => "invalid_request_error",
+            StatusCode::NOT_FOUND if self.code.is_some() => "invalid_request_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
             _ => "internal_server_error",
@@ -45,7 +71,8 @@ impl ApiError {
             "error": {
                 "message": self.message,
                 "type": self.error_type(),
-                "code": null,
+                "param": self.param,
+                "code": self.code,
             }
         })
     }

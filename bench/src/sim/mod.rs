@@ -3,6 +3,11 @@
 //! # Features
 //! - `/v1/chat/completions` and `/v1/completions`, streaming (SSE) and not, with deterministic
 //!   filler output of exactly `max_tokens` tokens.
+//! - OpenAI's Responses API (`/v1/responses`, with `previous_response_id` and the stored
+//!   answers' `GET`, `DELETE`, `cancel` and `input_items`) and Anthropic's Messages API
+//!   (`/v1/messages`, `/v1/messages/count_tokens`), served as the chat request each body
+//!   converts to, as vLLM, SGLang and llama-server render them: one prompt, one prefix cache,
+//!   the same faults and timing, answered in each API's own shapes and stream events.
 //! - Engine mode (the default): per server, a vLLM-like engine with continuous batching,
 //!   chunked prefill, a KV block pool with prefix reuse, LRU eviction and preemption, and a
 //!   step-time model from a GPU profile (`--profile`, `--kv-tokens`); `--profiles
@@ -46,6 +51,10 @@
 //!     endpoints.
 //!   - `response` / `sse`: answer bodies; `metrics`: the counters' Prometheus text; `reqlog`:
 //!     request log.
+//!   - `responses` / `messages`: the Responses and Messages routes beside the shared POST
+//!     path (stored answers; Anthropic's error shape, `count_tokens`); `responses_answer` /
+//!     `messages_answer`: their bodies and stream events; `response_store`: the bounded store
+//!     of finished Responses answers.
 //! - `engine/`, the engine model:
 //!   - `task`: the per-server engine task; `scheduler`: its step logic (pure, time injected);
 //!     `kvpool`: its KV block pool; `profile`: GPU profiles (and the measured llama.cpp CPU
@@ -55,8 +64,10 @@
 //!   - `kv_events/`: `kvevents`: the pool's changes as vLLM's KV events and their msgpack;
 //!     `kvpublish`: their ZMQ sockets (PUB, and ROUTER for replay).
 //! - `text/`, what the model reads and writes:
-//!   - `openai`: request body parsing; `prompt`: canonical prompt and stand-in tokenizer;
-//!     `tokenizer`: a real Hugging Face tokenizer instead (`--tokenizer`).
+//!   - `openai`: request body parsing; `responses` / `anthropic`: Responses and Messages
+//!     bodies converted to chat; `ids`: random answer and item ids; `prompt`: canonical prompt
+//!     and stand-in tokenizer; `tokenizer`: a real Hugging Face tokenizer instead
+//!     (`--tokenizer`).
 //!   - `generate`: filler text, token timing and the reply's block hashes.
 //!
 //! Imports between these modules go one way only, from the endpoints (`api`) down through

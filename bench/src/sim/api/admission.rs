@@ -14,6 +14,7 @@ use crate::sim::faults::{hits, FAIL_SALT, HANG_SALT};
 use crate::sim::text::openai::{self, Endpoint, SimRequest};
 use crate::sim::text::prompt::count_tokens;
 use crate::sim::text::tokenizer::PromptTokenizer;
+use crate::sim::text::{anthropic, responses};
 
 /// A request that passed admission, with its prefix-cache result (fixed mode; the engine
 /// looks up its own pool when it schedules the request).
@@ -37,7 +38,11 @@ pub async fn admit(
     if s.in_slow_start() {
         return Err(ApiError::unavailable("kvbench-sim: server is starting"));
     }
-    let mut req = openai::parse(endpoint, body)?;
+    let mut req = match endpoint {
+        Endpoint::Responses => responses::parse(body, |id| s.responses.thread(id))?,
+        Endpoint::Messages => anthropic::parse(body, true)?,
+        _ => openai::parse(endpoint, body)?,
+    };
     if !req.token_ids && !s.config.tokenizer.is_stand_in() {
         req.prompt = tokenize(&s.config.tokenizer, std::mem::take(&mut req.prompt)).await?;
     }
@@ -86,7 +91,7 @@ pub async fn admit(
 
 /// The prompt's token stream (`tokenizer`), made on tokio's blocking pool: a long prompt takes
 /// milliseconds, which must not stall the server's other connections.
-async fn tokenize(
+pub(super) async fn tokenize(
     tokenizer: &Arc<PromptTokenizer>,
     canonical: Vec<u8>,
 ) -> Result<Vec<u8>, ApiError> {

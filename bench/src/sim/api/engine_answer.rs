@@ -22,8 +22,9 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::admission::Admitted;
+use super::answer_body;
 use super::response::{Answer, Timings, Usage};
-use super::sse::{sse_response, ChunkWriter, DONE};
+use super::sse::{sse_response, StreamWriter};
 use super::state::ServerState;
 use crate::sim::config::Engine;
 use crate::sim::engine::scheduler::NewRequest;
@@ -91,8 +92,9 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     if a.req.stream {
         let stream = EngineStream {
             watcher,
-            writer: ChunkWriter::new(answer),
+            writer: StreamWriter::new(answer),
             usage: a.req.include_usage.then_some(usage),
+            start: usage,
             timings: llamacpp,
             done: false,
         };
@@ -108,7 +110,13 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     }
     usage.cached_tokens = watcher.cached_tokens();
     let timings = llamacpp.then(|| watcher.timings());
-    Json(answer.completion(&completion_text(n), usage, timings)).into_response()
+    Json(answer_body::whole(
+        &answer,
+        &completion_text(n),
+        usage,
+        timings,
+    ))
+    .into_response()
 }
 
 fn engine_gone() -> Response {
@@ -171,8 +179,10 @@ impl Watcher {
 
 struct EngineStream {
     watcher: Watcher,
-    writer: ChunkWriter,
+    writer: StreamWriter,
     usage: Option<Usage>,
+    /// The prompt's usage; its cached tokens are the engine's, known at the first token.
+    start: Usage,
     /// Whether the usage chunk carries llama.cpp's `timings`.
     timings: bool,
     done: bool,
@@ -185,7 +195,11 @@ impl EngineStream {
             // A dropped request ends the stream without [DONE], as a crashed engine would.
             let (from, upto) = w.next().await?;
             let text: String = (from..upto).map(token_text).collect();
-            return Some(self.writer.token(&text, from == 0, upto == w.n));
+            let start = Usage {
+                cached_tokens: w.cached_tokens(),
+                ..self.start
+            };
+            return Some(self.writer.token(&text, from == 0, upto == w.n, start));
         }
         if let Some(mut usage) = self.usage.take() {
             usage.cached_tokens = w.cached_tokens();
@@ -194,7 +208,7 @@ impl EngineStream {
         }
         if !self.done {
             self.done = true;
-            return Some(Bytes::from_static(DONE));
+            return self.writer.done();
         }
         None
     }

@@ -16,10 +16,11 @@ use tokio::time::{sleep_until, Instant};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::admission::{admit, Admitted};
+use super::answer_body;
 use super::engine_answer;
 use super::reqlog::Entry;
 use super::response::{Answer, Timings, Usage};
-use super::sse::{sse_response, ChunkWriter, DONE};
+use super::sse::{sse_response, StreamWriter};
 use super::state::{header_value, ServerState};
 use crate::sim::config::Engine;
 use crate::sim::engine::kvcache::BLOCK_TOKENS;
@@ -57,7 +58,7 @@ pub fn body_hash_hex(body: &[u8]) -> String {
     format!("{:016x}", xxh3_64(body))
 }
 
-async fn handle(
+pub(super) async fn handle(
     s: Arc<ServerState>,
     endpoint: Endpoint,
     headers: &HeaderMap,
@@ -116,8 +117,9 @@ fn held_until_body_ends<G: Send + Sync + 'static>(res: Response, guard: G) -> Re
 /// vLLM's and SGLang's header pinning a request to one data-parallel rank.
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
-async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
-    let answer = Answer::new(a.req.endpoint, s.index, a.seq, &a.req.model);
+async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Response {
+    let answer = Answer::new(a.req.endpoint, s.index, a.seq, &a.req.model)
+        .with_responses(a.req.responses.take(), &s.responses);
     if a.req.endpoint == Endpoint::Embeddings {
         return Json(answer.embeddings(a.usage.prompt_tokens)).into_response();
     }
@@ -146,11 +148,11 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
     if stream {
         let stream = TokenStream {
             gen,
-            writer: ChunkWriter::new(answer),
+            writer: StreamWriter::new(answer),
             next: 0,
             n,
             usage: include_usage.then_some(a.usage),
-            cached_tokens: a.usage.cached_tokens,
+            start: a.usage,
             done: false,
         };
         return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
@@ -163,7 +165,13 @@ async fn serve(s: Arc<ServerState>, a: Admitted, arrived: Instant) -> Response {
     gen.replied(n);
     let timings = gen.timings(a.usage.cached_tokens, n);
     drop(gen.running);
-    Json(answer.completion(&completion_text(n), a.usage, timings)).into_response()
+    Json(answer_body::whole(
+        &answer,
+        &completion_text(n),
+        a.usage,
+        timings,
+    ))
+    .into_response()
 }
 
 /// One request on the simulated engine: holds its KV blocks (the running gauge) until dropped.
@@ -255,11 +263,12 @@ impl Generation {
 /// written to the socket at that moment, and a client that disconnects drops the generation.
 struct TokenStream {
     gen: Generation,
-    writer: ChunkWriter,
+    writer: StreamWriter,
     next: u64,
     n: u64,
     usage: Option<Usage>,
-    cached_tokens: u64,
+    /// The prompt's usage, known from admission.
+    start: Usage,
     done: bool,
 }
 
@@ -273,15 +282,16 @@ impl TokenStream {
             if last {
                 self.gen.replied(self.n);
             }
-            return Some(self.writer.token(&token_text(i), i == 0, last));
+            let text = token_text(i);
+            return Some(self.writer.token(&text, i == 0, last, self.start));
         }
         if let Some(usage) = self.usage.take() {
-            let timings = self.gen.timings(self.cached_tokens, self.n);
+            let timings = self.gen.timings(self.start.cached_tokens, self.n);
             return Some(self.writer.usage(usage, timings));
         }
         if !self.done {
             self.done = true;
-            return Some(Bytes::from_static(DONE));
+            return self.writer.done();
         }
         None
     }

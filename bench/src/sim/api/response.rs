@@ -1,8 +1,14 @@
-//! Non-streaming answer bodies, in OpenAI's shapes, and llama.cpp's `timings`.
+//! Non-streaming answer bodies, in OpenAI's shapes, and llama.cpp's `timings`. The Responses
+//! and Messages APIs' bodies are in their own files, and `answer_body` picks one.
+
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use super::response_store::ResponseStore;
+use crate::sim::text::ids::random_id;
 use crate::sim::text::openai::Endpoint;
+use crate::sim::text::responses::ResponsesInput;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -61,24 +67,50 @@ pub struct Answer {
     pub id: String,
     pub created: u64,
     pub model: String,
+    /// A Responses answer's output item and the conversation it stores.
+    pub responses: Option<ResponsesAnswer>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ResponsesAnswer {
+    /// The id of the output message item.
+    pub msg_id: String,
+    pub input: ResponsesInput,
+    pub store: Arc<ResponseStore>,
 }
 
 impl Answer {
     pub fn new(endpoint: Endpoint, server: usize, seq: u64, model: &str) -> Self {
-        let prefix = match endpoint {
-            Endpoint::Chat => "chatcmpl",
-            Endpoint::Completions => "cmpl",
-            Endpoint::Embeddings => "embd",
+        let id = match endpoint {
+            Endpoint::Chat => format!("chatcmpl-kvbench-{server}-{seq}"),
+            Endpoint::Completions => format!("cmpl-kvbench-{server}-{seq}"),
+            Endpoint::Embeddings => format!("embd-kvbench-{server}-{seq}"),
+            // Their clients send these ids back (`previous_response_id`, maybe through a
+            // router to another server), so they are random, as real engines make them.
+            Endpoint::Responses => random_id("resp_"),
+            Endpoint::Messages => random_id("msg_"),
         };
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         Self {
             endpoint,
-            id: format!("{prefix}-kvbench-{server}-{seq}"),
-            created,
+            id,
+            created: unix_now(),
             model: model.to_owned(),
+            responses: None,
         }
+    }
+
+    /// A Responses answer for `input`, stored in `store` once complete if it asks to be.
+    pub fn with_responses(
+        mut self,
+        input: Option<ResponsesInput>,
+        store: &Arc<ResponseStore>,
+    ) -> Self {
+        self.responses = input.map(|input| ResponsesAnswer {
+            msg_id: random_id("msg_"),
+            input,
+            store: store.clone(),
+        });
+        self
     }
 
     /// The whole answer; llama.cpp's `timings` beside `usage` when given.
@@ -125,6 +157,12 @@ impl Answer {
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
         })
     }
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use axum::Router;
 use super::admin;
 use super::inference;
 use super::state::ServerState;
+use super::{messages, responses};
 use crate::sim::config::{Engine, SimConfig};
 use crate::sim::engine::kv_events::kvpublish::Publisher;
 use crate::sim::error::ApiError;
@@ -35,6 +36,18 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/chat/completions", post(inference::chat))
         .route("/v1/completions", post(inference::completions))
         .route("/v1/embeddings", post(inference::embeddings))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::get).delete(responses::delete),
+        )
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
+        .route(
+            "/v1/responses/{id}/input_items",
+            get(responses::input_items),
+        )
+        .route("/v1/messages", post(messages::create))
+        .route(messages::COUNT_TOKENS_PATH, post(messages::count_tokens))
         .route("/v1/models", get(admin::models))
         .route("/health", get(admin::health))
         .route("/metrics", get(admin::metrics))

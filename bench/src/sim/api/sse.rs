@@ -1,5 +1,7 @@
 //! Server-sent events for streamed answers: one `data: {chunk}\n\n` event per token, an
-//! optional usage chunk, then `data: [DONE]\n\n`, as vLLM and OpenAI send them.
+//! optional usage chunk, then `data: [DONE]\n\n`, as vLLM and OpenAI send them. The Responses
+//! and Messages APIs send typed events instead (`responses_answer`, `messages_answer`);
+//! `StreamWriter` gives both answer modes one interface to all three.
 
 use std::convert::Infallible;
 
@@ -9,10 +11,54 @@ use axum::response::Response;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
+use super::messages_answer;
 use super::response::{Answer, Timings, Usage};
+use super::responses_answer::ResponsesEvents;
 use crate::sim::text::openai::Endpoint;
 
 pub const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// The events of one streamed answer, in its API's shape.
+pub enum StreamWriter {
+    Chunks(ChunkWriter),
+    Responses(ResponsesEvents),
+    Messages(Answer),
+}
+
+impl StreamWriter {
+    pub fn new(answer: Answer) -> Self {
+        match answer.endpoint {
+            Endpoint::Responses => Self::Responses(ResponsesEvents::new(answer)),
+            Endpoint::Messages => Self::Messages(answer),
+            _ => Self::Chunks(ChunkWriter::new(answer)),
+        }
+    }
+
+    /// The event(s) for `text`, one or more tokens. `start` is the prompt's usage as known at
+    /// the first token, which Anthropic's `message_start` reports.
+    pub fn token(&mut self, text: &str, first: bool, last: bool, start: Usage) -> Bytes {
+        match self {
+            Self::Chunks(w) => w.token(text, first, last),
+            Self::Responses(w) => w.token(text, first),
+            Self::Messages(a) => messages_answer::token(a, text, first, start),
+        }
+    }
+
+    /// What ends the stream with its usage: chat's usage chunk (asked for by
+    /// `include_usage`, which the other APIs always set), or the closing events.
+    pub fn usage(&mut self, usage: Usage, timings: Option<Timings>) -> Bytes {
+        match self {
+            Self::Chunks(w) => w.usage(usage, timings),
+            Self::Responses(w) => w.finish(usage),
+            Self::Messages(_) => messages_answer::finish(usage),
+        }
+    }
+
+    /// The last event: OpenAI's `[DONE]`, which the typed-event APIs do not send.
+    pub fn done(&self) -> Option<Bytes> {
+        matches!(self, Self::Chunks(_)).then(|| Bytes::from_static(DONE))
+    }
+}
 
 /// Marks where a token goes in the pre-rendered middle chunk.
 const SLOT: &str = "@@kvbench-token@@";

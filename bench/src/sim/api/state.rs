@@ -1,5 +1,5 @@
 //! What one simulated server holds while it serves: configuration, prefix cache, counters,
-//! engine, request log and fault knobs. Every handler module reads it, so it sits below
+//! engine, request log, fault knobs and stored Responses answers. Every handler module reads it, so it sits below
 //! `server` (which builds the router from those handlers) rather than inside it.
 
 use std::net::SocketAddr;
@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::reqlog::{RequestLog, LOG_CAPACITY};
+use super::response_store::{ResponseStore, STORE_CAPACITY};
 use crate::sim::config::SimConfig;
 use crate::sim::engine::kv_events::kvpublish::Publisher;
 use crate::sim::engine::kvcache::KvCache;
@@ -35,6 +36,8 @@ pub struct ServerState {
     pub addr_header: HeaderValue,
     /// The LoRA adapters loaded now (`config.lora`).
     pub lora: Arc<Lora>,
+    /// Finished Responses answers, for `previous_response_id` and `/v1/responses/{id}`.
+    pub responses: Arc<ResponseStore>,
 }
 
 impl ServerState {
@@ -69,6 +72,7 @@ impl ServerState {
             index_header: HeaderValue::from(index),
             addr_header: header_value(&addr.to_string()),
             lora: Arc::default(),
+            responses: Arc::new(ResponseStore::new(STORE_CAPACITY)),
             config,
         }
     }

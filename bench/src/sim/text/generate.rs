@@ -65,9 +65,10 @@ pub fn reply_hashes(
 /// What follows the reply when the client sends it back: a chat template closes the
 /// assistant turn, a completions client appends the text as is.
 fn reply_end(endpoint: Endpoint) -> &'static str {
-    match endpoint {
-        Endpoint::Chat => TURN_END,
-        Endpoint::Completions | Endpoint::Embeddings => "",
+    if endpoint.is_chat() {
+        TURN_END
+    } else {
+        ""
     }
 }
 

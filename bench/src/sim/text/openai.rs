@@ -1,4 +1,6 @@
-//! Parsing of OpenAI request bodies into what the simulator needs to serve them.
+//! Parsing of OpenAI request bodies into what the simulator needs to serve them. The
+//! Responses and Anthropic Messages bodies (`responses`, `anthropic`) are first converted to
+//! the chat request they stand for, then parsed here as chat, so every API shares one prompt.
 
 use serde_json::Value;
 
@@ -12,6 +14,10 @@ pub enum Endpoint {
     Chat,
     Completions,
     Embeddings,
+    /// OpenAI's Responses API, served as the chat request it converts to.
+    Responses,
+    /// Anthropic's Messages API, likewise.
+    Messages,
 }
 
 impl Endpoint {
@@ -20,7 +26,18 @@ impl Endpoint {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
             Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
         }
+    }
+
+    /// Whether the prompt went through the chat template, so the reply comes back as an
+    /// assistant turn in the next one.
+    pub fn is_chat(self) -> bool {
+        matches!(
+            self,
+            Endpoint::Chat | Endpoint::Responses | Endpoint::Messages
+        )
     }
 }
 
@@ -38,41 +55,56 @@ pub struct SimRequest {
     pub token_ids: bool,
     /// vLLM's `cache_salt`: only requests with the same salt share cached blocks.
     pub cache_salt: Option<String>,
+    /// A Responses request: the conversation's input items, to store with its answer.
+    pub responses: Option<super::thread::ResponsesInput>,
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
+    parse_value(endpoint, &json_object(body)?)
+}
+
+/// The body as a JSON object, or the 400 every API answers for anything else.
+pub fn json_object(body: &[u8]) -> Result<Value, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
     if !v.is_object() {
         return Err(ApiError::bad_request("request body must be a JSON object"));
     }
+    Ok(v)
+}
+
+/// Parses a body already read as a JSON object. `Responses` and `Messages` bodies must have
+/// been converted to chat first; they parse as `Chat`.
+pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError> {
     let model = match v.get("model") {
         Some(Value::String(m)) => m.clone(),
         Some(_) => return Err(ApiError::bad_request("'model' must be a string")),
         None => return Err(ApiError::bad_request("missing required field 'model'")),
     };
     let (prompt, token_ids) = match endpoint {
-        Endpoint::Chat => (render_chat(required(&v, "messages")?)?, false),
+        Endpoint::Chat | Endpoint::Responses | Endpoint::Messages => {
+            (render_chat(required(v, "messages")?)?, false)
+        }
         Endpoint::Completions | Endpoint::Embeddings => {
             let field = if endpoint == Endpoint::Completions {
                 "prompt"
             } else {
                 "input"
             };
-            let p = required(&v, field)?;
+            let p = required(v, field)?;
             (render_completion(p)?, is_token_ids(p))
         }
     };
-    let stream = optional_bool(&v, "stream")?;
+    let stream = optional_bool(v, "stream")?;
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(opts @ Value::Object(_)) => optional_bool(opts, "include_usage")?,
         Some(_) => return Err(ApiError::bad_request("'stream_options' must be an object")),
     };
     // The newer name wins when a client sends both, as in OpenAI's API.
-    let max_tokens = match optional_u64(&v, "max_completion_tokens")? {
+    let max_tokens = match optional_u64(v, "max_completion_tokens")? {
         Some(n) => n,
-        None => optional_u64(&v, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS),
+        None => optional_u64(v, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS),
     };
     if max_tokens == 0 {
         return Err(ApiError::bad_request("max_tokens must be at least 1"));
@@ -96,10 +128,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
         prompt,
         token_ids,
         cache_salt,
+        responses: None,
     })
 }
 
-fn required<'a>(v: &'a Value, field: &str) -> Result<&'a Value, ApiError> {
+pub(super) fn required<'a>(v: &'a Value, field: &str) -> Result<&'a Value, ApiError> {
     match v.get(field) {
         None | Some(Value::Null) => Err(ApiError::bad_request(format!(
             "missing required field '{field}'"
@@ -108,7 +141,7 @@ fn required<'a>(v: &'a Value, field: &str) -> Result<&'a Value, ApiError> {
     }
 }
 
-fn optional_bool(v: &Value, field: &str) -> Result<bool, ApiError> {
+pub(super) fn optional_bool(v: &Value, field: &str) -> Result<bool, ApiError> {
     match v.get(field) {
         None | Some(Value::Null) => Ok(false),
         Some(Value::Bool(b)) => Ok(*b),
@@ -118,7 +151,7 @@ fn optional_bool(v: &Value, field: &str) -> Result<bool, ApiError> {
     }
 }
 
-fn optional_u64(v: &Value, field: &str) -> Result<Option<u64>, ApiError> {
+pub(super) fn optional_u64(v: &Value, field: &str) -> Result<Option<u64>, ApiError> {
     match v.get(field) {
         None | Some(Value::Null) => Ok(None),
         Some(x) => x.as_u64().map(Some).ok_or_else(|| {
