@@ -11,7 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvroute::placement::{self, BackendLoad, Params, PolicyKind, PrefixIndex, Ring, Snapshot};
 use kvroute::request::DEFAULT_BLOCK_BYTES;
-use kvroute::request::{self, Endpoint, PromptText, TokenEstimator};
+use kvroute::request::{self, Endpoint, PromptText, SessionKeys, TokenEstimator};
 use std::hint::black_box;
 use std::net::SocketAddr;
 
@@ -61,8 +61,13 @@ fn routing(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(b.len() as u64));
         g.bench_with_input(BenchmarkId::from_parameter(size), &b, |bench, b| {
             bench.iter(|| {
-                let p = request::profile(Endpoint::Chat, black_box(b), None, DEFAULT_BLOCK_BYTES)
-                    .unwrap();
+                let p = request::profile(
+                    Endpoint::Chat,
+                    black_box(b),
+                    SessionKeys::default(),
+                    DEFAULT_BLOCK_BYTES,
+                )
+                .unwrap();
                 let snap = Snapshot {
                     backends: &loads,
                     ring: &ring,
@@ -87,7 +92,7 @@ fn routing(c: &mut Criterion) {
                 let (mut p, text) = request::profile_with_text(
                     Endpoint::Chat,
                     black_box(b),
-                    None,
+                    SessionKeys::default(),
                     DEFAULT_BLOCK_BYTES,
                     8192,
                 )
@@ -106,7 +111,13 @@ fn routing(c: &mut Criterion) {
     }
     g.finish();
 
-    let p = request::profile(Endpoint::Chat, &body(1_000), None, DEFAULT_BLOCK_BYTES).unwrap();
+    let p = request::profile(
+        Endpoint::Chat,
+        &body(1_000),
+        SessionKeys::default(),
+        DEFAULT_BLOCK_BYTES,
+    )
+    .unwrap();
     let mut g = c.benchmark_group("place_only");
     for n in [8usize, 64] {
         let (ring, loads) = fleet(n);
@@ -131,7 +142,13 @@ fn kv_aware(c: &mut Criterion) {
     let (ring, loads) = fleet(n);
     let params = Params::new(PolicyKind::KvAware, 0.5, 1);
     let b = body(100_000);
-    let p = request::profile(Endpoint::Chat, &b, None, DEFAULT_BLOCK_BYTES).unwrap();
+    let p = request::profile(
+        Endpoint::Chat,
+        &b,
+        SessionKeys::default(),
+        DEFAULT_BLOCK_BYTES,
+    )
+    .unwrap();
     let per_backend = 1_000_000 / n;
     let mut index = PrefixIndex::new(&vec![per_backend; n]);
     for slot in 0..n {
@@ -160,8 +177,13 @@ fn kv_aware(c: &mut Criterion) {
         |m: &[u32]| -> Vec<u64> { m.iter().map(|&b| b as u64 * block_tokens).collect() };
     c.bench_function("kv_aware_decision/100000B_64backends_1Mblocks", |bench| {
         bench.iter(|| {
-            let p =
-                request::profile(Endpoint::Chat, black_box(&b), None, DEFAULT_BLOCK_BYTES).unwrap();
+            let p = request::profile(
+                Endpoint::Chat,
+                black_box(&b),
+                SessionKeys::default(),
+                DEFAULT_BLOCK_BYTES,
+            )
+            .unwrap();
             index.longest_matches(&p.prefix_blocks, &mut matched);
             let tokens = tokens_of(&matched);
             let snap = Snapshot {
@@ -190,8 +212,13 @@ fn kv_aware(c: &mut Criterion) {
         "kv_aware_decision_4models/100000B_64backends_1Mblocks",
         |bench| {
             bench.iter(|| {
-                let p = request::profile(Endpoint::Chat, black_box(&b), None, DEFAULT_BLOCK_BYTES)
-                    .unwrap();
+                let p = request::profile(
+                    Endpoint::Chat,
+                    black_box(&b),
+                    SessionKeys::default(),
+                    DEFAULT_BLOCK_BYTES,
+                )
+                .unwrap();
                 index.longest_matches(&p.prefix_blocks, &mut matched);
                 let tokens = tokens_of(&matched);
                 let snap = Snapshot {

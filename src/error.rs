@@ -7,6 +7,31 @@ use pingora::proxy::Session;
 
 /// A client-visible failure. `code` is a stable machine-readable string; `kind` is the OpenAI
 /// `type` field.
+/// Which API's shape a request's errors are answered in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dialect {
+    /// `{"error":{"message","type","code"}}`, and a `data:` event ending a stream.
+    #[default]
+    OpenAi,
+    /// OpenAI's shape, and the Responses API's `error` event ending a stream.
+    Responses,
+    /// Anthropic's `{"type":"error","error":{"type","message"}}` and its status codes.
+    Anthropic,
+}
+
+impl Dialect {
+    /// The dialect of the API served at `path` (the query string is not part of it).
+    pub fn of_path(path: &str) -> Dialect {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Dialect::Anthropic
+        } else if path == "/v1/responses" || path.starts_with("/v1/responses/") {
+            Dialect::Responses
+        } else {
+            Dialect::OpenAi
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     pub status: u16,
@@ -137,6 +162,70 @@ impl ApiError {
     }
 
     /// The OpenAI-shaped JSON body.
+    /// The status and Anthropic error `type` this error is answered with on the Messages API.
+    /// kvroute's 503s (shed, queue full, no backend up) are Anthropic's 529 `overloaded_error`,
+    /// which Anthropic's clients retry with backoff.
+    fn anthropic(&self) -> (u16, &'static str) {
+        match self.status {
+            401 => (401, "authentication_error"),
+            403 => (403, "permission_error"),
+            404 => (404, "not_found_error"),
+            413 => (413, "request_too_large"),
+            429 => (429, "rate_limit_error"),
+            503 => (529, "overloaded_error"),
+            504 => (504, "timeout_error"),
+            s if s >= 500 => (s, "api_error"),
+            s => (s, "invalid_request_error"),
+        }
+    }
+
+    /// The status this error is answered with in `dialect`.
+    pub fn status_in(&self, dialect: Dialect) -> u16 {
+        match dialect {
+            Dialect::Anthropic => self.anthropic().0,
+            Dialect::OpenAi | Dialect::Responses => self.status,
+        }
+    }
+
+    /// The JSON body in `dialect`'s shape.
+    pub fn body_in(&self, dialect: Dialect) -> Bytes {
+        match dialect {
+            Dialect::OpenAi | Dialect::Responses => self.body(),
+            Dialect::Anthropic => Bytes::from(
+                serde_json::json!({
+                    "type": "error",
+                    "error": {"type": self.anthropic().1, "message": self.message},
+                })
+                .to_string(),
+            ),
+        }
+    }
+
+    /// This error as the event that ends a stream already started, as `dialect`'s clients
+    /// parse one: Anthropic's and the Responses API's are named `error` events.
+    pub fn sse_event_in(&self, dialect: Dialect) -> Bytes {
+        let (name, data) = match dialect {
+            Dialect::OpenAi => return self.sse_event(),
+            Dialect::Anthropic => ("error", self.body_in(dialect)),
+            Dialect::Responses => (
+                "error",
+                Bytes::from(
+                    serde_json::json!({
+                        "type": "error",
+                        "code": self.code,
+                        "message": self.message,
+                        "param": null,
+                    })
+                    .to_string(),
+                ),
+            ),
+        };
+        let mut out = format!("event: {name}\ndata: ").into_bytes();
+        out.extend_from_slice(&data);
+        out.extend_from_slice(b"\n\n");
+        Bytes::from(out)
+    }
+
     pub fn body(&self) -> Bytes {
         let v = serde_json::json!({
             "error": {
@@ -157,7 +246,15 @@ impl ApiError {
     }
 
     pub fn response_header(&self, body_len: usize) -> pingora::Result<ResponseHeader> {
-        let mut h = ResponseHeader::build(self.status, Some(4))?;
+        self.response_header_in(Dialect::OpenAi, body_len)
+    }
+
+    pub fn response_header_in(
+        &self,
+        dialect: Dialect,
+        body_len: usize,
+    ) -> pingora::Result<ResponseHeader> {
+        let mut h = ResponseHeader::build(self.status_in(dialect), Some(4))?;
         h.insert_header("content-type", "application/json")?;
         h.insert_header("content-length", body_len.to_string())?;
         if let Some(secs) = self.retry_after {
@@ -168,9 +265,14 @@ impl ApiError {
 
     /// Write this error as the whole response. The connection is not reused when the request
     /// body may be unread: leftover bytes would be parsed as the next request.
-    pub async fn send(&self, session: &mut Session, keepalive: bool) -> pingora::Result<()> {
-        let body = self.body();
-        let header = self.response_header(body.len())?;
+    pub async fn send(
+        &self,
+        session: &mut Session,
+        keepalive: bool,
+        dialect: Dialect,
+    ) -> pingora::Result<()> {
+        let body = self.body_in(dialect);
+        let header = self.response_header_in(dialect, body.len())?;
         if !keepalive {
             session.set_keepalive(None);
         }
@@ -220,6 +322,58 @@ mod tests {
         assert_eq!(ApiError::for_proxy_error(&reset, "b"), None, "client gone");
         let shed = ApiError::unavailable("fleet_saturated", "busy", 1).into_pingora();
         assert_eq!(ApiError::for_proxy_error(&shed, "b").unwrap().status, 503);
+    }
+
+    #[test]
+    fn messages_errors_have_anthropics_shape_and_statuses() {
+        let d = Dialect::of_path("/v1/messages");
+        assert_eq!(d, Dialect::of_path("/v1/messages/count_tokens"));
+        assert_eq!(Dialect::of_path("/v1/messagesx"), Dialect::OpenAi);
+        let e = ApiError::bad_request("missing_max_tokens", "`max_tokens` is required");
+        let v: serde_json::Value = serde_json::from_slice(&e.body_in(d)).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["message"], "`max_tokens` is required");
+        let shed = ApiError::unavailable("fleet_saturated", "busy", 2);
+        assert_eq!(shed.status_in(d), 529);
+        let h = shed.response_header_in(d, 3).unwrap();
+        assert_eq!(h.status.as_u16(), 529);
+        assert_eq!(h.headers.get("retry-after").unwrap(), "2");
+        let kinds = [
+            (
+                ApiError::unauthorized("missing_api_key", "x"),
+                401,
+                "authentication_error",
+            ),
+            (ApiError::model_not_found("m"), 404, "not_found_error"),
+            (ApiError::too_large("x"), 413, "request_too_large"),
+            (ApiError::rate_limited("x", 1), 429, "rate_limit_error"),
+            (ApiError::upstream("x"), 502, "api_error"),
+            (ApiError::gateway_timeout("x"), 504, "timeout_error"),
+        ];
+        for (e, status, kind) in kinds {
+            let v: serde_json::Value = serde_json::from_slice(&e.body_in(d)).unwrap();
+            assert_eq!(
+                (e.status_in(d), v["error"]["type"].as_str()),
+                (status, Some(kind))
+            );
+        }
+        let cut = String::from_utf8(ApiError::upstream("gone").sse_event_in(d).to_vec()).unwrap();
+        assert!(cut.starts_with("event: error\ndata: {"), "{cut}");
+        assert!(
+            cut.ends_with("}\n\n") && cut.contains("\"api_error\""),
+            "{cut}"
+        );
+        // The Responses API keeps OpenAI's body and statuses, and names its stream's error.
+        let r = Dialect::of_path("/v1/responses");
+        assert_eq!((shed.status_in(r), shed.body_in(r)), (503, shed.body()));
+        let cut = String::from_utf8(ApiError::upstream("gone").sse_event_in(r).to_vec()).unwrap();
+        let data: serde_json::Value =
+            serde_json::from_str(cut.strip_prefix("event: error\ndata: ").unwrap().trim()).unwrap();
+        assert_eq!(
+            (data["type"].as_str(), data["code"].as_str()),
+            (Some("error"), Some("upstream_failed"))
+        );
     }
 
     #[test]

@@ -27,6 +27,27 @@ fn engine() -> Option<(PathBuf, PathBuf)> {
     (server.exists() && model.exists()).then_some((server, model))
 }
 
+/// The engine, started; `None` (the test then passes, saying it skipped) where it is not
+/// installed, except under CI.
+fn started() -> Option<LlamaServer> {
+    let Some((server, model)) = engine() else {
+        let msg = "llama-server not installed (bench/scripts/install-llama.sh, or set \
+                   KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL)";
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
+        eprintln!("SKIPPED: {msg}");
+        return None;
+    };
+    Some(LlamaServer::start(&server, &model))
+}
+
+/// A cold prefill on one CPU thread takes seconds: a longer deadline than `client()`'s.
+fn patient_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(120))
+        .build()
+        .expect("reqwest client")
+}
+
 struct LlamaServer {
     child: Child,
     addr: SocketAddr,
@@ -102,23 +123,14 @@ fn document(seed: u32, words: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_llama_server_behind_kvroute_learns_its_rate_and_reuses_its_cache() {
-    let Some((server, model)) = engine() else {
-        let msg = "llama-server not installed (bench/scripts/install-llama.sh, or set \
-                   KVROUTE_LLAMA_SERVER and KVROUTE_LLAMA_MODEL)";
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-        eprintln!("SKIPPED: {msg}");
+    let Some(engine) = started() else {
         return;
     };
-    let engine = LlamaServer::start(&server, &model);
     let k = Kvroute::start_with(
         &[(engine.addr, "      engine: llamacpp\n".to_string())],
         "  routing:\n    policy: kv_aware\n  telemetry:\n    interval_ms: 200\n",
     );
-    // A cold prefill on one CPU thread takes seconds: a longer deadline than `client()`'s.
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(120))
-        .build()
-        .expect("reqwest client");
+    let http = patient_client();
 
     // Three documents, three turns each, the turns interleaved across the documents: with
     // two slots, each document's history is in a slot or the host prompt cache.
@@ -197,5 +209,114 @@ async fn a_real_llama_server_behind_kvroute_learns_its_rate_and_reuses_its_cache
     eprintln!(
         "llama-server: learned {learned:.0} tokens/s, engine {engine_rate:.0}; follow-ups \
          (document, turn, prompt, cached): {follow_ups:?}"
+    );
+}
+
+/// The agent APIs on the real engine: llama.cpp serves `/v1/messages` and `/v1/responses`
+/// itself; through kvroute a follow-up turn of each reuses the engine's cache, the streams
+/// arrive whole, and kvroute accounts the engine's usage under each API's own names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_apis_on_a_real_llama_server_reuse_its_cache_and_are_accounted() {
+    let Some(engine) = started() else {
+        return;
+    };
+    let k = Kvroute::start_with(
+        &[(engine.addr, "      engine: llamacpp\n".to_string())],
+        "  routing:\n    policy: kv_aware\n",
+    );
+    let http = patient_client();
+    let post = |path: &str, body: serde_json::Value| {
+        let req = http.post(k.url(path)).json(&body);
+        async move {
+            let resp = req.send().await.expect("request through kvroute");
+            assert_eq!(resp.status(), 200);
+            resp.text().await.expect("body")
+        }
+    };
+    let data = |sse: &str, event: &str| -> Vec<serde_json::Value> {
+        sse.split("\n\n")
+            .filter(|e| e.lines().any(|l| l == format!("event: {event}")))
+            .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+            .map(|d| serde_json::from_str(d).expect("event JSON"))
+            .collect()
+    };
+    let mut engine_prompt = 0;
+    let mut engine_cached = 0;
+
+    // Messages: a streamed first turn, a non-streamed follow-up (as Claude Code sends them,
+    // with `?beta=true`).
+    let doc = document(7, 300);
+    let mut messages =
+        vec![serde_json::json!({"role":"user","content":format!("{doc}\nSummarize.")})];
+    let body = |m: &[serde_json::Value], stream: bool| {
+        serde_json::json!({"model":"smollm2","max_tokens":8,"temperature":0,"stream":stream,
+                           "system":"You are terse.","messages":m})
+    };
+    let sse = post("/v1/messages?beta=true", body(&messages, true)).await;
+    let start = &data(&sse, "message_start")[0]["message"]["usage"];
+    let output = data(&sse, "message_delta")[0]["usage"]["output_tokens"].clone();
+    assert_eq!(data(&sse, "message_stop").len(), 1, "{sse}");
+    let reply: String = data(&sse, "content_block_delta")
+        .iter()
+        .filter_map(|d| d["delta"]["text"].as_str().map(str::to_owned))
+        .collect();
+    let uncached = start["input_tokens"].as_u64().unwrap();
+    engine_prompt += uncached + start["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    assert!(output.as_u64().unwrap() > 0, "{sse}");
+    messages.push(serde_json::json!({"role":"assistant","content":reply}));
+    messages.push(serde_json::json!({"role":"user","content":"Shorter."}));
+    let v: serde_json::Value =
+        serde_json::from_str(&post("/v1/messages?beta=true", body(&messages, false)).await)
+            .unwrap();
+    let (read, new) = (
+        v["usage"]["cache_read_input_tokens"].as_u64().unwrap(),
+        v["usage"]["input_tokens"].as_u64().unwrap(),
+    );
+    assert!(
+        read >= uncached * 8 / 10,
+        "follow-up read {read} of {uncached} from cache"
+    );
+    engine_prompt += read + new;
+    engine_cached += read;
+
+    // Responses: the same, the other way round.
+    let doc = document(8, 300);
+    let mut input = vec![serde_json::json!({"role":"user","content":format!("{doc}\nSummarize.")})];
+    let body = |i: &[serde_json::Value], stream: bool| {
+        serde_json::json!({"model":"smollm2","max_output_tokens":8,"temperature":0,
+                           "stream":stream,"instructions":"You are terse.","input":i})
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&post("/v1/responses", body(&input, false)).await).unwrap();
+    let first = v["usage"]["input_tokens"].as_u64().unwrap();
+    engine_prompt += first;
+    engine_cached += v["usage"]["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    for item in v["output"].as_array().unwrap() {
+        input.push(item.clone());
+    }
+    input.push(serde_json::json!({"role":"user","content":"Shorter."}));
+    let sse = post("/v1/responses", body(&input, true)).await;
+    let done = &data(&sse, "response.completed")[0]["response"]["usage"];
+    let cached = done["input_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= first * 8 / 10,
+        "follow-up cached {cached} of {first}"
+    );
+    engine_prompt += done["input_tokens"].as_u64().unwrap();
+    engine_cached += cached;
+
+    // kvroute's counters are the engine's usage, summed as chat's are.
+    let text = k.metrics_when("kvroute_requests_total", &[("code", "200")], 4.0);
+    assert_eq!(
+        common::metric_sum(&text, "kvroute_prompt_tokens_total", &[]),
+        engine_prompt as f64
+    );
+    assert_eq!(
+        common::metric_sum(&text, "kvroute_cached_prompt_tokens_total", &[]),
+        engine_cached as f64
     );
 }

@@ -28,5 +28,7 @@ pub use kv_events::{
 pub use limits::{LimitsConfig, TimeoutsConfig};
 pub use log::{LogConfig, LogFormat};
 pub use passthrough::{path_matches, AllowRule, PassthroughConfig};
-pub use routing::{PolicyKind, RoutingConfig, BLOCK_BYTES};
+pub use routing::{
+    BodyKey, KeySource, PolicyKind, RoutingConfig, BLOCK_BYTES, DEFAULT_SESSION_KEYS,
+};
 pub use tls::TlsConfig;

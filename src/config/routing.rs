@@ -1,6 +1,7 @@
 //! `kvroute.routing`: the placement policy and its knobs. The defaults here are the only ones:
 //! `placement::Params` is built from this section.
 
+use http::HeaderName;
 use serde::Deserialize;
 
 use super::error::{err, ConfigError};
@@ -96,6 +97,66 @@ pub struct RoutingConfig {
     /// A rank file's pre-tokenizer split pattern: `o200k_base`, `cl100k_base` (Llama 3's
     /// `tokenizer.model` uses this one) or a regex. Unset: `o200k_base`.
     pub tokenizer_pattern: Option<String>,
+    /// Where a request's session key comes from, first found wins; without any, the key is a
+    /// hash of the conversation's opening.
+    pub session_keys: Vec<KeySource>,
+}
+
+/// One place a session key may be read from: `header:NAME`, or `body:FIELD` with FIELD one of
+/// `prompt_cache_key`, `metadata.user_id`, `user`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum KeySource {
+    Header(HeaderName),
+    Body(BodyKey),
+}
+
+/// A request body field that names a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKey {
+    /// OpenAI's `prompt_cache_key` (chat, completions, Responses): set for exactly this
+    /// purpose (Codex sends its conversation id there).
+    PromptCacheKey,
+    /// Anthropic's `metadata.user_id` (Claude Code's holds its session id).
+    MetadataUserId,
+    /// OpenAI's `user`: one end user, who may run several conversations.
+    User,
+}
+
+/// The default `routing.session_keys`: kvroute's own header, then the ones agents send
+/// (`x-session-affinity` is the Responses-era convention several gateways read; Claude Code
+/// sends `x-claude-code-session-id`, Codex `session_id`), then body fields from the most to the
+/// least specific.
+pub const DEFAULT_SESSION_KEYS: [KeySource; 8] = [
+    KeySource::Header(HeaderName::from_static("x-session-id")),
+    KeySource::Header(HeaderName::from_static("x-session-affinity")),
+    KeySource::Header(HeaderName::from_static("x-claude-code-session-id")),
+    KeySource::Header(HeaderName::from_static("session_id")),
+    KeySource::Header(HeaderName::from_static("session-id")),
+    KeySource::Body(BodyKey::PromptCacheKey),
+    KeySource::Body(BodyKey::MetadataUserId),
+    KeySource::Body(BodyKey::User),
+];
+
+impl TryFrom<String> for KeySource {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        if let Some(name) = s.strip_prefix("header:") {
+            return HeaderName::from_bytes(name.trim().as_bytes())
+                .map(KeySource::Header)
+                .map_err(|_| format!("`{s}`: `{name}` is not a valid header name"));
+        }
+        match s.strip_prefix("body:") {
+            Some("prompt_cache_key") => Ok(KeySource::Body(BodyKey::PromptCacheKey)),
+            Some("metadata.user_id") => Ok(KeySource::Body(BodyKey::MetadataUserId)),
+            Some("user") => Ok(KeySource::Body(BodyKey::User)),
+            _ => Err(format!(
+                "`{s}` is not a session key source: use header:NAME, body:prompt_cache_key, \
+                 body:metadata.user_id or body:user"
+            )),
+        }
+    }
 }
 
 /// The built-in tokenizer's name in `routing.tokenizer`.
@@ -157,6 +218,7 @@ impl Default for RoutingConfig {
             count_tokens_offthread_max_bytes: 0,
             tokenizer: O200K_BASE.to_string(),
             tokenizer_pattern: None,
+            session_keys: DEFAULT_SESSION_KEYS.to_vec(),
         }
     }
 }
@@ -216,6 +278,17 @@ impl RoutingConfig {
         }
         if !(self.epsilon.is_finite() && self.epsilon >= 0.0 && self.epsilon <= 100.0) {
             return Err(err("kvroute.routing.epsilon", "must be between 0 and 100"));
+        }
+        if let Some(dup) = self
+            .session_keys
+            .iter()
+            .enumerate()
+            .find(|(i, k)| self.session_keys[..*i].contains(k))
+        {
+            return Err(err(
+                "kvroute.routing.session_keys",
+                format!("lists {:?} twice", dup.1),
+            ));
         }
         if !(1..=64).contains(&self.replicas) {
             return Err(err("kvroute.routing.replicas", "must be between 1 and 64"));
@@ -289,6 +362,38 @@ mod tests {
         let r = routing(file).unwrap().routing;
         assert_eq!(r.tokenizer, "/etc/kvroute/llama3.tiktoken");
         assert_eq!(r.tokenizer_pattern.as_deref(), Some("cl100k_base"));
+    }
+
+    #[test]
+    fn session_key_sources() {
+        use super::{BodyKey, KeySource, DEFAULT_SESSION_KEYS};
+        let r = routing("    policy: kv_aware\n").unwrap().routing;
+        assert_eq!(r.session_keys, DEFAULT_SESSION_KEYS.to_vec());
+        let r = routing("    session_keys: [\"header:X-Agent-Run\", \"body:user\"]\n")
+            .unwrap()
+            .routing;
+        assert_eq!(
+            r.session_keys,
+            vec![
+                KeySource::Header(http::HeaderName::from_static("x-agent-run")),
+                KeySource::Body(BodyKey::User)
+            ]
+        );
+        assert!(routing("    session_keys: []\n")
+            .unwrap()
+            .routing
+            .session_keys
+            .is_empty());
+        for (keys, reason) in [
+            ("[\"body:messages\"]", "not a session key source"),
+            ("[\"cookie:sid\"]", "not a session key source"),
+            ("[\"header:bad name\"]", "not a valid header name"),
+        ] {
+            let e = routing(&format!("    session_keys: {keys}\n")).unwrap_err();
+            assert!(e.to_string().contains(reason), "{keys}: {e}");
+        }
+        let e = routing("    session_keys: [\"body:user\", \"body:user\"]\n").unwrap_err();
+        assert_eq!(e.key, "kvroute.routing.session_keys", "{e}");
     }
 
     #[test]

@@ -26,22 +26,34 @@ pub fn digest(key: &[u8]) -> KeyDigest {
     Sha256::digest(key).into()
 }
 
-/// Who is calling, from the `Authorization: Bearer` header. Every configured key is compared,
-/// in constant time, so neither a key's bytes nor its position in the list leak through timing.
-pub fn authenticate(cfg: &AccessConfig, authorization: Option<&[u8]>) -> Result<Caller, ApiError> {
-    let presented = authorization
+/// Who is calling, from the `Authorization: Bearer` header or, as Anthropic's clients send
+/// it, `x-api-key`. Every configured key is compared, in constant time, so neither a key's
+/// bytes nor its position in the list leak through timing.
+pub fn authenticate(
+    cfg: &AccessConfig,
+    authorization: Option<&[u8]>,
+    x_api_key: Option<&[u8]>,
+) -> Result<Caller, ApiError> {
+    let bearer = authorization
         .and_then(|h| std::str::from_utf8(h).ok())
         .and_then(|h| {
             let (scheme, key) = h.trim().split_once(' ')?;
             scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
-        })
-        .filter(|k| !k.is_empty())
-        .ok_or_else(|| {
-            ApiError::unauthorized(
-                "missing_api_key",
-                "an API key is required: send `Authorization: Bearer <key>`",
-            )
-        })?;
+        });
+    let presented = match (authorization, bearer) {
+        // An `Authorization` header that is not a bearer key is refused, not skipped.
+        (Some(_), b) => b,
+        (None, _) => x_api_key
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .map(str::trim),
+    }
+    .filter(|k| !k.is_empty())
+    .ok_or_else(|| {
+        ApiError::unauthorized(
+            "missing_api_key",
+            "an API key is required: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
+        )
+    })?;
     let d = digest(presented.as_bytes());
     let mut found = None;
     for (i, k) in cfg.keys.iter().enumerate() {
@@ -214,10 +226,10 @@ mod tests {
     #[test]
     fn keys_are_recognised_by_digest_only() {
         let c = cfg();
-        let who = authenticate(&c, Some(b"Bearer beta-key")).unwrap();
+        let who = authenticate(&c, Some(b"Bearer beta-key"), None).unwrap();
         assert_eq!((who.tenant.as_str(), who.index), ("beta", 1));
         assert_eq!(
-            authenticate(&c, Some(b"bearer  alpha-key "))
+            authenticate(&c, Some(b"bearer  alpha-key "), None)
                 .unwrap()
                 .tenant,
             "alpha"
@@ -228,8 +240,22 @@ mod tests {
             Some(b"Basic alpha-key"),
             Some(b"Bearer nope"),
         ] {
-            assert_eq!(authenticate(&c, bad).unwrap_err().status, 401, "{bad:?}");
+            assert_eq!(
+                authenticate(&c, bad, None).unwrap_err().status,
+                401,
+                "{bad:?}"
+            );
         }
+        // Anthropic's clients send the key as `x-api-key`; a bad `Authorization` still fails.
+        let who = authenticate(&c, None, Some(b" beta-key")).unwrap();
+        assert_eq!(who.index, 1);
+        assert_eq!(
+            authenticate(&c, Some(b"Basic x"), Some(b"beta-key"))
+                .unwrap_err()
+                .status,
+            401
+        );
+        assert_eq!(authenticate(&c, None, Some(b"")).unwrap_err().status, 401);
         assert_eq!(parse_digest(&c.keys[0].sha256), Some(digest(b"alpha-key")));
         assert_eq!(parse_digest("zz"), None);
     }
@@ -246,7 +272,7 @@ mod tests {
     fn request_and_token_buckets_refill_and_settle() {
         let c = cfg();
         let (key, l, t0) = (&c.keys[0], Limiter::default(), Instant::now());
-        let who = authenticate(&c, Some(b"Bearer alpha-key")).unwrap();
+        let who = authenticate(&c, Some(b"Bearer alpha-key"), None).unwrap();
         // 6000 tokens a minute: two 2500-token requests fit, a third must wait.
         l.admit(&who, key, 2500, t0).unwrap();
         l.admit(&who, key, 2500, t0).unwrap();
@@ -272,7 +298,7 @@ mod tests {
         l.admit(&who, &big, 0, t0 + Duration::from_millis(1100))
             .unwrap();
         // A request bigger than a minute's allowance waits for a full bucket, not forever.
-        let other = authenticate(&c, Some(b"Bearer alpha-key")).unwrap();
+        let other = authenticate(&c, Some(b"Bearer alpha-key"), None).unwrap();
         let l2 = Limiter::default();
         l2.admit(&other, key, 50_000, t0).unwrap();
         assert!(l2.admit(&other, key, 50_000, t0).is_err());

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::edge::retry_budget::{Active, Retrying};
 use crate::edge::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, Dialect};
 use crate::fleet::adapters::AdapterHold;
 use crate::fleet::kv_events::ExactBlocks;
 use crate::fleet::{Generation, InflightGuard};
@@ -30,6 +30,8 @@ pub struct Ctx {
     pub(super) quota: Quota,
     /// A specific error to render instead of the generic one for the Pingora error.
     pub(super) error: Option<ApiError>,
+    /// The shape errors are answered in: the API the request's path speaks.
+    pub(super) dialect: Dialect,
     /// Counts toward the retry budget's base while the request runs.
     pub(super) _active: Active,
 }
@@ -137,6 +139,7 @@ impl Ctx {
             tap: ResponseTap::default(),
             quota: Quota::default(),
             error: None,
+            dialect: Dialect::default(),
             _active: active,
         }
     }

@@ -86,7 +86,7 @@ impl FailurePolicy<'_> {
             ))
         };
         if let Err(werr) = session
-            .write_response_body(Some(err.sse_event()), true)
+            .write_response_body(Some(err.sse_event_in(ctx.dialect)), true)
             .await
         {
             log::debug!("could not end the cut stream: {werr}");

@@ -99,20 +99,25 @@ pub(super) fn end_request(
     }
     if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
         fleet.observe_output(u.completion_tokens);
+        let api = ctx
+            .route
+            .profile
+            .as_ref()
+            .map_or("", |p| p.endpoint.as_str());
         m.prompt_tokens
-            .with_label_values(&[backend, ctx.model_label()])
+            .with_label_values(&[backend, ctx.model_label(), api])
             .inc_by(u.prompt_tokens);
         m.cached_prompt_tokens
-            .with_label_values(&[backend, ctx.model_label()])
+            .with_label_values(&[backend, ctx.model_label(), api])
             .inc_by(u.cached_tokens);
         // Predicted and reported for the same requests, so their ratio scores each index.
         if let (Some(index), Some(predicted)) = (ctx.route.index, ctx.charge.predicted_cached) {
             let index = index.as_str();
             m.cached_by_index
-                .with_label_values(&[index, "predicted"])
+                .with_label_values(&[index, "predicted", api])
                 .inc_by(predicted);
             m.cached_by_index
-                .with_label_values(&[index, "reported"])
+                .with_label_values(&[index, "reported", api])
                 .inc_by(u.cached_tokens);
         }
     }

@@ -7,6 +7,7 @@ use super::ctx::IndexMode;
 use crate::metrics::{
     counter, counter_vec, estimate_ratio_vec, int_gauge_vec, microseconds, ratio_vec, seconds_vec,
 };
+use crate::request::Endpoint;
 
 pub struct ProxyMetrics {
     pub(super) requests: IntCounterVec,
@@ -90,15 +91,15 @@ impl ProxyMetrics {
                 r,
                 "kvroute_prompt_tokens_total",
                 "Prompt tokens of answered requests, as the engine reported them in usage, by \
-                 backend and model.",
-                &["backend", "model"],
+                 backend, model and API.",
+                &["backend", "model", "api"],
             )?,
             cached_prompt_tokens: counter_vec(
                 r,
                 "kvroute_cached_prompt_tokens_total",
-                "Prompt tokens the engine reported as served from its prefix cache, by backend and \
-                 model.",
-                &["backend", "model"],
+                "Prompt tokens the engine reported as served from its prefix cache, by backend, \
+                 model and API.",
+                &["backend", "model", "api"],
             )?,
             upstream_failures: counter_vec(
                 r,
@@ -178,8 +179,8 @@ impl ProxyMetrics {
                 "kvroute_cached_prompt_tokens_by_index_total",
                 "Cached prompt tokens of answered kv_aware requests, as predicted and as the \
                  engine reported them, by the index the prediction came from (exact: the \
-                 engine's KV events; approximate: what kvroute sent).",
-                &["index", "source"],
+                 engine's KV events; approximate: what kvroute sent), and by API.",
+                &["index", "source", "api"],
             )?,
         };
         for outcome in ["tokenized", "late", "busy", "failed", "too_large"] {
@@ -190,7 +191,10 @@ impl ProxyMetrics {
         }
         for index in ["exact", "approximate"] {
             for source in ["predicted", "reported"] {
-                m.cached_by_index.with_label_values(&[index, source]);
+                for api in Endpoint::ALL {
+                    m.cached_by_index
+                        .with_label_values(&[index, source, api.as_str()]);
+                }
             }
         }
         for outcome in ["retried", "budget_exhausted", "attempts_exhausted"] {

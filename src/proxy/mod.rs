@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use crate::config::TimeoutsConfig;
 use crate::edge::{access, EdgeState};
-use crate::error::ApiError;
+use crate::error::{ApiError, Dialect};
 use crate::fleet::outlier::Outcome;
 use crate::fleet::Current;
 use crate::placement::PolicyKind;
 use crate::request::body::read_body;
 use crate::request::surface::{self, Route};
 use crate::request::usage::{self, UsageTap};
-use crate::request::{self, PromptText, TokenEstimator, DEFAULT_BLOCK_BYTES, SESSION_HEADER};
+use crate::request::{self, PromptText, SessionKeys, TokenEstimator, DEFAULT_BLOCK_BYTES};
 
 pub mod access_log;
 mod ctx;
@@ -107,7 +107,7 @@ async fn reject(
     body_unread: bool,
 ) -> Result<bool> {
     log::debug!("rejecting request: {err}");
-    err.send(session, !body_unread).await?;
+    err.send(session, !body_unread, ctx.dialect).await?;
     // Lingering close: a socket closed with unread bytes sends a reset, and a client still
     // writing its body may lose the answer already in its receive buffer. Read and discard
     // what it sends, for a moment. Not for a client too slow to send in time, nor for one that
@@ -190,6 +190,7 @@ impl ProxyHttp for Router {
             session.req_header().method.as_str(),
             session.req_header().uri.path(),
         );
+        ctx.dialect = Dialect::of_path(path);
         let route = surface::route(method, path, &cfg.passthrough.allow);
         let refused = match route {
             Route::NotFound => Some(ApiError::not_found(format!(
@@ -204,12 +205,12 @@ impl ProxyHttp for Router {
             return reject(session, ctx, err, true).await;
         }
         if let Some(acl) = &cfg.access {
-            let authorization = session
-                .req_header()
-                .headers
+            let headers = &session.req_header().headers;
+            let authorization = headers
                 .get(http::header::AUTHORIZATION)
                 .map(|v| v.as_bytes());
-            match access::authenticate(acl, authorization) {
+            let x_api_key = headers.get("x-api-key").map(|v| v.as_bytes());
+            match access::authenticate(acl, authorization, x_api_key) {
                 Ok(c) => ctx.quota.caller = Some(c),
                 Err(e) => return reject(session, ctx, e, true).await,
             }
@@ -249,14 +250,12 @@ impl ProxyHttp for Router {
             Ok(b) => b,
             Err(e) => return reject(session, ctx, e, true).await,
         };
-        let header = session
-            .req_header()
-            .headers
-            .get(SESSION_HEADER)
-            .map(|v| v.as_bytes());
+        let keys = SessionKeys::new(
+            &cfg.routing.session_keys,
+            Some(&session.req_header().headers),
+        );
         let count = self.tokens.limits(&cfg.routing);
-        match request::profile_with_text(endpoint, &body, header, DEFAULT_BLOCK_BYTES, count.text())
-        {
+        match request::profile_with_text(endpoint, &body, keys, DEFAULT_BLOCK_BYTES, count.text()) {
             Ok((mut p, text)) => {
                 // Token ids are already an exact count; text is counted (a long prompt off the
                 // worker thread, awaited here so placement sees the count) or sized.
@@ -282,16 +281,17 @@ impl ProxyHttp for Router {
                     ctx.route.exact = Some(x);
                 }
                 // Engines report usage on streams only when asked; ask, and hide it again.
-                let body = match (p.stream && !p.has_stream_options)
-                    .then(|| usage::ask_for_usage(&body))
-                    .flatten()
-                {
-                    Some(with_usage) => {
-                        ctx.route.strip_usage = true;
-                        with_usage
-                    }
-                    None => body,
-                };
+                let body =
+                    match (p.stream && !p.has_stream_options && p.endpoint.usage_on_request())
+                        .then(|| usage::ask_for_usage(&body))
+                        .flatten()
+                    {
+                        Some(with_usage) => {
+                            ctx.route.strip_usage = true;
+                            with_usage
+                        }
+                        None => body,
+                    };
                 ctx.route.profile = Some(p);
                 ctx.route.body = Some(body);
                 Ok(false)
@@ -434,11 +434,9 @@ impl ProxyHttp for Router {
         }
         if let (Some(p), 200) = (&ctx.route.profile, upstream.status.as_u16()) {
             let collect_reply = ctx.generation.config.routing.policy == PolicyKind::KvAware;
-            ctx.tap.usage = Some(UsageTap::new(
-                p.stream,
-                ctx.route.strip_usage,
-                collect_reply,
-            ));
+            ctx.tap.usage = Some(
+                UsageTap::new(p.stream, ctx.route.strip_usage, collect_reply).speaking(p.endpoint),
+            );
             if ctx.route.strip_usage {
                 // The body will be shorter than the backend said.
                 upstream.remove_header(&http::header::CONTENT_LENGTH);
@@ -527,7 +525,7 @@ impl ProxyHttp for Router {
         if let Some(api) = api {
             if session.response_written().is_none() {
                 code = api.status;
-                if let Err(werr) = api.send(session, false).await {
+                if let Err(werr) = api.send(session, false, ctx.dialect).await {
                     log::debug!("could not send error response: {werr}");
                 }
             } else {

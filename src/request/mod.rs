@@ -1,49 +1,88 @@
-//! OpenAI request bodies: parse once, validate, and reduce to a [`RequestProfile`] that placement
-//! works from. Nothing here allocates per byte of prompt: message text is borrowed from the body
-//! where JSON escaping allows, and streamed through the block hasher.
-
-use serde::Deserialize;
-use serde_json::value::RawValue;
-use std::borrow::Cow;
-use xxhash_rust::xxh3::Xxh3;
+//! Request bodies of the APIs kvroute routes: parse once, validate, and reduce to a
+//! [`RequestProfile`] that placement works from. Every API (OpenAI chat and completions,
+//! OpenAI Responses, Anthropic Messages) writes the same canonical prompt ([`canon`]), so a
+//! conversation is placed the same way whichever one it speaks. Nothing here allocates per byte
+//! of prompt: message text is borrowed from the body where JSON escaping allows, and streamed
+//! through the block hasher.
 
 use crate::error::ApiError;
-use text::{Content, Decoded};
+use canon::Canon;
+use session::BodyKeys;
 
+#[cfg(test)]
+mod agent_tests;
+mod agent_usage;
 mod blocks;
 pub(crate) mod body;
+mod canon;
 pub mod engine_tokens;
+mod messages;
+mod openai;
+mod reply;
+mod responses;
+mod session;
 pub mod surface;
 mod text;
 mod tokens;
 pub(crate) mod usage;
 
 pub use blocks::{BlockHasher, BlockTail, DEFAULT_BLOCK_BYTES};
+pub use session::SessionKeys;
 pub use tokens::{CountLimits, Method, TokenEstimate, TokenEstimator, TokenMetrics};
 
-/// Which OpenAI endpoint a routed request is for.
+/// Which API a routed request speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     Chat,
     Completions,
+    /// OpenAI's Responses API (`/v1/responses`).
+    Responses,
+    /// Anthropic's Messages API (`/v1/messages`).
+    Messages,
 }
 
 impl Endpoint {
+    pub const ALL: [Endpoint; 4] = [
+        Endpoint::Chat,
+        Endpoint::Completions,
+        Endpoint::Responses,
+        Endpoint::Messages,
+    ];
+
     pub fn from_path(path: &str) -> Option<Endpoint> {
         match path {
             "/v1/chat/completions" => Some(Endpoint::Chat),
             "/v1/completions" => Some(Endpoint::Completions),
+            "/v1/responses" => Some(Endpoint::Responses),
+            "/v1/messages" => Some(Endpoint::Messages),
             _ => None,
         }
     }
+
+    /// The `api` label of metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat",
+            Endpoint::Completions => "completions",
+            Endpoint::Responses => "responses",
+            Endpoint::Messages => "messages",
+        }
+    }
+
+    /// Whether a stream carries `usage` only when `stream_options.include_usage` asks for it.
+    /// Responses and Messages streams always end with it.
+    pub fn usage_on_request(self) -> bool {
+        matches!(self, Endpoint::Chat | Endpoint::Completions)
+    }
 }
 
-/// Where the session key came from, in order of precedence.
+/// Where the session key came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionSource {
     Header,
     User,
     PromptCacheKey,
+    MetadataUserId,
     Content,
 }
 
@@ -70,12 +109,11 @@ pub struct RequestProfile {
     pub has_stream_options: bool,
     pub session_key: u64,
     pub session_source: SessionSource,
-    /// A chat that carries earlier replies: its start was sent before, by this kvroute or
-    /// another.
+    /// A conversation that carries earlier replies: its start was sent before, by this kvroute
+    /// or another.
     pub has_history: bool,
-    /// Full blocks of the prompt before its last assistant message: the previous turn's
-    /// prompt, which whichever kvroute placed that turn sent to its backend (0 without
-    /// history).
+    /// Full blocks of the prompt before its last reply: the previous turn's prompt, which
+    /// whichever kvroute placed that turn sent to its backend (0 without history).
     pub history_blocks: usize,
     /// Chained hashes of the canonical prompt's full blocks.
     pub prefix_blocks: Vec<u64>,
@@ -106,9 +144,6 @@ impl RequestProfile {
     }
 }
 
-/// Header carrying an explicit session key.
-pub const SESSION_HEADER: &str = "x-session-id";
-
 /// Output length assumed when the client sets no `max_tokens`.
 const DEFAULT_OUTPUT_TOKENS: u64 = 256;
 
@@ -123,114 +158,18 @@ const COMPLETIONS_KEY_BYTES: usize = 1024;
 /// `routing.min_prefix_saving_tokens`' default of prompt, the prefix worth following.
 const CHAT_KEY_MAX_BYTES: usize = 4096;
 
-/// `FAST`: message text is read on the fast path ([`text`]).
-#[derive(Deserialize)]
-struct Body<'a, const FAST: bool> {
-    #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a, FAST>>>,
-    #[serde(borrow, default)]
-    prompt: Option<&'a RawValue>,
-    #[serde(default)]
-    stream: Option<bool>,
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    max_tokens: Option<u64>,
-    #[serde(default)]
-    max_completion_tokens: Option<u64>,
-    #[serde(borrow, default)]
-    user: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    prompt_cache_key: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    cache_salt: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: Option<bool>,
-}
-
-#[derive(Deserialize)]
-struct Message<'a, const FAST: bool> {
-    #[serde(borrow)]
-    role: Cow<'a, str>,
-    #[serde(borrow, default)]
-    content: Option<Decoded<'a, FAST>>,
-    #[serde(borrow, default)]
-    tool_calls: Option<&'a RawValue>,
-}
-
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-}
-
-/// Writes the canonical byte stream to the block hasher and, until the affinity prefix is
-/// complete, to the session hasher.
-struct Canon {
-    blocks: BlockHasher,
-    session: Option<Xxh3>,
-    /// Bytes the session hash has taken (at most [`CHAT_KEY_MAX_BYTES`]).
-    session_bytes: usize,
-    bytes: usize,
-    token_ids: u64,
-    /// The canonical text itself, kept for token counting while it fits `text_limit`.
-    text: Option<Vec<u8>>,
-    text_limit: usize,
-}
-
-impl Canon {
-    fn new(block_bytes: usize, body_len: usize, text_limit: usize, seed: u64) -> Self {
-        let mut blocks = BlockHasher::seeded(block_bytes, seed);
-        blocks.reserve_for(body_len);
-        Canon {
-            blocks,
-            session: Some(Xxh3::new()),
-            session_bytes: 0,
-            bytes: 0,
-            token_ids: 0,
-            text: (text_limit > 0).then(|| Vec::with_capacity(body_len.min(text_limit))),
-            text_limit,
-        }
-    }
-
-    fn write(&mut self, data: &[u8]) {
-        self.blocks.write(data);
-        self.bytes += data.len();
-        if let Some(t) = self.text.as_mut() {
-            if t.len() + data.len() > self.text_limit {
-                self.text = None;
-            } else {
-                t.extend_from_slice(data);
-            }
-        }
-        if let Some(s) = self.session.as_mut() {
-            let take = data
-                .len()
-                .min(CHAT_KEY_MAX_BYTES.saturating_sub(self.session_bytes));
-            s.update(&data[..take]);
-            self.session_bytes += take;
-        }
-    }
-
-    /// Separator bytes keep `("ab","c")` and `("a","bc")` apart.
-    fn field(&mut self, data: &[u8]) {
-        self.write(data);
-        self.write(&[0x1f]);
-    }
-
-    fn seal_session(&mut self) -> Option<u64> {
-        self.session.take().map(|s| s.digest())
-    }
+/// What an API's body says besides its canonical prompt, which its reducer has written.
+struct Conversation<'a> {
+    stream: bool,
+    include_usage: bool,
+    has_stream_options: bool,
+    max_output: Option<u64>,
+    body_keys: BodyKeys<'a>,
+    /// The hash of the conversation's opening (see [`CHAT_KEY_MAX_BYTES`]).
+    content_key: u64,
+    has_history: bool,
+    history_blocks: usize,
+    reply_mode: ReplyMode,
 }
 
 fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
@@ -238,15 +177,13 @@ fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
 }
 
 /// Parse and validate a routed request body.
-///
-/// `session_header` is the value of `x-session-id`, if any.
 pub fn profile(
     endpoint: Endpoint,
     body: &[u8],
-    session_header: Option<&[u8]>,
+    keys: SessionKeys,
     block_bytes: usize,
 ) -> Result<RequestProfile, ApiError> {
-    build(endpoint, body, session_header, block_bytes, None, 0).map(|(p, _)| p)
+    build(endpoint, body, keys, block_bytes, None, 0).map(|(p, _)| p)
 }
 
 /// What of a prompt's text is available for counting its tokens.
@@ -264,37 +201,39 @@ pub enum PromptText {
 pub fn profile_with_text(
     endpoint: Endpoint,
     body: &[u8],
-    session_header: Option<&[u8]>,
+    keys: SessionKeys,
     block_bytes: usize,
     text_limit: usize,
 ) -> Result<(RequestProfile, PromptText), ApiError> {
-    build(
-        endpoint,
-        body,
-        session_header,
-        block_bytes,
-        None,
-        text_limit,
-    )
+    build(endpoint, body, keys, block_bytes, None, text_limit)
 }
 
 /// The block hashes of this request's prompt followed by the engine's `reply`: what the engine
 /// holds once it has answered (it keeps the generated tokens' KV too), and so the prefix of the
-/// conversation's next turn. For chat the reply is an assistant message; for a string
-/// completions prompt it continues the prompt. Other prompt forms get the prompt's blocks.
+/// conversation's next turn. For a conversation the reply is an assistant message; for a
+/// string completions prompt it continues the prompt. Other prompt forms get the prompt's
+/// blocks.
 pub fn blocks_with_reply(
     endpoint: Endpoint,
     body: &[u8],
     reply: &str,
     block_bytes: usize,
 ) -> Result<Vec<u64>, ApiError> {
-    build(endpoint, body, None, block_bytes, Some(reply), 0).map(|(p, _)| p.prefix_blocks)
+    build(
+        endpoint,
+        body,
+        SessionKeys::default(),
+        block_bytes,
+        Some(reply),
+        0,
+    )
+    .map(|(p, _)| p.prefix_blocks)
 }
 
 fn build(
     endpoint: Endpoint,
     body: &[u8],
-    session_header: Option<&[u8]>,
+    keys: SessionKeys,
     block_bytes: usize,
     reply: Option<&str>,
     text_limit: usize,
@@ -316,32 +255,33 @@ fn build(
             format!("request body is not valid UTF-8: {e}"),
         )
     })?;
-    let invalid = |e: serde_json::Error| {
-        bad(
-            "invalid_json",
-            format!("request body is not valid JSON for this endpoint: {e}"),
-        )
-    };
     let prompt = Prompt {
         endpoint,
-        body,
-        session_header,
+        body_len: body.len(),
+        keys,
         block_bytes,
         reply,
         text_limit,
     };
     if text::fast_path_ok(body) {
-        prompt.reduce(serde_json::from_str::<Body<true>>(json).map_err(invalid)?)
+        prompt.reduce::<true>(json)
     } else {
-        prompt.reduce(serde_json::from_str::<Body<false>>(json).map_err(invalid)?)
+        prompt.reduce::<false>(json)
     }
+}
+
+fn invalid(e: serde_json::Error) -> ApiError {
+    bad(
+        "invalid_json",
+        format!("request body is not valid JSON for this endpoint: {e}"),
+    )
 }
 
 /// What [`build`] reduces a parsed body with.
 struct Prompt<'a> {
     endpoint: Endpoint,
-    body: &'a [u8],
-    session_header: Option<&'a [u8]>,
+    body_len: usize,
+    keys: SessionKeys<'a>,
     block_bytes: usize,
     reply: Option<&'a str>,
     text_limit: usize,
@@ -350,92 +290,62 @@ struct Prompt<'a> {
 impl Prompt<'_> {
     fn reduce<const FAST: bool>(
         self,
-        parsed: Body<FAST>,
+        json: &str,
     ) -> Result<(RequestProfile, PromptText), ApiError> {
-        let Prompt {
-            endpoint,
-            body,
-            session_header,
-            block_bytes,
-            reply,
-            text_limit,
-        } = self;
-        let model = match parsed.model.as_deref() {
+        let reply = self.reply;
+        match self.endpoint {
+            Endpoint::Chat | Endpoint::Completions => {
+                let parsed: openai::Body<FAST> = serde_json::from_str(json).map_err(invalid)?;
+                let (model, mut canon) = self.start(parsed.model(), parsed.cache_salt())?;
+                let conv = openai::reduce(self.endpoint, &parsed, &mut canon, reply)?;
+                Ok(self.finish(model, parsed.cache_salt(), canon, conv))
+            }
+            Endpoint::Responses => {
+                let parsed: responses::Body<FAST> = serde_json::from_str(json).map_err(invalid)?;
+                let (model, mut canon) = self.start(parsed.model(), None)?;
+                let conv = responses::reduce(&parsed, &mut canon, reply)?;
+                Ok(self.finish(model, None, canon, conv))
+            }
+            Endpoint::Messages => {
+                let parsed: messages::Body<FAST> = serde_json::from_str(json).map_err(invalid)?;
+                let (model, mut canon) = self.start(parsed.model(), None)?;
+                let conv = messages::reduce(&parsed, &mut canon, reply)?;
+                Ok(self.finish(model, None, canon, conv))
+            }
+        }
+    }
+
+    /// The canonical stream, salted and opened with the model.
+    fn start<'m>(
+        &self,
+        model: Option<&'m str>,
+        cache_salt: Option<&str>,
+    ) -> Result<(&'m str, Canon), ApiError> {
+        let model = match model {
             Some(m) if !m.is_empty() => m,
             Some(_) => return Err(bad("invalid_model", "`model` must be a non-empty string")),
             None => return Err(bad("missing_model", "`model` is required")),
         };
-
         // An empty salt is the engine's to refuse; it salts nothing here.
-        let cache_salt = parsed.cache_salt.as_deref().filter(|s| !s.is_empty());
-        let seed = cache_salt.map_or(0, crate::request::engine_tokens::salt_key);
-        let mut canon = Canon::new(block_bytes, body.len(), text_limit, seed);
+        let seed = cache_salt
+            .filter(|s| !s.is_empty())
+            .map_or(0, crate::request::engine_tokens::salt_key);
+        let mut canon = Canon::new(self.block_bytes, self.body_len, self.text_limit, seed);
         canon.field(model.as_bytes());
-        if let Some(tools) = parsed.tools {
-            canon.field(&xxhash_rust::xxh3::xxh3_64(tools.get().as_bytes()).to_le_bytes());
-        }
+        Ok((model, canon))
+    }
 
-        let mut has_history = false;
-        let mut history_blocks = 0;
-        let mut reply_mode = ReplyMode::Chat;
-        let content_key = match endpoint {
-            Endpoint::Chat => {
-                let messages = match &parsed.messages {
-                    Some(m) if !m.is_empty() => m,
-                    Some(_) => return Err(bad("invalid_messages", "`messages` must not be empty")),
-                    None => return Err(bad("missing_messages", "`messages` is required")),
-                };
-                let mut key = None;
-                let last_reply = messages.iter().rposition(|m| m.role == "assistant");
-                has_history = last_reply.is_some();
-                for (i, m) in messages.iter().enumerate() {
-                    if Some(i) == last_reply {
-                        history_blocks = canon.blocks.full_blocks();
-                    }
-                    canon.field(m.role.as_bytes());
-                    write_content(&mut canon, m.content.as_ref().map(|c| &c.0), i)?;
-                    if let Some(calls) = m.tool_calls {
-                        canon.field(
-                            &xxhash_rust::xxh3::xxh3_64(calls.get().as_bytes()).to_le_bytes(),
-                        );
-                    }
-                    if key.is_none() && m.role == "user" {
-                        key = canon.seal_session();
-                    }
-                }
-                // A conversation with no user message yet keys on all it has.
-                let key = key.or_else(|| canon.seal_session());
-                if let Some(r) = reply {
-                    canon.field(b"assistant");
-                    canon.field(r.as_bytes());
-                }
-                key
-            }
-            Endpoint::Completions => {
-                let prompt = parsed
-                    .prompt
-                    .ok_or_else(|| bad("missing_prompt", "`prompt` is required"))?;
-                reply_mode = write_prompt::<FAST>(&mut canon, prompt, reply)?;
-                None
-            }
-        };
-
-        let (session_key, session_source) =
-            if let Some(h) = session_header.filter(|h| !h.is_empty()) {
-                (keyed(model, b"h", h), SessionSource::Header)
-            } else if let Some(u) = parsed.user.as_deref().filter(|u| !u.is_empty()) {
-                (keyed(model, b"u", u.as_bytes()), SessionSource::User)
-            } else if let Some(k) = parsed.prompt_cache_key.as_deref().filter(|k| !k.is_empty()) {
-                (
-                    keyed(model, b"p", k.as_bytes()),
-                    SessionSource::PromptCacheKey,
-                )
-            } else if let Some(k) = content_key {
-                (k, SessionSource::Content)
-            } else {
-                (completions_key(model, &parsed), SessionSource::Content)
-            };
-
+    fn finish(
+        &self,
+        model: &str,
+        cache_salt: Option<&str>,
+        mut canon: Canon,
+        conv: Conversation,
+    ) -> (RequestProfile, PromptText) {
+        let (session_key, session_source) = self
+            .keys
+            .explicit(model, &conv.body_keys)
+            .unwrap_or((conv.content_key, SessionSource::Content));
         let prompt_bytes = canon.bytes;
         let (prefix_blocks, tail) =
             std::mem::replace(&mut canon.blocks, BlockHasher::new(1)).split();
@@ -451,150 +361,39 @@ impl Prompt<'_> {
             )
         };
         let profile = RequestProfile {
-            endpoint,
+            endpoint: self.endpoint,
             model: model.to_owned(),
-            stream: parsed.stream.unwrap_or(false),
-            has_stream_options: parsed.stream_options.is_some(),
-            include_usage: parsed
-                .stream_options
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
+            stream: conv.stream,
+            has_stream_options: conv.has_stream_options,
+            include_usage: conv.include_usage,
             session_key,
             session_source,
-            has_history,
-            history_blocks,
+            has_history: conv.has_history,
+            history_blocks: conv.history_blocks,
             prefix_blocks,
-            tail: Some((tail, reply_mode)),
+            tail: Some((tail, conv.reply_mode)),
             prompt_bytes,
             est_prompt_tokens,
-            est_output_tokens: parsed
-                .max_completion_tokens
-                .or(parsed.max_tokens)
-                .unwrap_or(DEFAULT_OUTPUT_TOKENS),
-            cache_salt: cache_salt.map(str::to_owned),
+            est_output_tokens: conv.max_output.unwrap_or(DEFAULT_OUTPUT_TOKENS),
+            cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
         };
-        Ok((profile, text))
+        (profile, text)
     }
-}
-
-fn keyed(model: &str, tag: &[u8], value: &[u8]) -> u64 {
-    let mut h = Xxh3::new();
-    h.update(model.as_bytes());
-    h.update(&[0x1f]);
-    h.update(tag);
-    h.update(value);
-    h.digest()
-}
-
-fn completions_key<const FAST: bool>(model: &str, parsed: &Body<FAST>) -> u64 {
-    let prompt = parsed.prompt.map(|p| p.get()).unwrap_or("");
-    let end = floor_char_boundary(prompt, COMPLETIONS_KEY_BYTES);
-    keyed(model, b"c", &prompt.as_bytes()[..end])
-}
-
-fn floor_char_boundary(s: &str, max: usize) -> usize {
-    if s.len() <= max {
-        return s.len();
-    }
-    let mut i = max;
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-fn write_content(canon: &mut Canon, content: Option<&Content>, idx: usize) -> Result<(), ApiError> {
-    match content {
-        None => canon.field(b""),
-        Some(Content::Text(s)) => canon.field(s),
-        Some(Content::Parts(parts)) => {
-            for part in parts {
-                let p: Part = serde_json::from_str(part.get()).map_err(|e| {
-                    bad(
-                        "invalid_messages",
-                        format!("messages[{idx}].content part: {e}"),
-                    )
-                })?;
-                match (p.kind.as_deref(), p.text) {
-                    (Some("text") | None, Some(t)) => canon.write(t.as_bytes()),
-                    // Images, audio, files: identified by the hash of their JSON.
-                    _ => canon
-                        .write(&xxhash_rust::xxh3::xxh3_64(part.get().as_bytes()).to_le_bytes()),
-                }
-            }
-            canon.field(b"");
-        }
-    }
-    Ok(())
-}
-
-fn write_prompt<const FAST: bool>(
-    canon: &mut Canon,
-    prompt: &RawValue,
-    reply: Option<&str>,
-) -> Result<ReplyMode, ApiError> {
-    let text = prompt.get();
-    let invalid = || {
-        bad(
-            "invalid_prompt",
-            "`prompt` must be a string, a list of strings, a list of token ids, or a list of token-id lists",
-        )
-    };
-    match text.as_bytes().first() {
-        Some(b'"') => {
-            let s = text::string::<FAST>(text).ok_or_else(invalid)?;
-            match reply {
-                // The next prompt is this one continued, so nothing (no field separator) may
-                // follow the text: the prompt's stream must be a prefix of prompt + reply.
-                // Found by fuzzing (fuzz/): a separator completing a block broke the prefix.
-                Some(r) => {
-                    canon.write(&s);
-                    canon.write(r.as_bytes());
-                }
-                None => canon.write(&s),
-            }
-            Ok(ReplyMode::Continue)
-        }
-        Some(b'[') => {
-            let items: Vec<&RawValue> = serde_json::from_str(text).map_err(|_| invalid())?;
-            for item in items {
-                let t = item.get();
-                match t.as_bytes().first() {
-                    Some(b'"') => {
-                        let s = text::string::<FAST>(t).ok_or_else(invalid)?;
-                        canon.field(&s);
-                    }
-                    Some(b'[') => {
-                        let ids: Vec<u32> = serde_json::from_str(t).map_err(|_| invalid())?;
-                        write_ids(canon, &ids);
-                        canon.field(b"");
-                    }
-                    _ => {
-                        let id: u32 = serde_json::from_str(t).map_err(|_| invalid())?;
-                        write_ids(canon, &[id]);
-                    }
-                }
-            }
-            Ok(ReplyMode::None)
-        }
-        _ => Err(invalid()),
-    }
-}
-
-fn write_ids(canon: &mut Canon, ids: &[u32]) {
-    for id in ids {
-        canon.write(&id.to_le_bytes());
-    }
-    canon.token_ids += ids.len() as u64;
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use canon::floor_char_boundary;
     use serde_json::json;
 
     fn chat(body: serde_json::Value) -> Result<RequestProfile, ApiError> {
-        profile(Endpoint::Chat, body.to_string().as_bytes(), None, 64)
+        profile(
+            Endpoint::Chat,
+            body.to_string().as_bytes(),
+            SessionKeys::default(),
+            64,
+        )
     }
 
     fn conv(turns: usize) -> serde_json::Value {
@@ -714,20 +513,27 @@ mod tests {
         assert_ne!(a.session_key, b.session_key);
     }
 
+    fn header_keys(h: &http::HeaderMap) -> SessionKeys<'_> {
+        SessionKeys::default_order(Some(h))
+    }
+
     #[test]
     fn explicit_keys_take_precedence() {
+        let mut s1 = http::HeaderMap::new();
+        s1.insert("x-session-id", http::HeaderValue::from_static("s1"));
         let body = json!({"model":"m","messages":[{"role":"user","content":"a"}],"user":"alice","prompt_cache_key":"pck"});
         let bytes = body.to_string();
-        let h = profile(Endpoint::Chat, bytes.as_bytes(), Some(b"s1"), 64).unwrap();
+        let h = profile(Endpoint::Chat, bytes.as_bytes(), header_keys(&s1), 64).unwrap();
         assert_eq!(h.session_source, SessionSource::Header);
-        let u = profile(Endpoint::Chat, bytes.as_bytes(), None, 64).unwrap();
-        assert_eq!(u.session_source, SessionSource::User);
-        let body = json!({"model":"m","messages":[{"role":"user","content":"zzz"}],"prompt_cache_key":"pck"});
-        let p = chat(body).unwrap();
+        // `prompt_cache_key` names a conversation, `user` a person who may hold several.
+        let p = profile(Endpoint::Chat, bytes.as_bytes(), SessionKeys::default(), 64).unwrap();
         assert_eq!(p.session_source, SessionSource::PromptCacheKey);
+        let body = json!({"model":"m","messages":[{"role":"user","content":"zzz"}],"user":"alice"});
+        let u = chat(body).unwrap();
+        assert_eq!(u.session_source, SessionSource::User);
         // Same header, different content: same key.
         let other = json!({"model":"m","messages":[{"role":"user","content":"other"}]}).to_string();
-        let h2 = profile(Endpoint::Chat, other.as_bytes(), Some(b"s1"), 64).unwrap();
+        let h2 = profile(Endpoint::Chat, other.as_bytes(), header_keys(&s1), 64).unwrap();
         assert_eq!(h.session_key, h2.session_key);
     }
 
@@ -750,11 +556,23 @@ mod tests {
             json!([[1, 2], [3]]),
         ] {
             let body = json!({"model":"m","prompt":p}).to_string();
-            let r = profile(Endpoint::Completions, body.as_bytes(), None, 64).unwrap();
+            let r = profile(
+                Endpoint::Completions,
+                body.as_bytes(),
+                SessionKeys::default(),
+                64,
+            )
+            .unwrap();
             assert_eq!(r.endpoint, Endpoint::Completions);
         }
         let ids = json!({"model":"m","prompt":[1,2,3,4,5]}).to_string();
-        let r = profile(Endpoint::Completions, ids.as_bytes(), None, 64).unwrap();
+        let r = profile(
+            Endpoint::Completions,
+            ids.as_bytes(),
+            SessionKeys::default(),
+            64,
+        )
+        .unwrap();
         assert_eq!(r.est_prompt_tokens, 5);
         for p in [
             json!(5),
@@ -764,7 +582,13 @@ mod tests {
             json!([-1]),
         ] {
             let body = json!({"model":"m","prompt":p}).to_string();
-            let e = profile(Endpoint::Completions, body.as_bytes(), None, 64).unwrap_err();
+            let e = profile(
+                Endpoint::Completions,
+                body.as_bytes(),
+                SessionKeys::default(),
+                64,
+            )
+            .unwrap_err();
             assert_eq!((e.status, e.code), (400, "invalid_prompt"), "{p}");
         }
     }
@@ -787,7 +611,7 @@ mod tests {
             (b"\xff\xfe", "invalid_json"),
         ];
         for (body, code) in cases {
-            let e = profile(Endpoint::Chat, body, None, 64).unwrap_err();
+            let e = profile(Endpoint::Chat, body, SessionKeys::default(), 64).unwrap_err();
             assert_eq!(
                 (e.status, e.code),
                 (400, *code),
@@ -817,7 +641,13 @@ mod tests {
         let p2 =
             json!({"model":"m","prompt":format!("{}{cont} and", "Once upon a time ".repeat(20))})
                 .to_string();
-        let next = profile(Endpoint::Completions, p2.as_bytes(), None, 64).unwrap();
+        let next = profile(
+            Endpoint::Completions,
+            p2.as_bytes(),
+            SessionKeys::default(),
+            64,
+        )
+        .unwrap();
         assert_eq!(b[..b.len() - 1], next.prefix_blocks[..b.len() - 1]);
     }
 
@@ -837,9 +667,14 @@ mod tests {
         // completing a block made the prompt's last block differ from its continuation's).
         for n in 0..80 {
             let body = serde_json::json!({"model": "m", "prompt": "p".repeat(n)}).to_string();
-            let own = profile(Endpoint::Completions, body.as_bytes(), None, 16)
-                .unwrap()
-                .prefix_blocks;
+            let own = profile(
+                Endpoint::Completions,
+                body.as_bytes(),
+                SessionKeys::default(),
+                16,
+            )
+            .unwrap()
+            .prefix_blocks;
             let next =
                 blocks_with_reply(Endpoint::Completions, body.as_bytes(), "reply", 16).unwrap();
             assert_eq!(&next[..own.len()], &own[..], "prompt of {n} bytes");
@@ -882,7 +717,7 @@ mod tests {
             kind in 0u8..3,
         ) {
             let (endpoint, body) = generated(kind, &texts);
-            let p = profile(endpoint, body.as_bytes(), None, block).unwrap();
+            let p = profile(endpoint, body.as_bytes(), SessionKeys::default(), block).unwrap();
             let again = blocks_with_reply(endpoint, body.as_bytes(), &reply, block).unwrap();
             proptest::prop_assert_eq!(p.reply_blocks(&reply), Some(again));
         }
@@ -915,8 +750,8 @@ mod tests {
             if damage.is_none_or(|(_, bad)| bad != "\u{1}") {
                 proptest::prop_assert!(text::fast_path_ok(body.as_bytes()), "not on the fast path");
             }
-            let fast = profile(endpoint, body.as_bytes(), None, 16);
-            let strict = profile(endpoint, strict_body.as_bytes(), None, 16);
+            let fast = profile(endpoint, body.as_bytes(), SessionKeys::default(), 16);
+            let strict = profile(endpoint, strict_body.as_bytes(), SessionKeys::default(), 16);
             match (fast, strict) {
                 (Ok(f), Ok(s)) => proptest::prop_assert_eq!(f, s),
                 (Err(f), Err(s)) => proptest::prop_assert_eq!((f.status, f.code), (s.status, s.code)),

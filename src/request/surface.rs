@@ -20,8 +20,10 @@ pub enum Route {
 }
 
 /// The inference API's forwarded routes: `(path or prefix ending in '*', methods)`.
-const BUILT_IN: [(&str, &[&str], &str); 3] = [
+const BUILT_IN: [(&str, &[&str], &str); 4] = [
     ("/v1/embeddings", &["POST"], "POST"),
+    // Anthropic's token counter: the engine's tokenizer, no cache to place by.
+    ("/v1/messages/count_tokens", &["POST"], "POST"),
     ("/v1/models", &["GET", "HEAD"], "GET, HEAD"),
     ("/v1/models/*", &["GET", "HEAD"], "GET, HEAD"),
 ];
@@ -72,6 +74,26 @@ mod tests {
             Route::WrongMethod("POST")
         );
         assert_eq!(route("POST", "/v1/embeddings", &[]), Route::Forward);
+        // The agent APIs: placed like chat; Anthropic's token counter is forwarded.
+        assert_eq!(
+            route("POST", "/v1/responses", &[]),
+            Route::Inference(Endpoint::Responses)
+        );
+        assert_eq!(
+            route("POST", "/v1/messages", &[]),
+            Route::Inference(Endpoint::Messages)
+        );
+        assert_eq!(
+            route("POST", "/v1/messages/count_tokens", &[]),
+            Route::Forward
+        );
+        assert_eq!(
+            route("GET", "/v1/messages/count_tokens", &[]),
+            Route::WrongMethod("POST")
+        );
+        // A stored response's own routes need its backend: not served until they are routed
+        // to it.
+        assert_eq!(route("GET", "/v1/responses/resp_1", &[]), Route::NotFound);
         assert_eq!(route("GET", "/v1/models", &[]), Route::Forward);
         assert_eq!(route("GET", "/v1/models/m", &[]), Route::Forward);
         assert_eq!(

@@ -10,17 +10,12 @@
 //! For kv_aware it also collects the reply text (choice 0), so the prefix index can learn the
 //! blocks of prompt + reply: the engine keeps the reply's KV, and the next turn starts with it.
 
+use super::reply::push_capped;
+pub use super::reply::Usage;
+use super::{agent_usage, Endpoint};
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
 use std::borrow::Cow;
-
-/// Prompt tokens as the engine counted them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub completion_tokens: u64,
-}
 
 #[derive(Deserialize)]
 struct UsageJson {
@@ -83,18 +78,10 @@ fn append_text(json: &[u8], out: &mut String) {
             .or(c.message.and_then(|m| m.content))
             .or(c.text);
         if let Some(t) = text {
-            let room = MAX_REPLY_BYTES.saturating_sub(out.len());
-            let mut take = t.len().min(room);
-            while !t.is_char_boundary(take) {
-                take -= 1;
-            }
-            out.push_str(&t[..take]);
+            push_capped(out, &t);
         }
     }
 }
-
-/// Reply text kept for the index; a longer reply is kept truncated (still a true prefix).
-const MAX_REPLY_BYTES: usize = 256 * 1024;
 
 fn parse_usage(json: &[u8]) -> Option<(Usage, bool)> {
     let v: WithUsage = serde_json::from_slice(json).ok()?;
@@ -134,6 +121,8 @@ pub fn ask_for_usage(body: &[u8]) -> Option<Bytes> {
 
 /// Watches one response body for `usage`.
 pub struct UsageTap {
+    /// The API the reply speaks: where its usage and text are.
+    api: Endpoint,
     stream: bool,
     /// Remove the usage-only SSE event (kvroute asked for it, the client did not).
     strip: bool,
@@ -151,11 +140,37 @@ impl UsageTap {
     /// `collect_reply`: also gather choice 0's text into `reply`.
     pub fn new(stream: bool, strip: bool, collect_reply: bool) -> UsageTap {
         UsageTap {
+            api: Endpoint::Chat,
             stream,
             strip,
             pending: BytesMut::new(),
             usage: None,
             reply: collect_reply.then(String::new),
+        }
+    }
+
+    /// The tap for a reply in `api` (chat's and completions' shape unless told).
+    pub fn speaking(self, api: Endpoint) -> UsageTap {
+        UsageTap { api, ..self }
+    }
+
+    /// Usage in a body or event, and whether the event holds nothing else.
+    fn usage_of(&self, json: &[u8]) -> Option<(Usage, bool)> {
+        match self.api {
+            Endpoint::Chat | Endpoint::Completions => parse_usage(json),
+            Endpoint::Responses => agent_usage::responses_usage(json).map(|u| (u, false)),
+            Endpoint::Messages => agent_usage::messages_usage(json, self.usage).map(|u| (u, false)),
+        }
+    }
+
+    fn text_of(&mut self, json: &[u8]) {
+        let Some(out) = self.reply.as_mut() else {
+            return;
+        };
+        match self.api {
+            Endpoint::Chat | Endpoint::Completions => append_text(json, out),
+            Endpoint::Responses => agent_usage::responses_text(json, out),
+            Endpoint::Messages => agent_usage::messages_text(json, out),
         }
     }
 
@@ -168,11 +183,9 @@ impl UsageTap {
                 }
             }
             if end_of_stream && !self.pending.is_empty() {
-                self.usage = parse_usage(&self.pending).map(|(u, _)| u);
-                if let Some(r) = self.reply.as_mut() {
-                    append_text(&self.pending, r);
-                }
-                self.pending.clear();
+                let body = self.pending.split();
+                self.usage = self.usage_of(&body).map(|(u, _)| u);
+                self.text_of(&body);
             }
             return;
         }
@@ -204,11 +217,11 @@ impl UsageTap {
         let events = self.pending.split_to(complete);
         let mut out = BytesMut::with_capacity(events.len());
         for event in split_events(&events) {
-            if let (Some(r), Some(json)) = (self.reply.as_mut(), event_data(event)) {
-                append_text(json, r);
+            if let Some(json) = event_data(event) {
+                self.text_of(json);
             }
             if let Some(json) = event_data(event).filter(|j| contains(j, b"\"usage\"")) {
-                if let Some((usage, usage_only)) = parse_usage(json) {
+                if let Some((usage, usage_only)) = self.usage_of(json) {
                     self.usage = Some(usage);
                     if usage_only && self.strip {
                         continue;
@@ -270,9 +283,17 @@ fn split_events(buf: &[u8]) -> Vec<&[u8]> {
     out
 }
 
-/// The JSON of an event's `data:` line, if it has one that is not `[DONE]`.
+/// The JSON of an event's `data:` line, if it has one that is not `[DONE]` (after an
+/// `event:` line in the Responses and Messages streams).
 fn event_data(event: &[u8]) -> Option<&[u8]> {
-    let text = event.strip_prefix(b"data:")?;
+    let mut line = event;
+    let text = loop {
+        if let Some(text) = line.strip_prefix(b"data:") {
+            break text;
+        }
+        let next = line.iter().position(|&b| b == b'\n')?;
+        line = &line[next + 1..];
+    };
     let text = text.strip_prefix(b" ").unwrap_or(text);
     let end = text
         .iter()
@@ -445,6 +466,39 @@ mod tests {
             proptest::prop_assert_eq!(split.usage, whole.usage);
             proptest::prop_assert_eq!(split.reply, whole.reply);
         }
+    }
+
+    #[test]
+    fn agent_streams_name_their_events() {
+        let messages = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":3,\"cache_read_input_tokens\":61,\"output_tokens\":1}}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":4}}\n\n",
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        );
+        let bytes = messages.as_bytes();
+        for cut in [1, 40, 150, bytes.len() - 3] {
+            let mut tap = UsageTap::new(true, false, true).speaking(Endpoint::Messages);
+            let out = run(&mut tap, &[&bytes[..cut], &bytes[cut..]]);
+            assert_eq!(out, bytes, "passed through unchanged");
+            let want = Usage {
+                prompt_tokens: 64,
+                cached_tokens: 61,
+                completion_tokens: 4,
+            };
+            assert_eq!((tap.usage, tap.reply.as_deref()), (Some(want), Some("Hi")));
+        }
+        let responses = concat!(
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Yes\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"output\":[{\"type\":\"message\",\"content\":[{\"type\":\"output_text\",\"text\":\"Yes\"}]}],\"usage\":{\"input_tokens\":50,\"input_tokens_details\":{\"cached_tokens\":32},\"output_tokens\":1}}}\n\n",
+        );
+        let mut tap = UsageTap::new(true, false, true).speaking(Endpoint::Responses);
+        assert_eq!(run(&mut tap, &[responses.as_bytes()]), responses.as_bytes());
+        assert_eq!(
+            tap.usage.map(|u| (u.prompt_tokens, u.cached_tokens)),
+            Some((50, 32))
+        );
+        assert_eq!(tap.reply.as_deref(), Some("Yes"));
     }
 
     #[test]
