@@ -1241,12 +1241,12 @@ async fn messages_stream_events_in_order_with_usage() {
         sim.post("/v1/messages", &messages_turn1(false)).await;
         let events = typed_events(sim.post("/v1/messages", &messages_turn1(true)).await).await;
         let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(kinds[..2], ["message_start", "content_block_start"]);
+        assert_eq!(kinds[..3], ["message_start", "content_block_start", "ping"]);
         assert_eq!(
             kinds[kinds.len() - 3..],
             ["content_block_stop", "message_delta", "message_stop"]
         );
-        let deltas = &events[2..events.len() - 3];
+        let deltas = &events[3..events.len() - 3];
         assert!(deltas.iter().all(|(k, _)| k == "content_block_delta"));
         let text: String = deltas
             .iter()

@@ -65,6 +65,9 @@ pub fn token(a: &Answer, text: &str, first: bool, start: Usage) -> Bytes {
         let block = json!({"type": "content_block_start", "index": 0,
                            "content_block": {"type": "text", "text": ""}});
         event("content_block_start", &block, &mut out);
+        // Anthropic's API sends one after the block opens (and more while a long answer
+        // runs); clients must skip it.
+        event("ping", &json!({"type": "ping"}), &mut out);
     }
     let delta = json!({"type": "content_block_delta", "index": 0,
                        "delta": {"type": "text_delta", "text": text}});
@@ -134,6 +137,7 @@ mod tests {
             [
                 "message_start",
                 "content_block_start",
+                "ping",
                 "content_block_delta",
                 "content_block_delta",
                 "content_block_stop",
@@ -151,10 +155,10 @@ mod tests {
         assert_eq!(start["usage"]["cache_read_input_tokens"], 32);
         assert_eq!(start["usage"]["output_tokens"], 0);
         assert_eq!(
-            events[3].1["delta"],
+            events[4].1["delta"],
             json!({"type": "text_delta", "text": " tok1"})
         );
-        assert_eq!(events[5].1["delta"]["stop_reason"], "max_tokens");
-        assert_eq!(events[5].1["usage"], json!({"output_tokens": 2}));
+        assert_eq!(events[6].1["delta"]["stop_reason"], "max_tokens");
+        assert_eq!(events[6].1["usage"], json!({"output_tokens": 2}));
     }
 }
