@@ -94,6 +94,11 @@ impl ApiError {
         Self::new(403, "permission_error", code, message)
     }
 
+    /// A stored response kvroute cannot route to (OpenAI's answer for an unknown id).
+    pub fn response_not_found(message: impl Into<String>) -> Self {
+        Self::new(404, "invalid_request_error", "response_not_found", message)
+    }
+
     pub fn model_not_found(model: &str) -> Self {
         Self::new(
             404,

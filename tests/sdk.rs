@@ -1,7 +1,7 @@
 //! Conformance: the official `openai` and `anthropic` Python SDKs, unchanged, against kvroute in
-//! front of a `kvbench sim` server (`bench/scripts/sdk_conformance.py`: Responses streamed and
-//! not with a `previous_response_id` chain; Messages created, streamed and counted; errors as
-//! the SDKs' own exception types).
+//! front of three `kvbench sim` servers (`bench/scripts/sdk_conformance.py`: Responses streamed
+//! and not, a `previous_response_id` chain, retrieve, input items and delete; Messages created,
+//! streamed and counted; errors as the SDKs' own exception types).
 //!
 //! The SDKs live in `bench/.venv-sdk` (`bench/scripts/install-sdks.sh`, which `.ci/run` runs).
 //! Where they are not installed the test says so and passes, except under CI (`CI=true`).
@@ -22,10 +22,10 @@ fn the_official_sdks_speak_to_kvroute_unchanged() {
         eprintln!("SKIPPED: {msg}");
         return;
     }
-    // One backend: a stored response lives on the backend that made it, and kvroute does not
-    // yet route a `previous_response_id` to it (docs/guide/routing.md, known gaps).
-    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
-    let kv = Kvroute::start(&[sim.addr], "");
+    // Three backends: a stored response's chain and calls must find the one that stored it.
+    let sims = Sim::start_n(3, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let kv = Kvroute::start(&addrs, "");
     let base = kv.url("");
     let out = Command::new(&python)
         .arg(root.join("bench/scripts/sdk_conformance.py"))
@@ -41,7 +41,7 @@ fn the_official_sdks_speak_to_kvroute_unchanged() {
     );
     // Every check ran: a script that stopped early would not have printed them.
     assert!(
-        stdout.lines().filter(|l| l.starts_with("ok ")).count() >= 20,
+        stdout.lines().filter(|l| l.starts_with("ok ")).count() >= 23,
         "{stdout}"
     );
     eprintln!("{stdout}");

@@ -62,6 +62,18 @@ def responses(base, model):
     cached = second.usage.input_tokens_details.cached_tokens
     check("chain hits the cache", cached > 0, second.usage)
 
+    # The id round trip: the calls on a stored response reach it.
+    got = client.responses.retrieve(second.id)
+    check("responses.retrieve", got.id == second.id and got.output_text == second.output_text, got)
+    items = client.responses.input_items.list(second.id)
+    check("input_items.list", len(items.data) >= 1, items)
+    client.responses.delete(second.id)
+    try:
+        client.responses.retrieve(second.id)
+        check("deleted", False, "still retrievable")
+    except openai.NotFoundError:
+        check("deleted", True)
+
     try:
         client.responses.create(model="no-such-model", input="x", max_output_tokens=4)
         check("unknown model", False, "no error")

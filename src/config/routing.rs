@@ -100,6 +100,10 @@ pub struct RoutingConfig {
     /// Where a request's session key comes from, first found wins; without any, the key is a
     /// hash of the conversation's opening.
     pub session_keys: Vec<KeySource>,
+    /// A file whose contents (at least 32 bytes) key the MAC in the response ids kvroute
+    /// stamps with the backend that stored a response. Every replica and every process after
+    /// an upgrade must share it; unset, a key of this process's own (lost on restart).
+    pub response_id_key_file: Option<String>,
 }
 
 /// One place a session key may be read from: `header:NAME`, or `body:FIELD` with FIELD one of
@@ -219,6 +223,7 @@ impl Default for RoutingConfig {
             tokenizer: O200K_BASE.to_string(),
             tokenizer_pattern: None,
             session_keys: DEFAULT_SESSION_KEYS.to_vec(),
+            response_id_key_file: None,
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::roster::Fleet;
 use crate::config::Config;
 use crate::request::engine_tokens::EngineTokenizers;
+use crate::request::response_id::ResponseIds;
 
 pub struct Generation {
     pub config: Config,
@@ -16,6 +17,8 @@ pub struct Generation {
     /// The engines' chat templates and tokenizers (`kvroute.kv_events`), loaded with the
     /// config.
     pub engine_tokens: Option<Arc<EngineTokenizers>>,
+    /// Stamps and opens the ids of stored responses (`routing.response_id_key_file`).
+    pub response_ids: ResponseIds,
 }
 
 impl Generation {
@@ -23,11 +26,13 @@ impl Generation {
         config: Config,
         fleet: Fleet,
         engine_tokens: Option<Arc<EngineTokenizers>>,
+        response_ids: ResponseIds,
     ) -> Generation {
         Generation {
             config,
             fleet: Arc::new(fleet),
             engine_tokens,
+            response_ids,
         }
     }
 }

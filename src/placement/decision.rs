@@ -87,6 +87,8 @@ pub enum Reason {
     LeastCost,
     /// Not a routed request (no profile): any healthy backend, in rotation.
     Passthrough,
+    /// A stored response's call or continuation: the backend that stored it.
+    Stored,
 }
 
 impl Reason {
@@ -101,6 +103,7 @@ impl Reason {
             Reason::CachedPrefix => "cached_prefix",
             Reason::LeastCost => "least_cost",
             Reason::Passthrough => "passthrough",
+            Reason::Stored => "stored",
         }
     }
 }

@@ -31,6 +31,7 @@ fn req(key: u64, prompt: u64) -> RequestProfile {
         est_prompt_tokens: prompt,
         est_output_tokens: 100,
         cache_salt: None,
+        previous_response_id: None,
     }
 }
 

@@ -91,6 +91,7 @@ mod tests {
             est_prompt_tokens: 0,
             est_output_tokens: 0,
             cache_salt: None,
+            previous_response_id: None,
         }
     }
 

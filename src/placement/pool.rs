@@ -152,6 +152,7 @@ mod tests {
                     est_prompt_tokens: 0,
                     est_output_tokens: 0,
                     cache_salt: None,
+                    previous_response_id: None,
                 };
                 let d = choose_in(&params, &p, &snap, &pool, &[3], key).unwrap();
                 assert!(

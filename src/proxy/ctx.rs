@@ -12,6 +12,7 @@ use crate::fleet::kv_events::ExactBlocks;
 use crate::fleet::{Generation, InflightGuard};
 use crate::placement::Pool;
 use crate::placement::Reason;
+use crate::request::id_stamp::IdStamp;
 use crate::request::usage::UsageTap;
 use crate::request::{RequestProfile, TokenEstimate};
 
@@ -60,6 +61,13 @@ pub(super) struct Route {
     /// The chosen backend's data-parallel rank this request is pinned to (a backend of
     /// several ranks whose events kvroute follows).
     pub dp_rank: Option<u32>,
+    /// The backend that stored the response this request names: it goes there or nowhere.
+    pub pinned: Option<usize>,
+    /// The path (and query) to send instead of the client's: a stored response's call, with
+    /// the engine's own id.
+    pub upstream_path: Option<String>,
+    /// The answer carries response ids to stamp; the engine id the request named, if any.
+    pub stamp_ids: Option<Option<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +126,7 @@ pub(super) struct Charge {
 pub(super) struct ResponseTap {
     pub first_byte: Option<Instant>,
     pub usage: Option<UsageTap>,
+    pub stamp: Option<IdStamp>,
 }
 
 /// The caller's key (access control on) and the tokens charged to it up front.

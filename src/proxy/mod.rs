@@ -31,6 +31,7 @@ mod finish;
 mod metrics;
 mod models;
 mod placement;
+mod stored;
 
 pub use ctx::Ctx;
 pub use metrics::ProxyMetrics;
@@ -199,7 +200,7 @@ impl ProxyHttp for Router {
             Route::WrongMethod(allowed) => Some(ApiError::method_not_allowed(format!(
                 "{method} is not allowed on {path}; use {allowed}"
             ))),
-            Route::Forward | Route::Inference(_) => None,
+            Route::Forward | Route::Inference(_) | Route::Stored => None,
         };
         if let Some(err) = refused {
             return reject(session, ctx, err, true).await;
@@ -214,6 +215,13 @@ impl ProxyHttp for Router {
                 Ok(c) => ctx.quota.caller = Some(c),
                 Err(e) => return reject(session, ctx, e, true).await,
             }
+        }
+        if route == Route::Stored {
+            let uri = session.req_header().uri.clone();
+            if let Err(e) = stored::route_call(ctx, &uri) {
+                return reject(session, ctx, e, true).await;
+            }
+            return Ok(false);
         }
         let Route::Inference(endpoint) = route else {
             return self.answer_models(session, ctx).await;
@@ -257,6 +265,17 @@ impl ProxyHttp for Router {
         let count = self.tokens.limits(&cfg.routing);
         match request::profile_with_text(endpoint, &body, keys, DEFAULT_BLOCK_BYTES, count.text()) {
             Ok((mut p, text)) => {
+                let body = match (&p.previous_response_id, endpoint) {
+                    (Some(prev), _) => match stored::route_continuation(ctx, prev, body) {
+                        Ok(b) => b,
+                        Err(e) => return reject(session, ctx, e, false).await,
+                    },
+                    (None, request::Endpoint::Responses) => {
+                        ctx.route.stamp_ids = Some(None);
+                        body
+                    }
+                    (None, _) => body,
+                };
                 // Token ids are already an exact count; text is counted (a long prompt off the
                 // worker thread, awaited here so placement sees the count) or sized.
                 let estimate = match text {
@@ -395,6 +414,12 @@ impl ProxyHttp for Router {
         // Which engine rank serves a request is kvroute's to say, never a client's: a pinned
         // rank bypasses the engine's own balancing.
         upstream.remove_header(DP_RANK_HEADER);
+        if let Some(path) = &ctx.route.upstream_path {
+            let uri = path
+                .parse::<http::Uri>()
+                .map_err(|e| Error::explain(ErrorType::InternalError, e.to_string()))?;
+            upstream.set_uri(uri);
+        }
         if let Some(r) = ctx.route.dp_rank {
             upstream.insert_header(DP_RANK_HEADER, r.to_string())?;
         }
@@ -432,6 +457,17 @@ impl ProxyHttp for Router {
             self.failures()
                 .report(ctx, b, Outcome::of_status(upstream.status.as_u16()));
         }
+        if upstream.status.is_success() {
+            let stream = upstream
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+            ctx.tap.stamp = stored::stamper(ctx, stream);
+            if ctx.tap.stamp.is_some() {
+                // Stamped ids are longer than the engine's.
+                upstream.remove_header(&http::header::CONTENT_LENGTH);
+            }
+        }
         if let (Some(p), 200) = (&ctx.route.profile, upstream.status.as_u16()) {
             let collect_reply = ctx.generation.config.routing.policy == PolicyKind::KvAware;
             ctx.tap.usage = Some(
@@ -457,6 +493,9 @@ impl ProxyHttp for Router {
             if let Some(g) = ctx.charge.guard.as_mut() {
                 g.first_byte();
             }
+        }
+        if let Some(stamp) = ctx.tap.stamp.as_mut() {
+            stamp.filter(body, end_of_stream);
         }
         if let Some(tap) = ctx.tap.usage.as_mut() {
             tap.filter(body, end_of_stream);

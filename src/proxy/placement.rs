@@ -41,6 +41,10 @@ impl Placer<'_> {
     pub fn place(&self, ctx: &mut Ctx) -> Option<(usize, Option<Decision>)> {
         let generation = ctx.generation.clone();
         let fleet = &generation.fleet;
+        if let Some(i) = ctx.route.pinned {
+            ctx.attempts.reason = Some(Reason::Stored);
+            return (!ctx.attempts.tried.contains(&i)).then_some((i, None));
+        }
         let Some(profile) = ctx.route.profile.as_ref() else {
             ctx.attempts.reason = Some(Reason::Passthrough);
             return fleet

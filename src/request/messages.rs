@@ -120,5 +120,6 @@ pub(super) fn reduce<'a, const FAST: bool>(
         has_history: last_reply.is_some(),
         history_blocks,
         reply_mode: ReplyMode::Chat,
+        previous_response_id: None,
     })
 }

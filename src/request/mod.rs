@@ -16,9 +16,11 @@ mod blocks;
 pub(crate) mod body;
 mod canon;
 pub mod engine_tokens;
+pub mod id_stamp;
 mod messages;
 mod openai;
 mod reply;
+pub mod response_id;
 mod responses;
 mod session;
 pub mod surface;
@@ -126,6 +128,8 @@ pub struct RequestProfile {
     /// The request's `cache_salt` (vLLM): the engine shares cached blocks only between
     /// requests with the same salt, so the blocks above are salted with it too.
     pub cache_salt: Option<String>,
+    /// A Responses request's `previous_response_id`: the stored response it continues.
+    pub previous_response_id: Option<String>,
 }
 
 impl RequestProfile {
@@ -170,6 +174,7 @@ struct Conversation<'a> {
     has_history: bool,
     history_blocks: usize,
     reply_mode: ReplyMode,
+    previous_response_id: Option<&'a str>,
 }
 
 fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
@@ -376,6 +381,7 @@ impl Prompt<'_> {
             est_prompt_tokens,
             est_output_tokens: conv.max_output.unwrap_or(DEFAULT_OUTPUT_TOKENS),
             cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
+            previous_response_id: conv.previous_response_id.map(str::to_owned),
         };
         (profile, text)
     }

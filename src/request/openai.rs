@@ -93,6 +93,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
         has_history: false,
         history_blocks: 0,
         reply_mode: ReplyMode::Chat,
+        previous_response_id: None,
     };
     match endpoint {
         Endpoint::Completions => {

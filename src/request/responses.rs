@@ -207,5 +207,6 @@ pub(super) fn reduce<'a, const FAST: bool>(
         has_history,
         history_blocks,
         reply_mode: ReplyMode::Chat,
+        previous_response_id: parsed.previous_response_id.as_deref(),
     })
 }

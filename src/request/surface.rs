@@ -13,6 +13,9 @@ pub enum Route {
     Inference(Endpoint),
     /// Forwarded unchanged to any healthy backend.
     Forward,
+    /// A call on one stored response (`GET`/`DELETE /v1/responses/{id}`, `POST .../cancel`,
+    /// `GET .../input_items`): forwarded to the backend that stored it.
+    Stored,
     /// A known path with another method: 405, with these methods allowed.
     WrongMethod(&'static str),
     /// 404.
@@ -38,6 +41,14 @@ fn plain(path: &str) -> bool {
         && !path.split('/').any(|seg| seg == "." || seg == "..")
 }
 
+/// The response id in a stored response's path, and the call on it (`""`, `"/cancel"` or
+/// `"/input_items"`).
+pub fn stored_response(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix("/v1/responses/")?;
+    let (id, call) = rest.find('/').map_or((rest, ""), |i| rest.split_at(i));
+    (!id.is_empty() && matches!(call, "" | "/cancel" | "/input_items")).then_some((id, call))
+}
+
 pub fn route(method: &str, path: &str, allow: &[AllowRule]) -> Route {
     if let Some(endpoint) = Endpoint::from_path(path) {
         return if method == "POST" {
@@ -48,6 +59,18 @@ pub fn route(method: &str, path: &str, allow: &[AllowRule]) -> Route {
     }
     if !plain(path) {
         return Route::NotFound;
+    }
+    if let Some((_, call)) = stored_response(path) {
+        let allowed = match call {
+            "" => "GET, DELETE",
+            "/cancel" => "POST",
+            _ => "GET",
+        };
+        return if allowed.split(", ").any(|m| m == method) {
+            Route::Stored
+        } else {
+            Route::WrongMethod(allowed)
+        };
     }
     if allow.iter().any(|r| r.matches(method, path)) {
         return Route::Forward;
@@ -91,9 +114,32 @@ mod tests {
             route("GET", "/v1/messages/count_tokens", &[]),
             Route::WrongMethod("POST")
         );
-        // A stored response's own routes need its backend: not served until they are routed
-        // to it.
-        assert_eq!(route("GET", "/v1/responses/resp_1", &[]), Route::NotFound);
+        // A stored response's own calls go to the backend that stored it.
+        for (m, p) in [
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/resp_1"),
+            ("POST", "/v1/responses/resp_1/cancel"),
+            ("GET", "/v1/responses/resp_1/input_items"),
+        ] {
+            assert_eq!(route(m, p, &[]), Route::Stored, "{m} {p}");
+        }
+        assert_eq!(
+            stored_response("/v1/responses/resp_1/cancel"),
+            Some(("resp_1", "/cancel"))
+        );
+        assert_eq!(
+            route("POST", "/v1/responses/resp_1", &[]),
+            Route::WrongMethod("GET, DELETE")
+        );
+        for p in [
+            "/v1/responses/",
+            "/v1/responses/resp_1/other",
+            "/v1/responses/resp_1/cancel/x",
+            "/v1/responses/../sleep",
+            "/v1/responses/%2e%2e/sleep",
+        ] {
+            assert_eq!(route("GET", p, &[]), Route::NotFound, "{p}");
+        }
         assert_eq!(route("GET", "/v1/models", &[]), Route::Forward);
         assert_eq!(route("GET", "/v1/models/m", &[]), Route::Forward);
         assert_eq!(

@@ -234,12 +234,12 @@ impl UsageTap {
     }
 }
 
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
+pub(super) fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
 /// Length of the prefix made of whole SSE events (each ends with a blank line).
-fn complete_prefix(buf: &[u8]) -> usize {
+pub(super) fn complete_prefix(buf: &[u8]) -> usize {
     let mut end = 0;
     let mut i = 0;
     while i + 1 < buf.len() {
@@ -257,7 +257,7 @@ fn complete_prefix(buf: &[u8]) -> usize {
 }
 
 /// Whole events, each with its terminating blank line.
-fn split_events(buf: &[u8]) -> Vec<&[u8]> {
+pub(super) fn split_events(buf: &[u8]) -> Vec<&[u8]> {
     let mut out = Vec::new();
     let mut start = 0;
     let mut i = 0;
@@ -285,7 +285,7 @@ fn split_events(buf: &[u8]) -> Vec<&[u8]> {
 
 /// The JSON of an event's `data:` line, if it has one that is not `[DONE]` (after an
 /// `event:` line in the Responses and Messages streams).
-fn event_data(event: &[u8]) -> Option<&[u8]> {
+pub(super) fn event_data(event: &[u8]) -> Option<&[u8]> {
     let mut line = event;
     let text = loop {
         if let Some(text) = line.strip_prefix(b"data:") {

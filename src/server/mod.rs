@@ -18,6 +18,7 @@ use crate::fleet::kv_events::{follow_forever, KvEventMetrics};
 use crate::fleet::{scrape_forever, Current, Fleet, FleetMetrics, Generation};
 use crate::proxy::{ProxyMetrics, Router};
 use crate::request::engine_tokens::EngineTokenizers;
+use crate::request::response_id::ResponseIds;
 use crate::request::{TokenEstimator, TokenMetrics};
 
 mod admin;
@@ -118,6 +119,14 @@ pub fn run(mut opt: Opt) -> ! {
                 .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display()))),
         )
     });
+    let response_ids = ResponseIds::from_config(&cfg.routing)
+        .unwrap_or_else(|e| fail(format!("invalid config {}: {e}", path.display())));
+    if cfg.routing.response_id_key_file.is_none() {
+        log::warn!(
+            "routing.response_id_key_file is not set: stored-response ids are signed with a key \
+             of this process only, so a restart, an upgrade or another replica cannot route them"
+        );
+    }
     if engine_tokens.is_none() && cfg.backends.iter().any(|b| b.kv_events.is_some()) {
         log::warn!(
             "backends[].kv_events is set but kvroute.kv_events (the engines' tokenizer) is not: \
@@ -178,7 +187,12 @@ pub fn run(mut opt: Opt) -> ! {
     let listeners = cfg.client_listeners();
     let admin_listen = cfg.admin_listen.clone();
     let health = fleet.load_balancer();
-    let current = Arc::new(Current::new(Generation::new(cfg, fleet, engine_tokens)));
+    let current = Arc::new(Current::new(Generation::new(
+        cfg,
+        fleet,
+        engine_tokens,
+        response_ids,
+    )));
     reload_metrics.last_success.set(unix_now());
     let fleet_metrics = Arc::new(fleet_metrics);
 

@@ -27,6 +27,7 @@ use crate::fleet::{Current, FleetError, FleetMetrics, Generation};
 use crate::metrics::{counter_vec, gauge, int_gauge};
 use crate::proxy::ProxyMetrics;
 use crate::request::engine_tokens::EngineTokenizers;
+use crate::request::response_id::ResponseIds;
 use crate::request::TokenEstimator;
 
 /// Why a reload changed nothing.
@@ -231,6 +232,11 @@ impl Reloader {
                 Some(Arc::new(loaded))
             }
         };
+        let response_ids =
+            ResponseIds::from_config(&cfg.routing).map_err(|error| ReloadError::Config {
+                path: path.clone(),
+                error,
+            })?;
         fleet.sync_health().await?;
 
         let before: BTreeSet<&str> = old
@@ -260,7 +266,7 @@ impl Reloader {
             edge_tls.install(id);
         }
         self.current
-            .publish(Generation::new(cfg, fleet, engine_tokens));
+            .publish(Generation::new(cfg, fleet, engine_tokens, response_ids));
         for name in &applied.removed {
             self.fleet_metrics.forget_backend(name);
         }
