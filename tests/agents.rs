@@ -9,30 +9,12 @@ use common::*;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 
-struct Answer {
-    status: u16,
-    server: String,
-    body: String,
-}
-
 async fn post(c: &reqwest::Client, url: &str, body: &Value, headers: &[(&str, &str)]) -> Answer {
     let mut req = c.post(url).json(body);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    let resp = req.send().await.expect("request");
-    let status = resp.status().as_u16();
-    let server = resp
-        .headers()
-        .get("x-kvbench-addr")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    let body = resp.text().await.expect("body");
-    Answer {
-        status,
-        server,
-        body,
-    }
+    send(req).await
 }
 
 /// The JSON of every `data:` line of a stream, by its `event:` name.

@@ -9,27 +9,6 @@ use common::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-struct Answer {
-    status: u16,
-    server: String,
-    body: String,
-}
-
-async fn send(req: reqwest::RequestBuilder) -> Answer {
-    let resp = req.send().await.expect("request");
-    let status = resp.status().as_u16();
-    let server = resp
-        .headers()
-        .get("x-kvbench-addr")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    Answer {
-        status,
-        server,
-        body: resp.text().await.expect("body"),
-    }
-}
-
 fn json_of(a: &Answer) -> Value {
     assert_eq!(a.status, 200, "{}", a.body);
     serde_json::from_str(&a.body).expect("JSON")

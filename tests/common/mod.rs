@@ -498,3 +498,26 @@ impl Load {
         )
     }
 }
+
+/// A simulated server's answer: its status, which server gave it (`x-kvbench-addr`), its body.
+pub struct Answer {
+    pub status: u16,
+    pub server: String,
+    pub body: String,
+}
+
+/// Send `req` and read the whole answer.
+pub async fn send(req: reqwest::RequestBuilder) -> Answer {
+    let resp = req.send().await.expect("request");
+    let status = resp.status().as_u16();
+    let server = resp
+        .headers()
+        .get("x-kvbench-addr")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    Answer {
+        status,
+        server,
+        body: resp.text().await.expect("body"),
+    }
+}
