@@ -124,12 +124,24 @@ pub struct CompareArgs {
     /// documents: turns; agentic: steps of each task.
     #[arg(long)]
     pub turns: Option<u32>,
+    /// agentic: tasks (`replay --tasks`).
+    #[arg(long)]
+    pub tasks: Option<u32>,
+    /// agentic: tokens of the shared system prompt (`replay --system-tokens`).
+    #[arg(long)]
+    pub agent_system_tokens: Option<u64>,
+    /// agentic: tokens of each tool output (`replay --question-tokens`).
+    #[arg(long)]
+    pub tool_tokens: Option<u64>,
     /// documents: concurrency of each phase (`replay --phases`).
     #[arg(long)]
     pub phases: Option<String>,
     /// Send the workload's session ids as `x-session-id` (default: content affinity only).
     #[arg(long)]
     pub session_header: bool,
+    /// The API the workload speaks (`replay --api`).
+    #[arg(long, value_enum, default_value_t = crate::replay::api::Api::Chat)]
+    pub api: crate::replay::api::Api,
     /// ladder: model-time request rates. The default steps past what 8 servers can prefill
     /// without cache hits.
     #[arg(long, value_delimiter = ',', default_value = "4,8,16,32,48")]

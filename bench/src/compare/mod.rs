@@ -220,6 +220,19 @@ async fn run_one(
         ("--turns", args.turns.map(|v| v.to_string())),
         ("--phases", args.phases.clone()),
     ];
+    let agent = [
+        ("--tasks", args.tasks.map(|v| v.to_string())),
+        (
+            "--system-tokens",
+            args.agent_system_tokens.map(|v| v.to_string()),
+        ),
+        ("--question-tokens", args.tool_tokens.map(|v| v.to_string())),
+    ];
+    let shape = shape.into_iter().chain(
+        agent
+            .into_iter()
+            .filter(|_| workload == WorkloadKind::Agentic),
+    );
     for (flag, value) in shape {
         if let Some(v) = value {
             push(flag, v);
@@ -247,6 +260,10 @@ async fn run_one(
     }
     if args.session_header {
         cli.push("--session-header".into());
+    }
+    if args.api != crate::replay::api::Api::Chat {
+        cli.push("--api".into());
+        cli.push(format!("{:?}", args.api).to_lowercase());
     }
     let chat = matches!(workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel);
     if let (true, Some(f)) = (chat, &args.sharegpt_file) {

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::api::Api;
 use super::workloads::ladder::LadderConfig;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,6 +119,10 @@ pub struct ReplayArgs {
     /// Send the workload's session id as `x-session-id`.
     #[arg(long)]
     pub session_header: bool,
+    /// The API requests speak: chat, or an agent API (`responses`, `messages`, or `mixed`:
+    /// each session through one of the two).
+    #[arg(long, value_enum, default_value_t = Api::Chat)]
+    pub api: Api,
     /// sharegpt, prompts: conversations (closed-loop workers) in flight at once.
     #[arg(long, default_value_t = 16)]
     pub conversations: u32,

@@ -3,8 +3,8 @@
 use std::time::Instant;
 
 use futures_util::StreamExt;
-use serde_json::json;
 
+use super::api::{Api, Wire};
 use super::record::{ChatRequest, RequestRecord};
 use super::sse::{clip, Event, SseParser, Usage};
 use super::stats::percentile;
@@ -12,8 +12,10 @@ use super::stats::percentile;
 /// Everything the request tasks share.
 pub struct Ctx {
     pub client: reqwest::Client,
-    /// One chat URL per router replica (`--target`, then each `--replica-target`).
-    pub chat_urls: Vec<String>,
+    /// One base URL per router replica (`--target`, then each `--replica-target`).
+    pub targets: Vec<String>,
+    /// The API the requests speak (`--api`).
+    pub api: Api,
     pub model: String,
     pub session_header: bool,
     pub start: Instant,
@@ -43,8 +45,10 @@ struct Progress {
 pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outcome {
     let sent = Instant::now();
     let mut p = Progress::default();
-    let url = &ctx.chat_urls[replica % ctx.chat_urls.len().max(1)];
-    let exchange = exchange(ctx, url, &req, &mut p);
+    let base = &ctx.targets[replica % ctx.targets.len().max(1)];
+    let wire = ctx.api.wire(req.session.as_deref(), id);
+    let url = format!("{base}{}", wire.path());
+    let exchange = exchange(ctx, &url, wire, &req, &mut p);
     let result = match tokio::time::timeout_at(ctx.hard_deadline, exchange).await {
         Ok(r) => r,
         Err(_) => Err("timeout".to_owned()),
@@ -78,15 +82,14 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outco
     }
 }
 
-async fn exchange(ctx: &Ctx, url: &str, req: &ChatRequest, p: &mut Progress) -> Result<(), String> {
-    let body = json!({
-        "model": req.model.as_deref().unwrap_or(&ctx.model),
-        "messages": req.messages,
-        "max_tokens": req.max_tokens,
-        "ignore_eos": true,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
+async fn exchange(
+    ctx: &Ctx,
+    url: &str,
+    wire: Wire,
+    req: &ChatRequest,
+    p: &mut Progress,
+) -> Result<(), String> {
+    let body = wire.body(req, req.model.as_deref().unwrap_or(&ctx.model));
     let mut builder = ctx.client.post(url).json(&body);
     if ctx.session_header {
         if let Some(s) = &req.session {
@@ -122,6 +125,10 @@ async fn exchange(ctx: &Ctx, url: &str, req: &ChatRequest, p: &mut Progress) -> 
                 }
                 Event::Usage(u) => p.usage = Some(u),
                 Event::Done => done = true,
+                Event::Final(u) => {
+                    p.usage = Some(u);
+                    done = true;
+                }
                 Event::Error(e) => return Err(format!("stream error: {e}")),
                 Event::Ignored => {}
             }
@@ -129,7 +136,7 @@ async fn exchange(ctx: &Ctx, url: &str, req: &ChatRequest, p: &mut Progress) -> 
     }
     if !done {
         return Err(format!(
-            "stream ended without [DONE] ({} bytes of a partial event)",
+            "stream ended without its last event ({} bytes of a partial event)",
             parser.pending()
         ));
     }

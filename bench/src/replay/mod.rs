@@ -13,6 +13,8 @@
 
 use std::process::ExitCode;
 
+mod agent_sse;
+pub mod api;
 pub mod args;
 pub mod charts;
 pub mod client;
@@ -24,6 +26,7 @@ pub mod rng;
 pub mod runner;
 pub mod sse;
 pub mod stats;
+mod stream_event;
 pub mod target;
 pub mod workloads;
 

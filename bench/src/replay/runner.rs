@@ -120,10 +120,11 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     let shared = Arc::new(Shared {
         ctx: Ctx {
             client: client.clone(),
-            chat_urls: std::iter::once(&args.target)
+            targets: std::iter::once(&args.target)
                 .chain(&args.replica_targets)
-                .map(|t| format!("{}/v1/chat/completions", t.trim_end_matches('/')))
+                .map(|t| t.trim_end_matches('/').to_owned())
                 .collect(),
+            api: args.api,
             model: args.model.clone(),
             session_header: args.session_header,
             start,
@@ -213,6 +214,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "model": args.model,
         "models": (args.workload == WorkloadKind::MultiModel).then_some((&args.models, args.model_zipf)),
         "session_header": args.session_header,
+        "api": args.api,
         "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts | WorkloadKind::PrefixGroups | WorkloadKind::Agentic)
             .then_some(args.conversations),
         "documents": (args.workload == WorkloadKind::Documents).then(|| serde_json::json!({

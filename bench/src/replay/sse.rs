@@ -5,33 +5,13 @@
 
 use serde_json::Value;
 
-/// Token counts from the final usage chunk (`stream_options.include_usage`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub cached_tokens: Option<u64>,
-}
-
-/// What one complete event meant to the client.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    /// Generated text (chat `delta.content` or completions `text`), never empty.
-    Content(String),
-    Usage(Usage),
-    /// A chunk carrying both text and usage (some servers put usage on the last content chunk).
-    ContentAndUsage(String, Usage),
-    /// `data: [DONE]`.
-    Done,
-    /// An in-stream `{"error": ...}` object or an unparsable payload.
-    Error(String),
-    /// Role-only deltas, comments, keep-alives: nothing to measure.
-    Ignored,
-}
+pub use super::stream_event::{Event, Usage};
 
 #[derive(Debug, Default)]
 pub struct SseParser {
     buf: Vec<u8>,
+    /// A Messages stream's prompt usage, from its `message_start`.
+    start: Option<Usage>,
 }
 
 impl SseParser {
@@ -45,7 +25,7 @@ impl SseParser {
         let mut events = Vec::new();
         while let Some((end, sep)) = find_event_end(&self.buf) {
             let raw: Vec<u8> = self.buf.drain(..end + sep).take(end).collect();
-            events.push(parse_event(&String::from_utf8_lossy(&raw)));
+            events.push(parse_event(&String::from_utf8_lossy(&raw), &mut self.start));
         }
         events
     }
@@ -69,7 +49,7 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
-fn parse_event(raw: &str) -> Event {
+fn parse_event(raw: &str, start: &mut Option<Usage>) -> Event {
     // Multi-line `data:` fields join with newlines (SSE spec); other fields are irrelevant here.
     let data: Vec<&str> = raw
         .lines()
@@ -94,6 +74,9 @@ fn parse_event(raw: &str) -> Event {
             .and_then(Value::as_str)
             .map(str::to_owned);
         return Event::Error(msg.unwrap_or_else(|| err.to_string()));
+    }
+    if let Some(e) = super::agent_sse::typed(&v, start) {
+        return e;
     }
     let text = content_of(&v);
     let usage = usage_of(&v);

@@ -1,0 +1,112 @@
+//! The agent APIs' typed stream events, read as chat's: Responses' `response.output_text.delta`
+//! and `response.completed` (usage, and the end), Anthropic Messages' `content_block_delta`,
+//! `message_start` (the prompt's usage), `message_delta` (the output's) and `message_stop`.
+
+use serde_json::Value;
+
+use super::stream_event::{Event, Usage};
+
+fn u(v: &Value, key: &str) -> u64 {
+    v.get(key).and_then(Value::as_u64).unwrap_or(0)
+}
+
+fn text(t: Option<&Value>) -> Event {
+    match t.and_then(Value::as_str) {
+        Some(t) if !t.is_empty() => Event::Content(t.to_owned()),
+        _ => Event::Ignored,
+    }
+}
+
+/// The event a typed payload means, or `None` for a payload without a `type` (chat's).
+/// `start` keeps a Messages stream's prompt usage until its `message_delta`.
+pub(super) fn typed(v: &Value, start: &mut Option<Usage>) -> Option<Event> {
+    let kind = v.get("type")?.as_str()?;
+    Some(match kind {
+        "response.output_text.delta" => text(v.get("delta")),
+        "response.completed" => {
+            let usage = &v["response"]["usage"];
+            Event::Final(Usage {
+                prompt_tokens: u(usage, "input_tokens"),
+                completion_tokens: u(usage, "output_tokens"),
+                cached_tokens: usage["input_tokens_details"]["cached_tokens"].as_u64(),
+            })
+        }
+        "response.failed" | "response.incomplete" | "error" => {
+            let msg = v["message"]
+                .as_str()
+                .or(v["response"]["error"]["message"].as_str())
+                .unwrap_or(kind);
+            Event::Error(msg.to_owned())
+        }
+        "content_block_delta" => text(v["delta"].get("text")),
+        "message_start" => {
+            let usage = &v["message"]["usage"];
+            let read = u(usage, "cache_read_input_tokens");
+            *start = Some(Usage {
+                prompt_tokens: u(usage, "input_tokens")
+                    + read
+                    + u(usage, "cache_creation_input_tokens"),
+                completion_tokens: 0,
+                cached_tokens: Some(read),
+            });
+            Event::Ignored
+        }
+        "message_delta" => Event::Usage(Usage {
+            completion_tokens: u(&v["usage"], "output_tokens"),
+            ..start.unwrap_or_default()
+        }),
+        "message_stop" => Event::Done,
+        _ => Event::Ignored,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::replay::sse::{Event, SseParser, Usage};
+
+    #[test]
+    fn responses_and_messages_streams_read_as_chat() {
+        let responses = concat!(
+            "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{}}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\" a\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":50,\"output_tokens\":1,\"input_tokens_details\":{\"cached_tokens\":32}}}}\n\n",
+        );
+        let ev = SseParser::new().push(responses.as_bytes());
+        assert_eq!(
+            ev,
+            [
+                Event::Ignored,
+                Event::Content(" a".into()),
+                Event::Final(Usage {
+                    prompt_tokens: 50,
+                    completion_tokens: 1,
+                    cached_tokens: Some(32)
+                })
+            ]
+        );
+        let messages = concat!(
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":8,\"cache_read_input_tokens\":32,\"cache_creation_input_tokens\":0,\"output_tokens\":0}}}\n\n",
+            "event: ping\ndata: {\"type\":\"ping\"}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\" b\"}}\n\n",
+            "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":2}}\n\n",
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"busy\"}}\n\n",
+        );
+        let ev = SseParser::new().push(messages.as_bytes());
+        assert_eq!(
+            ev,
+            [
+                Event::Ignored,
+                Event::Ignored,
+                Event::Content(" b".into()),
+                Event::Usage(Usage {
+                    prompt_tokens: 40,
+                    completion_tokens: 2,
+                    cached_tokens: Some(32)
+                }),
+                Event::Done,
+                Event::Error("busy".into()),
+            ]
+        );
+    }
+}

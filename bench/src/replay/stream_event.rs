@@ -1,0 +1,28 @@
+//! What one server-sent event of a completion stream means to the client, whichever API sent
+//! it.
+
+/// Token counts from the final usage chunk (`stream_options.include_usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub cached_tokens: Option<u64>,
+}
+
+/// What one complete event meant to the client.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Generated text (chat `delta.content` or completions `text`), never empty.
+    Content(String),
+    Usage(Usage),
+    /// A chunk carrying both text and usage (some servers put usage on the last content chunk).
+    ContentAndUsage(String, Usage),
+    /// `data: [DONE]`.
+    Done,
+    /// The agent APIs' last event: its usage, and the end of the stream.
+    Final(Usage),
+    /// An in-stream `{"error": ...}` object or an unparsable payload.
+    Error(String),
+    /// Role-only deltas, comments, keep-alives: nothing to measure.
+    Ignored,
+}
