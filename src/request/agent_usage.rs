@@ -4,6 +4,7 @@
 use serde::Deserialize;
 use std::borrow::Cow;
 
+use super::canon::Part;
 use super::reply::{push_capped, Usage};
 
 #[derive(Deserialize)]
@@ -85,14 +86,6 @@ pub(super) fn messages_usage(json: &[u8], so_far: Option<Usage>) -> Option<Usage
         usage.completion_tokens = out;
     }
     Some(usage)
-}
-
-#[derive(Deserialize)]
-struct Part<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]

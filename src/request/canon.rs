@@ -72,11 +72,11 @@ impl Canon {
 }
 
 #[derive(Deserialize)]
-struct Part<'a> {
+pub(super) struct Part<'a> {
     #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
+    pub(super) kind: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
+    pub(super) text: Option<Cow<'a, str>>,
 }
 
 pub(super) fn keyed(model: &str, tag: &[u8], value: &[u8]) -> u64 {
@@ -125,6 +125,21 @@ pub(super) fn write_content(
             canon.field(b"");
         }
     }
+    Ok(())
+}
+
+/// Writes a message's content, text or content blocks, and closes its field.
+pub(super) fn write_message_content<const FAST: bool>(
+    canon: &mut Canon,
+    content: Option<&Content>,
+    what: &str,
+) -> Result<(), ApiError> {
+    match content {
+        None => {}
+        Some(Content::Text(t)) => canon.write(t),
+        Some(Content::Parts(blocks)) => write_blocks::<FAST>(canon, blocks, what, 0)?,
+    }
+    canon.field(b"");
     Ok(())
 }
 

@@ -5,9 +5,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 
-use super::canon::{write_blocks, Canon};
+use super::canon::{write_message_content, Canon};
 use super::session::BodyKeys;
-use super::text::{Content, Decoded};
+use super::text::Decoded;
 use super::{bad, Conversation, ReplyMode};
 use crate::error::ApiError;
 
@@ -49,20 +49,6 @@ impl<const FAST: bool> Body<'_, FAST> {
     }
 }
 
-fn write_content<const FAST: bool>(
-    canon: &mut Canon,
-    content: Option<&Content>,
-    what: &str,
-) -> Result<(), ApiError> {
-    match content {
-        None => {}
-        Some(Content::Text(t)) => canon.write(t),
-        Some(Content::Parts(blocks)) => write_blocks::<FAST>(canon, blocks, what, 0)?,
-    }
-    canon.field(b"");
-    Ok(())
-}
-
 pub(super) fn reduce<'a, const FAST: bool>(
     parsed: &'a Body<'a, FAST>,
     canon: &mut Canon,
@@ -83,7 +69,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
     }
     if let Some(system) = &parsed.system {
         canon.field(b"system");
-        write_content::<FAST>(canon, Some(&system.0), "system")?;
+        write_message_content::<FAST>(canon, Some(&system.0), "system")?;
     }
     let mut key = None;
     let last_reply = messages.iter().rposition(|m| m.role == "assistant");
@@ -93,7 +79,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
             history_blocks = canon.blocks.full_blocks();
         }
         canon.field(m.role.as_bytes());
-        write_content::<FAST>(
+        write_message_content::<FAST>(
             canon,
             m.content.as_ref().map(|c| &c.0),
             &format!("messages[{i}].content"),

@@ -7,9 +7,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 
-use super::canon::{write_blocks, write_value, Canon};
+use super::canon::{write_message_content, write_value, Canon};
 use super::session::BodyKeys;
-use super::text::{self, Content, Decoded};
+use super::text::{self, Decoded};
 use super::{bad, Conversation, ReplyMode};
 use crate::error::ApiError;
 
@@ -90,13 +90,7 @@ fn write_item<const FAST: bool>(
     let what = || format!("input[{i}]");
     if item.is_message() {
         canon.field(item.role.as_deref().unwrap_or("").as_bytes());
-        match item.content.as_ref().map(|c| &c.0) {
-            None => {}
-            Some(Content::Text(t)) => canon.write(t),
-            Some(Content::Parts(parts)) => write_blocks::<FAST>(canon, parts, &what(), 0)?,
-        }
-        canon.field(b"");
-        return Ok(());
+        return write_message_content::<FAST>(canon, item.content.as_ref().map(|c| &c.0), &what());
     }
     let kind = item.kind.as_deref().ok_or_else(|| {
         bad(
@@ -138,11 +132,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
     }
     if let Some(instructions) = &parsed.instructions {
         canon.field(b"system");
-        match &instructions.0 {
-            Content::Text(t) => canon.write(t),
-            Content::Parts(parts) => write_blocks::<FAST>(canon, parts, "instructions", 0)?,
-        }
-        canon.field(b"");
+        write_message_content::<FAST>(canon, Some(&instructions.0), "instructions")?;
     }
     let mut key = None;
     let mut history_blocks = 0;
