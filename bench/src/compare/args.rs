@@ -133,6 +133,19 @@ pub struct CompareArgs {
     /// agentic: tokens of each tool output (`replay --question-tokens`).
     #[arg(long)]
     pub tool_tokens: Option<u64>,
+    /// agentic: the most tokens of a tool output, log-uniform from `--tool-tokens`
+    /// (`replay --tool-tokens-max`).
+    #[arg(long)]
+    pub tool_tokens_max: Option<u64>,
+    /// agentic: mean think time between steps, ms (`replay --think-ms`).
+    #[arg(long)]
+    pub think_ms: Option<u64>,
+    /// agentic: tool calls every turn (`replay --tool-calls`).
+    #[arg(long)]
+    pub tool_calls: bool,
+    /// agentic: Responses sessions chain stored answers (`replay --store`).
+    #[arg(long)]
+    pub store: bool,
     /// documents: concurrency of each phase (`replay --phases`).
     #[arg(long)]
     pub phases: Option<String>,

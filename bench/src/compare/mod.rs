@@ -227,6 +227,11 @@ async fn run_one(
             args.agent_system_tokens.map(|v| v.to_string()),
         ),
         ("--question-tokens", args.tool_tokens.map(|v| v.to_string())),
+        (
+            "--tool-tokens-max",
+            args.tool_tokens_max.map(|v| v.to_string()),
+        ),
+        ("--think-ms", args.think_ms.map(|v| v.to_string())),
     ];
     let shape = shape.into_iter().chain(
         agent
@@ -260,6 +265,10 @@ async fn run_one(
     }
     if args.session_header {
         cli.push("--session-header".into());
+    }
+    if workload == WorkloadKind::Agentic {
+        let flags = [("--tool-calls", args.tool_calls), ("--store", args.store)];
+        cli.extend(flags.iter().filter(|f| f.1).map(|f| f.0.to_string()));
     }
     if args.api != crate::replay::api::Api::Chat {
         cli.push("--api".into());

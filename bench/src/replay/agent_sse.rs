@@ -17,19 +17,39 @@ fn text(t: Option<&Value>) -> Event {
     }
 }
 
+/// A tool call's opening: an item or block of type `kind`, its id in field `id`.
+fn tool_call(item: &Value, kind: &str, id: &str) -> Event {
+    match (
+        item["type"].as_str(),
+        item[id].as_str(),
+        item["name"].as_str(),
+    ) {
+        (Some(k), Some(id), Some(name)) if k == kind => Event::ToolCall {
+            id: id.to_owned(),
+            name: name.to_owned(),
+        },
+        _ => Event::Ignored,
+    }
+}
+
 /// The event a typed payload means, or `None` for a payload without a `type` (chat's).
 /// `start` keeps a Messages stream's prompt usage until its `message_delta`.
 pub(super) fn typed(v: &Value, start: &mut Option<Usage>) -> Option<Event> {
     let kind = v.get("type")?.as_str()?;
     Some(match kind {
-        "response.output_text.delta" => text(v.get("delta")),
+        "response.output_text.delta" | "response.function_call_arguments.delta" => {
+            text(v.get("delta"))
+        }
+        "response.output_item.added" => tool_call(&v["item"], "function_call", "call_id"),
         "response.completed" => {
             let usage = &v["response"]["usage"];
-            Event::Final(Usage {
+            let id = v["response"]["id"].as_str().map(str::to_owned);
+            let usage = Usage {
                 prompt_tokens: u(usage, "input_tokens"),
                 completion_tokens: u(usage, "output_tokens"),
                 cached_tokens: usage["input_tokens_details"]["cached_tokens"].as_u64(),
-            })
+            };
+            Event::Final(usage, id)
         }
         "response.failed" | "response.incomplete" | "error" => {
             let msg = v["message"]
@@ -38,7 +58,8 @@ pub(super) fn typed(v: &Value, start: &mut Option<Usage>) -> Option<Event> {
                 .unwrap_or(kind);
             Event::Error(msg.to_owned())
         }
-        "content_block_delta" => text(v["delta"].get("text")),
+        "content_block_start" => tool_call(&v["content_block"], "tool_use", "id"),
+        "content_block_delta" => text(v["delta"].get("text").or(v["delta"].get("partial_json"))),
         "message_start" => {
             let usage = &v["message"]["usage"];
             let read = u(usage, "cache_read_input_tokens");
@@ -77,11 +98,14 @@ mod tests {
             [
                 Event::Ignored,
                 Event::Content(" a".into()),
-                Event::Final(Usage {
-                    prompt_tokens: 50,
-                    completion_tokens: 1,
-                    cached_tokens: Some(32)
-                })
+                Event::Final(
+                    Usage {
+                        prompt_tokens: 50,
+                        completion_tokens: 1,
+                        cached_tokens: Some(32)
+                    },
+                    None
+                )
             ]
         );
         let messages = concat!(
@@ -106,6 +130,44 @@ mod tests {
                 }),
                 Event::Done,
                 Event::Error("busy".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn tool_calls_open_and_stream_their_arguments_as_content() {
+        let responses = concat!(
+            "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\",\"item\":{\"type\":\"function_call\",\"id\":\"fc_1\",\"call_id\":\"call_1\",\"name\":\"run\",\"arguments\":\"\"}}\n\n",
+            "event: response.function_call_arguments.delta\ndata: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"{\\\"a\\\":1}\"}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_9\",\"usage\":{\"input_tokens\":5,\"output_tokens\":1}}}\n\n",
+        );
+        let ev = SseParser::new().push(responses.as_bytes());
+        assert_eq!(
+            ev[..2],
+            [
+                Event::ToolCall {
+                    id: "call_1".into(),
+                    name: "run".into()
+                },
+                Event::Content("{\"a\":1}".into()),
+            ]
+        );
+        assert!(matches!(&ev[2], Event::Final(_, Some(id)) if id == "resp_9"));
+        let messages = concat!(
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_1\",\"name\":\"run\",\"input\":{}}}\n\n",
+            "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\"\"}}\n\n",
+            "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+        );
+        let ev = SseParser::new().push(messages.as_bytes());
+        assert_eq!(
+            ev,
+            [
+                Event::ToolCall {
+                    id: "toolu_1".into(),
+                    name: "run".into()
+                },
+                Event::Content("{\"a\"".into()),
+                Event::Ignored,
             ]
         );
     }

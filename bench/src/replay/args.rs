@@ -171,6 +171,23 @@ pub struct ReplayArgs {
     /// agentic: tasks (conversations); `--conversations` of them at once.
     #[arg(long, default_value_t = 4)]
     pub tasks: u32,
+    /// agentic: a tool's output is `--question-tokens` to this many tokens, log-uniform
+    /// (default: always `--question-tokens`).
+    #[arg(long)]
+    pub tool_tokens_max: Option<u64>,
+    /// agentic: mean think time before each step after the first, in milliseconds of wall
+    /// time (each step's is uniform in 0.5-1.5x the mean).
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
+    /// agentic: send the agent's tools and ask for a tool call every turn (`tool_choice`);
+    /// the calls go back as Responses `function_call` / Messages `tool_use` items and the
+    /// tools' outputs as their results. Chat sends the tools but gets text.
+    #[arg(long)]
+    pub tool_calls: bool,
+    /// agentic: Responses sessions store every answer (`store: true`) and send each next turn
+    /// as `previous_response_id` plus the new items only.
+    #[arg(long)]
+    pub store: bool,
     #[arg(long, default_value_t = 100)]
     pub output_tokens: u32,
     /// ladder: request rates (req/s of wall time), one step each.
@@ -227,6 +244,13 @@ impl ReplayArgs {
         }
         if self.workload == WorkloadKind::Agentic && self.tasks == 0 {
             return Err("--tasks must be at least 1".into());
+        }
+        if let (Some(max), Some(min)) = (self.tool_tokens_max, self.question_tokens) {
+            if max < min {
+                return Err(format!(
+                    "--tool-tokens-max ({max}) must be at least --question-tokens ({min})"
+                ));
+            }
         }
         if self.workload == WorkloadKind::Ladder {
             positive("--step-s", self.step_s)?;

@@ -23,10 +23,15 @@ pub struct Ctx {
     pub hard_deadline: tokio::time::Instant,
 }
 
-/// A measured request plus the reply text (multi-turn chat appends it to the history).
+/// A measured request plus the reply (multi-turn chat appends it to the history).
 pub struct Outcome {
     pub record: RequestRecord,
+    /// The reply's text, or a tool call's arguments.
     pub text: String,
+    /// The tool call the reply made: its id and the tool's name.
+    pub call: Option<(String, String)>,
+    /// A Responses answer's id (for `previous_response_id`).
+    pub response_id: Option<String>,
 }
 
 /// Filled in while the response streams, so a timeout still keeps what was measured.
@@ -39,10 +44,16 @@ struct Progress {
     events: Vec<(Instant, usize)>,
     text: String,
     usage: Option<Usage>,
+    call: Option<(String, String)>,
+    response_id: Option<String>,
 }
 
 /// Sends `req` to replica `replica` (modulo the replicas there are).
 pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outcome {
+    // Think time is the client's, before the request exists: not part of its latency.
+    if !req.agent.think.is_zero() {
+        tokio::time::sleep(req.agent.think).await;
+    }
     let sent = Instant::now();
     let mut p = Progress::default();
     let base = &ctx.targets[replica % ctx.targets.len().max(1)];
@@ -79,6 +90,8 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outco
     Outcome {
         record,
         text: p.text,
+        call: p.call,
+        response_id: p.response_id,
     }
 }
 
@@ -125,10 +138,12 @@ async fn exchange(
                 }
                 Event::Usage(u) => p.usage = Some(u),
                 Event::Done => done = true,
-                Event::Final(u) => {
+                Event::Final(u, id) => {
                     p.usage = Some(u);
+                    p.response_id = id;
                     done = true;
                 }
+                Event::ToolCall { id, name } => p.call = Some((id, name)),
                 Event::Error(e) => return Err(format!("stream error: {e}")),
                 Event::Ignored => {}
             }

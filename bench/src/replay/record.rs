@@ -6,6 +6,9 @@ use serde::{Deserialize, Serialize};
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool call; on a `tool` message, the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<ToolCall>,
 }
 
 impl Message {
@@ -13,8 +16,33 @@ impl Message {
         Self {
             role: role.to_owned(),
             content: content.into(),
+            call: None,
         }
     }
+}
+
+/// A tool call as the server made it: sent back in the next turn as the API spells it
+/// (Responses `function_call`, Messages `tool_use`, chat `tool_calls`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments' JSON text as streamed.
+    pub arguments: String,
+}
+
+/// How an agent session sends a request (the `agentic` workload's options).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AgentTurn {
+    /// Sends the agent's tools and asks for a tool call (`tool_choice`).
+    pub tools: bool,
+    /// Responses `store: true`, the engine keeping the answer.
+    pub store: bool,
+    /// A stored previous answer's id and where the messages it does not hold start: only
+    /// those are sent, with `previous_response_id` (Responses; other APIs send everything).
+    pub previous: Option<(String, usize)>,
+    /// Waited before sending: the tool running and the agent reading its output.
+    pub think: std::time::Duration,
 }
 
 /// One request as a workload wants it sent.
@@ -34,6 +62,7 @@ pub struct ChatRequest {
     /// this prompt one infinite cache would already hold, given everything sent before it.
     pub oracle_hit: f64,
     pub oracle_total: f64,
+    pub agent: AgentTurn,
 }
 
 /// Measurements of one request. Times are milliseconds; `send_ms` counts from the run start.

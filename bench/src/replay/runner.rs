@@ -79,16 +79,20 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
             args.question_tokens.unwrap_or(30),
             args.seed,
         )),
-        (WorkloadKind::Agentic, _) => Plan::Closed(vec![(
-            shapes::agentic(
-                args.tasks,
-                args.turns.unwrap_or(6),
-                args.system_tokens.unwrap_or(400),
-                args.question_tokens.unwrap_or(120),
-                args.seed,
-            ),
-            c,
-        )]),
+        (WorkloadKind::Agentic, _) => {
+            let tool_tokens = args.question_tokens.unwrap_or(120);
+            let shape = shapes::AgentShape {
+                tasks: args.tasks,
+                steps: args.turns.unwrap_or(6),
+                system_tokens: args.system_tokens.unwrap_or(400),
+                tool_tokens: (tool_tokens, args.tool_tokens_max.unwrap_or(tool_tokens)),
+                think_ms: args.think_ms,
+                tool_calls: args.tool_calls,
+                store: args.store,
+                seed: args.seed,
+            };
+            Plan::Closed(vec![(shapes::agentic(&shape), c)])
+        }
         (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(vec![(sharegpt::load(f)?, c)]),
         (WorkloadKind::MultiModel, Some(f)) => Plan::Closed(vec![(
             multi_model::assign(sharegpt::load(f)?, &args.models, args.model_zipf, args.seed)?,
@@ -277,7 +281,7 @@ async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32
                     if !ok {
                         break;
                     }
-                    chat.record_reply(out.text);
+                    chat.record_answer(out.text, out.call, out.response_id);
                 }
             }
         });

@@ -19,8 +19,14 @@ pub enum Event {
     ContentAndUsage(String, Usage),
     /// `data: [DONE]`.
     Done,
-    /// The agent APIs' last event: its usage, and the end of the stream.
-    Final(Usage),
+    /// The agent APIs' last event: its usage, the end of the stream, and the Responses
+    /// answer's id.
+    Final(Usage, Option<String>),
+    /// A tool call opens (agent APIs); its arguments follow as `Content`.
+    ToolCall {
+        id: String,
+        name: String,
+    },
     /// An in-stream `{"error": ...}` object or an unparsable payload.
     Error(String),
     /// Role-only deltas, comments, keep-alives: nothing to measure.

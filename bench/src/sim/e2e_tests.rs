@@ -1432,3 +1432,104 @@ async fn messages_errors_have_anthropics_shape() {
     let v: Value = res.json().await.unwrap();
     assert!(v["error"]["message"].is_string());
 }
+
+/// A forced tool call, streamed, in each agent API: the stream carries the call, and the next
+/// turn that sends it back with the tool's output hits the cache through the call, as a real
+/// engine's cache holds the call it generated.
+#[tokio::test]
+async fn forced_tool_calls_stream_and_the_next_turn_hits_them() {
+    let tools_r = json!([{"type": "function", "name": "run", "description": "Runs a command",
+                          "parameters": {"type": "object"}}]);
+    let tools_m = json!([{"name": "run", "description": "Runs a command",
+                          "input_schema": {"type": "object"}}]);
+    let output = "Tests passed. ".repeat(30);
+    for sim in [Sim::start().await, engine_sim().await] {
+        // Responses: the call is one function_call item, its arguments streamed as deltas.
+        let mut turn1 = responses_turn1(true);
+        turn1["tools"] = tools_r.clone();
+        turn1["tool_choice"] = json!("required");
+        let events = typed_events(sim.post("/v1/responses", &turn1).await).await;
+        let kinds: Vec<&str> = events.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            kinds[..3],
+            [
+                "response.created",
+                "response.in_progress",
+                "response.output_item.added"
+            ]
+        );
+        assert_eq!(
+            kinds[kinds.len() - 3..],
+            [
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "response.completed"
+            ]
+        );
+        let args: String = events
+            .iter()
+            .filter(|(k, _)| k == "response.function_call_arguments.delta")
+            .map(|(_, v)| v["delta"].as_str().unwrap())
+            .collect();
+        let call = events.last().unwrap().1["response"]["output"][0].clone();
+        assert_eq!(call["type"], "function_call");
+        assert_eq!(
+            (call["name"].as_str(), call["arguments"].as_str()),
+            (Some("run"), Some(args.as_str()))
+        );
+        let parsed: Value = serde_json::from_str(&args).unwrap();
+        assert_eq!(parsed["command"], completion_text(AGENT_REPLY));
+        let mut turn2 = turn1.clone();
+        turn2["stream"] = json!(false);
+        turn2["input"] = json!([turn1["input"][0], call,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": output}]);
+        let v: Value = sim
+            .post("/v1/responses", &turn2)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let (input, cached) = (
+            v["usage"]["input_tokens"].as_u64().unwrap(),
+            v["usage"]["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        );
+        // The tool's output is ~105 tokens; everything before it, the call included, is cached
+        // (to the block boundary).
+        assert!(input - cached < 105 + 16 + 16, "{input} {cached}");
+        assert_eq!(v["output"][0]["type"], "function_call");
+
+        // Messages: one tool_use block, its input streamed as input_json_delta.
+        let mut turn1 = messages_turn1(true);
+        turn1["tools"] = tools_m.clone();
+        turn1["tool_choice"] = json!({"type": "any"});
+        let events = typed_events(sim.post("/v1/messages", &turn1).await).await;
+        let start = &events[1].1["content_block"];
+        assert_eq!(
+            (start["type"].as_str(), start["name"].as_str()),
+            (Some("tool_use"), Some("run"))
+        );
+        let partial: String = events
+            .iter()
+            .filter(|(k, _)| k == "content_block_delta")
+            .map(|(_, v)| v["delta"]["partial_json"].as_str().unwrap())
+            .collect();
+        let input_json: Value = serde_json::from_str(&partial).unwrap();
+        assert_eq!(input_json["command"], completion_text(AGENT_REPLY));
+        let delta = events.iter().find(|(k, _)| k == "message_delta").unwrap();
+        assert_eq!(delta.1["delta"]["stop_reason"], "tool_use");
+        let mut turn2 = turn1.clone();
+        turn2["stream"] = json!(false);
+        turn2["messages"] = json!([turn1["messages"][0],
+            {"role": "assistant", "content": [{"type": "tool_use", "id": start["id"],
+                                               "name": "run", "input": input_json}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": start["id"],
+                                          "content": output}]}]);
+        let v: Value = sim.post("/v1/messages", &turn2).await.json().await.unwrap();
+        let uncached = v["usage"]["input_tokens"].as_u64().unwrap();
+        assert!(uncached < 105 + 16 + 16, "{uncached}");
+        assert_eq!(v["content"][0]["type"], "tool_use");
+        assert_eq!(v["stop_reason"], "tool_use");
+    }
+}

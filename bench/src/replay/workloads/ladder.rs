@@ -132,6 +132,7 @@ impl OpenLoop for LadderSchedule {
                 turn: None,
                 oracle_hit: hit,
                 oracle_total: sys + self.cfg.question_tokens as f64,
+                agent: Default::default(),
             },
         })
     }

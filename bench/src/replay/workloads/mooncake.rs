@@ -107,6 +107,7 @@ impl OpenLoop for MooncakeSchedule {
                 turn: None,
                 oracle_hit: hit,
                 oracle_total: total,
+                agent: Default::default(),
             },
         })
     }

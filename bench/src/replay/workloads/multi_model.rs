@@ -65,9 +65,11 @@ mod tests {
                 turns: vec![Turn {
                     text: format!("question {i}"),
                     output_length: 4,
+                    ..Turn::default()
                 }],
                 model: None,
                 system: None,
+                agent: Default::default(),
             })
             .collect()
     }

@@ -55,6 +55,7 @@ pub fn requests(prompts: Vec<Prompt>, default_max_tokens: u32) -> Vec<ChatReques
                 turn: None,
                 oracle_hit: hit,
                 oracle_total: total,
+                agent: Default::default(),
             }
         })
         .collect()

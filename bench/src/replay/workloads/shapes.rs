@@ -10,13 +10,17 @@
 //!   fleet, not all sent to the first holder of a prompt.
 //! - `agentic`: an agent's loop. Every task shares one system prompt with the tools' manual,
 //!   then grows by a short reply (the tool call) and a tool's output per step: long
-//!   histories that differ only at their end, short outputs.
+//!   histories that differ only at their end, short outputs. By default the reply is text
+//!   and the output a user message (what a small CPU model can serve); `--tool-calls` makes
+//!   every reply a real tool call and every output its result, `--tool-tokens-max` varies the
+//!   outputs' size, `--think-ms` waits between steps and `--store` chains stored Responses
+//!   answers: the shape of Codex and Claude Code sessions (docs/results/agents.md).
 //!
 //! Text is words from a fixed list (`rng::filler`), about one token each for a real
 //! tokenizer, derived from a seed alone, so every run sends the same bytes.
 
-use crate::replay::record::{ChatRequest, Message};
-use crate::replay::rng::filler;
+use crate::replay::record::{AgentTurn, ChatRequest, Message};
+use crate::replay::rng::{filler, mix, Rng};
 
 use super::sharegpt::{Conversation, Turn};
 
@@ -56,6 +60,7 @@ pub fn documents(
                         t => questions[t % questions.len()].to_owned(),
                     },
                     output_length: 32,
+                    ..Turn::default()
                 })
                 .collect();
             Conversation {
@@ -63,6 +68,7 @@ pub fn documents(
                 turns,
                 model: None,
                 system: Some("You are a careful reader. Answer from the document.".into()),
+                agent: Default::default(),
             }
         })
         .collect();
@@ -120,39 +126,73 @@ pub fn prefix_groups(
                 turn: None,
                 oracle_hit: if u == 0 { 0.0 } else { system.len() as f64 },
                 oracle_total: total,
+                agent: Default::default(),
             });
         }
     }
     out
 }
 
+/// The `agentic` workload's shape.
+#[derive(Debug, Clone)]
+pub struct AgentShape {
+    pub tasks: u32,
+    pub steps: u32,
+    /// Tokens of the system prompt (instructions and the tools' manual), shared by every task.
+    pub system_tokens: u64,
+    /// Tokens of a tool's output: the least and the most, log-uniform between (a file read or
+    /// a test run is long, a grep short).
+    pub tool_tokens: (u64, u64),
+    /// Mean think time before each step after the first (uniform in 0.5-1.5x the mean).
+    pub think_ms: u64,
+    /// Replies are tool calls, and the tools' outputs their results.
+    pub tool_calls: bool,
+    /// Responses sessions chain stored answers with `previous_response_id`.
+    pub store: bool,
+    pub seed: u64,
+}
+
 /// `agentic`: `tasks` conversations of `steps` turns. The system prompt (instructions and
-/// the tools' manual, `system_tokens`) is shared by every task; a task opens with its own
-/// description, and each later turn is a tool's output of `tool_tokens`.
-pub fn agentic(
-    tasks: u32,
-    steps: u32,
-    system_tokens: u64,
-    tool_tokens: u64,
-    seed: u64,
-) -> Vec<Conversation> {
+/// the tools' manual) is shared by every task; a task opens with its own description, and
+/// each later turn is a tool's output.
+pub fn agentic(shape: &AgentShape) -> Vec<Conversation> {
+    let seed = shape.seed;
     let manual = format!(
         "You are a coding agent. Reply with one tool call per turn: read(path), grep(pattern), \
          edit(path, text) or run(command). Tools manual: {}",
-        text(seed ^ 0xa9e7, system_tokens)
+        text(seed ^ 0xa9e7, shape.system_tokens)
     );
-    (0..tasks as u64)
+    let (least, most) = shape.tool_tokens;
+    let agent = AgentTurn {
+        tools: shape.tool_calls,
+        store: shape.store,
+        ..AgentTurn::default()
+    };
+    (0..shape.tasks as u64)
         .map(|t| {
-            let turns = (0..steps as u64)
-                .map(|s| Turn {
-                    text: match s {
-                        0 => format!("Task {t}: {}", text(seed ^ (t << 20), tool_tokens)),
+            let mut rng = Rng::new(mix(seed ^ 0x7001 ^ (t << 24)));
+            let turns = (0..shape.steps as u64)
+                .map(|s| {
+                    // Drawn for every step, so the sizes do not depend on the think time.
+                    let (size, think) = (rng.next_f64(), rng.next_f64());
+                    let tokens = log_uniform(least, most, size);
+                    let text = match s {
+                        0 => format!("Task {t}: {}", self::text(seed ^ (t << 20), least)),
                         s => format!(
                             "Tool output {s}:\n{}",
-                            text(seed ^ (t << 20) ^ s, tool_tokens)
+                            self::text(seed ^ (t << 20) ^ s, tokens)
                         ),
-                    },
-                    output_length: 24,
+                    };
+                    Turn {
+                        text,
+                        output_length: 24,
+                        tool_result: s > 0,
+                        think_ms: if s > 0 {
+                            (shape.think_ms as f64 * (0.5 + think)) as u64
+                        } else {
+                            0
+                        },
+                    }
                 })
                 .collect();
             Conversation {
@@ -160,9 +200,19 @@ pub fn agentic(
                 turns,
                 model: None,
                 system: Some(manual.clone()),
+                agent: agent.clone(),
             }
         })
         .collect()
+}
+
+/// `least..=most`, log-uniform at `u` in [0, 1).
+fn log_uniform(least: u64, most: u64, u: f64) -> u64 {
+    if most <= least {
+        return least;
+    }
+    let (a, b) = ((least.max(1) as f64).ln(), (most as f64).ln());
+    ((a + (b - a) * u).exp().round() as u64).clamp(least, most)
 }
 
 #[cfg(test)]
@@ -210,9 +260,22 @@ mod tests {
         assert_eq!(reqs[6].oracle_hit, system(6).len() as f64);
     }
 
+    fn shape(tool_tokens: (u64, u64), think_ms: u64, tool_calls: bool) -> AgentShape {
+        AgentShape {
+            tasks: 4,
+            steps: 6,
+            system_tokens: 400,
+            tool_tokens,
+            think_ms,
+            tool_calls,
+            store: false,
+            seed: 1,
+        }
+    }
+
     #[test]
     fn agent_tasks_share_the_manual_and_grow_by_tool_output() {
-        let tasks = agentic(4, 6, 400, 120, 1);
+        let tasks = agentic(&shape((120, 120), 0, false));
         assert_eq!(tasks.len(), 4);
         assert_eq!(tasks[0].system, tasks[3].system);
         assert_eq!(tasks[0].turns.len(), 6);
@@ -224,5 +287,73 @@ mod tests {
             last = bytes;
             chat.record_reply("read(src/main.rs)".into());
         }
+    }
+
+    #[test]
+    fn agent_loop_calls_tools_sizes_outputs_and_thinks() {
+        let tasks = agentic(&shape((200, 4000), 2000, true));
+        let outputs: Vec<&Turn> = tasks.iter().flat_map(|t| &t.turns[1..]).collect();
+        assert!(outputs.iter().all(|t| t.tool_result));
+        assert!(!tasks[0].turns[0].tool_result && tasks[0].turns[0].think_ms == 0);
+        let bytes: Vec<u64> = outputs.iter().map(|t| t.text.len() as u64).collect();
+        let tokens = |b: u64| b / BYTES_PER_TOKEN;
+        assert!(
+            bytes.iter().all(|&b| (200..=4010).contains(&tokens(b))),
+            "{bytes:?}"
+        );
+        // Log-uniform: most outputs short, some long.
+        assert!(bytes.iter().any(|&b| tokens(b) < 600) && bytes.iter().any(|&b| tokens(b) > 1500));
+        assert!(outputs.iter().all(|t| (1000..3000).contains(&t.think_ms)));
+        assert!(tasks[0].agent.tools && !tasks[0].agent.store);
+        // The same seed, the same sizes; the default shape's bytes are unchanged by the options.
+        let again = agentic(&shape((200, 4000), 0, false));
+        assert_eq!(again[2].turns[3].text, tasks[2].turns[3].text);
+        let fixed = agentic(&shape((120, 120), 0, false));
+        assert!(fixed
+            .iter()
+            .flat_map(|t| &t.turns[1..])
+            .all(|t| t.text.len() < 120 * 7));
+
+        // The loop: a reply that is a call makes the next output its result.
+        let mut chat = Chat::new(tasks[0].clone(), 512);
+        let first = chat.next_request().unwrap();
+        assert_eq!(first.messages.last().unwrap().role, "user");
+        chat.record_answer(
+            r#"{"command":"ls"}"#.into(),
+            Some(("call_1".into(), "run".into())),
+            None,
+        );
+        let second = chat.next_request().unwrap();
+        let n = second.messages.len();
+        assert_eq!(
+            second.messages[n - 2].call.as_ref().unwrap().arguments,
+            r#"{"command":"ls"}"#
+        );
+        assert_eq!(second.messages[n - 1].role, "tool");
+        assert_eq!(second.messages[n - 1].call.as_ref().unwrap().id, "call_1");
+        assert!(second.agent.think.as_millis() >= 1000 && second.agent.previous.is_none());
+        // A text reply (chat) leaves the output a user message.
+        chat.record_answer("read(a)".into(), None, None);
+        assert_eq!(
+            chat.next_request().unwrap().messages.last().unwrap().role,
+            "user"
+        );
+    }
+
+    #[test]
+    fn stored_sessions_send_the_previous_id_and_what_follows_it() {
+        let mut s = shape((100, 100), 0, true);
+        s.store = true;
+        let mut chat = Chat::new(agentic(&s).remove(0), 512);
+        assert!(chat.next_request().unwrap().agent.previous.is_none());
+        chat.record_answer(
+            "{}".into(),
+            Some(("c1".into(), "run".into())),
+            Some("resp_1".into()),
+        );
+        let next = chat.next_request().unwrap();
+        // system, task, call: held by resp_1; the output follows.
+        assert_eq!(next.agent.previous, Some(("resp_1".to_owned(), 3)));
+        assert_eq!(next.messages.len(), 4);
     }
 }

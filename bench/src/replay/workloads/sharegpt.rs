@@ -13,12 +13,19 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::read_jsonl;
-use crate::replay::record::{ChatRequest, Message};
+use crate::replay::record::{AgentTurn, ChatRequest, Message, ToolCall};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 pub struct Turn {
     pub text: String,
     pub output_length: u64,
+    /// The text is the output of the tool the previous reply called (`agentic`): sent as the
+    /// call's result when the reply was a call, as a user message otherwise.
+    #[serde(default)]
+    pub tool_result: bool,
+    /// Milliseconds to wait before sending this turn (think time).
+    #[serde(default)]
+    pub think_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -31,6 +38,9 @@ pub struct Conversation {
     /// A system message before the first turn (the synthetic shapes; ShareGPT has none).
     #[serde(skip)]
     pub system: Option<String>,
+    /// An agent session's options (`agentic`): tools, stored answers.
+    #[serde(skip)]
+    pub agent: AgentTurn,
 }
 
 pub fn load(path: &Path) -> Result<Vec<Conversation>, String> {
@@ -51,6 +61,8 @@ pub struct Chat {
     /// the previous turn's prompt, then its reply once received.
     prev_stream: String,
     max_tokens_cap: u32,
+    /// The last answer's id when it was stored, and the history's length after it.
+    stored: Option<(String, usize)>,
 }
 
 impl Chat {
@@ -66,6 +78,7 @@ impl Chat {
             history,
             prev_stream: String::new(),
             max_tokens_cap,
+            stored: None,
         }
     }
 
@@ -73,7 +86,18 @@ impl Chat {
     pub fn next_request(&mut self) -> Option<ChatRequest> {
         let turn = self.conv.turns.get(self.next_turn)?;
         self.next_turn += 1;
-        self.history.push(Message::new("user", turn.text.clone()));
+        let call = match self.history.last() {
+            Some(m) if turn.tool_result && m.role == "assistant" => m.call.clone(),
+            _ => None,
+        };
+        let message = match call {
+            Some(call) => Message {
+                call: Some(call),
+                ..Message::new("tool", turn.text.clone())
+            },
+            None => Message::new("user", turn.text.clone()),
+        };
+        self.history.push(message);
         let rendered = render(&self.history);
         let hit = common_prefix(&self.prev_stream, &rendered) as f64;
         let total = rendered.len() as f64;
@@ -87,15 +111,43 @@ impl Chat {
             turn: Some(self.next_turn as u32 - 1),
             oracle_hit: hit,
             oracle_total: total,
+            agent: AgentTurn {
+                previous: self.stored.clone().filter(|_| self.conv.agent.store),
+                think: std::time::Duration::from_millis(turn.think_ms),
+                ..self.conv.agent.clone()
+            },
         })
     }
 
     /// Appends the reply received for the last turn, as a chat client would. The server
     /// computed the reply's KV after the prompt's, so the ideal cache holds it too.
+    #[cfg(test)]
     pub fn record_reply(&mut self, text: String) {
-        let reply = Message::new("assistant", text);
+        self.record_answer(text, None, None);
+    }
+
+    /// Appends the reply received: `text`, or the tool call `call` (its id and tool) whose
+    /// arguments `text` is, and the answer's id when the server stored it.
+    pub fn record_answer(
+        &mut self,
+        text: String,
+        call: Option<(String, String)>,
+        stored: Option<String>,
+    ) {
+        let reply = match call {
+            Some((id, name)) => Message {
+                call: Some(ToolCall {
+                    id,
+                    name,
+                    arguments: text,
+                }),
+                ..Message::new("assistant", "")
+            },
+            None => Message::new("assistant", text),
+        };
         render_message(&reply, &mut self.prev_stream);
         self.history.push(reply);
+        self.stored = stored.map(|id| (id, self.history.len()));
     }
 }
 
@@ -113,6 +165,11 @@ fn render_message(m: &Message, out: &mut String) {
     out.push('\n');
     out.push_str(&m.content);
     out.push('\n');
+    if let Some(c) = m.call.as_ref().filter(|_| m.role == "assistant") {
+        out.push_str(&c.name);
+        out.push_str(&c.arguments);
+        out.push('\n');
+    }
 }
 
 fn common_prefix(a: &str, b: &str) -> usize {
@@ -130,14 +187,17 @@ mod tests {
                 Turn {
                     text: "hello there".into(),
                     output_length: 9000,
+                    ..Turn::default()
                 },
                 Turn {
                     text: "and then?".into(),
                     output_length: 3,
+                    ..Turn::default()
                 },
             ],
             model: None,
             system: None,
+            agent: Default::default(),
         }
     }
 

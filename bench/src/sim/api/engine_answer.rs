@@ -31,7 +31,7 @@ use crate::sim::engine::scheduler::NewRequest;
 use crate::sim::engine::task::Progress;
 use crate::sim::error::ApiError;
 use crate::sim::text::generate::{
-    completion_text, reply_hashes, reply_hashes_and_tokens, token_text,
+    completion_text, reply_hashes, reply_hashes_and_tokens, token_text, Reply,
 };
 
 pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: Instant) -> Response {
@@ -61,10 +61,14 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     // Only now that `n` is known to fit the pool: the hashes cost a few bytes per token.
     let tokenizer = &s.config.tokenizer;
     let (endpoint, prompt) = (a.req.endpoint, &a.req.prompt);
+    let rendered = answer.rendered_reply(&completion_text(n));
+    let reply = rendered
+        .as_deref()
+        .map_or(Reply::Filler(n), Reply::Rendered);
     let (reply_hashes, tokens) = if engine.publishes_kv_events() {
-        reply_hashes_and_tokens(endpoint, prompt, &a.blocks, a.seed, n, tokenizer)
+        reply_hashes_and_tokens(endpoint, prompt, &a.blocks, a.seed, reply, tokenizer)
     } else {
-        let hashes = reply_hashes(endpoint, prompt, &a.blocks, a.seed, n, tokenizer);
+        let hashes = reply_hashes(endpoint, prompt, &a.blocks, a.seed, reply, tokenizer);
         (hashes, Arc::default())
     };
     let req = NewRequest {

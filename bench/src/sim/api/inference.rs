@@ -26,7 +26,7 @@ use crate::sim::config::Engine;
 use crate::sim::engine::kvcache::BLOCK_TOKENS;
 use crate::sim::engine::lora::AdapterUse;
 use crate::sim::engine::stats::Gauge;
-use crate::sim::text::generate::{completion_text, reply_hashes, token_text, Schedule};
+use crate::sim::text::generate::{completion_text, reply_hashes, token_text, Reply, Schedule};
 use crate::sim::text::openai::Endpoint;
 
 pub const BODY_HASH_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-xxh3");
@@ -119,7 +119,8 @@ const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Response {
     let answer = Answer::new(a.req.endpoint, s.index, a.seq, &a.req.model)
-        .with_responses(a.req.responses.take(), &s.responses);
+        .with_responses(a.req.responses.take(), &s.responses)
+        .with_tool(a.req.tool_call.as_deref());
     if a.req.endpoint == Endpoint::Embeddings {
         return Json(answer.embeddings(a.usage.prompt_tokens)).into_response();
     }
@@ -144,6 +145,7 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
         seed: a.seed,
         endpoint: a.req.endpoint,
         prompt: a.req.prompt,
+        rendered: answer.rendered_reply(&completion_text(n)),
     };
     if stream {
         let stream = TokenStream {
@@ -188,6 +190,8 @@ struct Generation {
     endpoint: Endpoint,
     /// Canonical prompt, to continue the block chain over the reply once it is out.
     prompt: Vec<u8>,
+    /// The reply as the next turn sends it back, when that is not its text (a tool call).
+    rendered: Option<String>,
     running: Gauge,
 }
 
@@ -247,12 +251,16 @@ impl Generation {
         let prompt = std::mem::take(&mut self.prompt);
         let mut blocks = std::mem::take(&mut self.blocks);
         let tokenizer = &self.state.config.tokenizer;
+        let reply = self
+            .rendered
+            .as_deref()
+            .map_or(Reply::Filler(n), Reply::Rendered);
         blocks.extend(reply_hashes(
             self.endpoint,
             &prompt,
             &blocks,
             self.seed,
-            n,
+            reply,
             tokenizer,
         ));
         self.state.kv().insert(&blocks);

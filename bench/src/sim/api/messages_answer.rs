@@ -5,13 +5,15 @@
 //! an engine's prefix cache needs no explicit cache writes).
 //!
 //! The output is always `max_tokens` long (the simulator ignores end of sequence), so the
-//! stop reason is always `max_tokens`. `message_start` goes out with the first token, when the
+//! stop reason is `max_tokens`, or `tool_use` when the answer is a forced tool call (one
+//! `tool_use` block whose input streams as `input_json_delta`). `message_start` goes out with the first token, when the
 //! cached tokens are known, so the stream's first byte comes at the time to first token.
 
 use bytes::Bytes;
 use serde_json::{json, Value};
 
 use super::response::{Answer, Usage};
+use crate::sim::text::tool_call::{ARGS_CLOSE, ARGS_OPEN};
 
 const STOP_REASON: &str = "max_tokens";
 
@@ -37,12 +39,26 @@ fn object(a: &Answer, content: Value, stop: Value, usage: Value) -> Value {
     })
 }
 
+/// Why the answer stopped: its length, or the tool call it made.
+fn stop_reason(a: &Answer) -> &'static str {
+    if a.tool.is_some() {
+        "tool_use"
+    } else {
+        STOP_REASON
+    }
+}
+
 /// The whole answer.
 pub fn message(a: &Answer, text: &str, usage: Usage) -> Value {
+    let content = match &a.tool {
+        Some(t) => json!([{"type": "tool_use", "id": t.call_id, "name": t.name,
+                           "input": {"command": text}}]),
+        None => json!([{"type": "text", "text": text}]),
+    };
     object(
         a,
-        json!([{"type": "text", "text": text}]),
-        json!(STOP_REASON),
+        content,
+        json!(stop_reason(a)),
         usage_json(usage, usage.completion_tokens),
     )
 }
@@ -62,29 +78,45 @@ pub fn token(a: &Answer, text: &str, first: bool, start: Usage) -> Bytes {
             &json!({"type": "message_start", "message": message}),
             &mut out,
         );
-        let block = json!({"type": "content_block_start", "index": 0,
-                           "content_block": {"type": "text", "text": ""}});
+        let opened = match &a.tool {
+            Some(t) => json!({"type": "tool_use", "id": t.call_id, "name": t.name, "input": {}}),
+            None => json!({"type": "text", "text": ""}),
+        };
+        let block = json!({"type": "content_block_start", "index": 0, "content_block": opened});
         event("content_block_start", &block, &mut out);
         // Anthropic's API sends one after the block opens (and more while a long answer
         // runs); clients must skip it.
         event("ping", &json!({"type": "ping"}), &mut out);
     }
-    let delta = json!({"type": "content_block_delta", "index": 0,
-                       "delta": {"type": "text_delta", "text": text}});
+    let delta = match (&a.tool, first) {
+        (Some(_), true) => json_delta(&format!("{ARGS_OPEN}{text}")),
+        (Some(_), false) => json_delta(text),
+        (None, _) => json!({"type": "text_delta", "text": text}),
+    };
+    let delta = json!({"type": "content_block_delta", "index": 0, "delta": delta});
     event("content_block_delta", &delta, &mut out);
     Bytes::from(out)
 }
 
+fn json_delta(partial: &str) -> Value {
+    json!({"type": "input_json_delta", "partial_json": partial})
+}
+
 /// The closing events, with the output tokens in `message_delta`.
-pub fn finish(usage: Usage) -> Bytes {
+pub fn finish(a: &Answer, usage: Usage) -> Bytes {
     let mut out = String::new();
+    if a.tool.is_some() {
+        let delta = json!({"type": "content_block_delta", "index": 0,
+                           "delta": json_delta(ARGS_CLOSE)});
+        event("content_block_delta", &delta, &mut out);
+    }
     event(
         "content_block_stop",
         &json!({"type": "content_block_stop", "index": 0}),
         &mut out,
     );
     let delta = json!({"type": "message_delta",
-                       "delta": {"stop_reason": STOP_REASON, "stop_sequence": null},
+                       "delta": {"stop_reason": stop_reason(a), "stop_sequence": null},
                        "usage": {"output_tokens": usage.completion_tokens}});
     event("message_delta", &delta, &mut out);
     event("message_stop", &json!({"type": "message_stop"}), &mut out);
@@ -122,7 +154,7 @@ mod tests {
         let a = Answer::new(Endpoint::Messages, 1, 2, "m");
         let mut text = String::from_utf8(token(&a, " tok0", true, USAGE).to_vec()).unwrap();
         text.push_str(std::str::from_utf8(&token(&a, " tok1", false, USAGE)).unwrap());
-        text.push_str(std::str::from_utf8(&finish(USAGE)).unwrap());
+        text.push_str(std::str::from_utf8(&finish(&a, USAGE)).unwrap());
         let events: Vec<(&str, Value)> = text
             .split_terminator("\n\n")
             .map(|e| {

@@ -9,6 +9,7 @@ use super::response_store::ResponseStore;
 use crate::sim::text::ids::random_id;
 use crate::sim::text::openai::Endpoint;
 use crate::sim::text::responses::ResponsesInput;
+use crate::sim::text::tool_call::ToolCall;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Usage {
@@ -69,6 +70,9 @@ pub struct Answer {
     pub model: String,
     /// A Responses answer's output item and the conversation it stores.
     pub responses: Option<ResponsesAnswer>,
+    /// The tool call the answer is, when the request forced one (agent APIs only: a chat
+    /// answer is always text).
+    pub tool: Option<ToolCall>,
 }
 
 #[derive(Debug, Clone)]
@@ -96,7 +100,28 @@ impl Answer {
             created: unix_now(),
             model: model.to_owned(),
             responses: None,
+            tool: None,
         }
+    }
+
+    /// An answer that calls tool `name`, when the request forced one and its API can say so.
+    pub fn with_tool(mut self, name: Option<&str>) -> Self {
+        let prefix = match self.endpoint {
+            Endpoint::Responses => "call_",
+            Endpoint::Messages => "toolu_",
+            _ => return self,
+        };
+        self.tool = name.map(|n| ToolCall::new(n, prefix));
+        if let (Some(r), Some(_)) = (self.responses.as_mut(), &self.tool) {
+            r.msg_id = random_id("fc_");
+        }
+        self
+    }
+
+    /// What the next turn sends back of a reply whose text is `text`, when that is not the
+    /// text itself: a tool call as the template renders it.
+    pub fn rendered_reply(&self, text: &str) -> Option<String> {
+        self.tool.as_ref().map(|t| t.rendered(text))
     }
 
     /// A Responses answer for `input`, stored in `store` once complete if it asks to be.

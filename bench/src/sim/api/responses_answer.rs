@@ -14,6 +14,7 @@ use serde_json::{json, Value};
 use super::response::{unix_now, Answer, Usage};
 use super::response_store::Stored;
 use crate::sim::text::responses::Thread;
+use crate::sim::text::tool_call::{ToolCall, ARGS_CLOSE, ARGS_OPEN};
 
 pub fn usage_json(u: Usage) -> Value {
     json!({
@@ -29,7 +30,18 @@ fn msg_id(a: &Answer) -> &str {
 }
 
 fn output_item(a: &Answer, text: &str, status: &str) -> Value {
-    let content = if status == "completed" {
+    let done = status == "completed";
+    if let Some(t) = &a.tool {
+        return json!({
+            "type": "function_call",
+            "id": msg_id(a),
+            "call_id": t.call_id,
+            "name": t.name,
+            "arguments": if done { ToolCall::arguments(text) } else { String::new() },
+            "status": status,
+        });
+    }
+    let content = if done {
         json!([{"type": "output_text", "annotations": [], "text": text}])
     } else {
         json!([])
@@ -122,14 +134,26 @@ impl ResponsesEvents {
             );
             let added = json!({"output_index": 0, "item": item});
             self.event("response.output_item.added", added, &mut out);
-            let part = json!({"item_id": item_id, "output_index": 0, "content_index": 0,
-                              "part": {"type": "output_text", "annotations": [], "text": ""}});
-            self.event("response.content_part.added", part, &mut out);
+            if self.answer.tool.is_none() {
+                let part = json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                                  "part": {"type": "output_text", "annotations": [], "text": ""}});
+                self.event("response.content_part.added", part, &mut out);
+            }
         }
         self.text.push_str(text);
-        let delta = json!({"item_id": item_id, "output_index": 0, "content_index": 0,
-                           "delta": text});
-        self.event("response.output_text.delta", delta, &mut out);
+        if self.answer.tool.is_some() {
+            let delta = if first {
+                format!("{ARGS_OPEN}{text}")
+            } else {
+                text.to_owned()
+            };
+            let delta = json!({"item_id": item_id, "output_index": 0, "delta": delta});
+            self.event("response.function_call_arguments.delta", delta, &mut out);
+        } else {
+            let delta = json!({"item_id": item_id, "output_index": 0, "content_index": 0,
+                               "delta": text});
+            self.event("response.output_text.delta", delta, &mut out);
+        }
         Bytes::from(out)
     }
 
@@ -138,13 +162,23 @@ impl ResponsesEvents {
         let mut out = String::new();
         let text = std::mem::take(&mut self.text);
         let item_id = msg_id(&self.answer).to_owned();
-        let at = json!({"item_id": item_id, "output_index": 0, "content_index": 0});
-        let mut done = at.clone();
-        done["text"] = json!(text);
-        self.event("response.output_text.done", done, &mut out);
-        let mut part = at;
-        part["part"] = json!({"type": "output_text", "annotations": [], "text": text});
-        self.event("response.content_part.done", part, &mut out);
+        if self.answer.tool.is_some() {
+            let at = json!({"item_id": item_id, "output_index": 0});
+            let mut delta = at.clone();
+            delta["delta"] = json!(ARGS_CLOSE);
+            self.event("response.function_call_arguments.delta", delta, &mut out);
+            let mut done = at;
+            done["arguments"] = json!(ToolCall::arguments(&text));
+            self.event("response.function_call_arguments.done", done, &mut out);
+        } else {
+            let at = json!({"item_id": item_id, "output_index": 0, "content_index": 0});
+            let mut done = at.clone();
+            done["text"] = json!(text);
+            self.event("response.output_text.done", done, &mut out);
+            let mut part = at;
+            part["part"] = json!({"type": "output_text", "annotations": [], "text": text});
+            self.event("response.content_part.done", part, &mut out);
+        }
         let item = output_item(&self.answer, &text, "completed");
         let item = json!({"output_index": 0, "item": item});
         self.event("response.output_item.done", item, &mut out);

@@ -50,7 +50,7 @@ impl StreamWriter {
         match self {
             Self::Chunks(w) => w.usage(usage, timings),
             Self::Responses(w) => w.finish(usage),
-            Self::Messages(_) => messages_answer::finish(usage),
+            Self::Messages(a) => messages_answer::finish(a, usage),
         }
     }
 

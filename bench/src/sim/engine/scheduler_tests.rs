@@ -8,7 +8,7 @@ use super::*;
 use crate::sim::engine::kvcache::block_hashes;
 use crate::sim::engine::profile::ProfileName;
 use crate::sim::engine::scheduler::Prefilled;
-use crate::sim::text::generate::{completion_text, reply_hashes};
+use crate::sim::text::generate::{completion_text, reply_hashes, Reply};
 use crate::sim::text::openai::{self, Endpoint};
 use crate::sim::text::prompt::{count_tokens, TURN_END};
 use crate::sim::text::tokenizer::{shipped_path, PromptTokenizer};
@@ -49,7 +49,14 @@ fn chat_counted_by(messages: &Value, max_tokens: u64, tokenizer: &PromptTokenize
     let hashes = block_hashes(&prompt);
     NewRequest {
         prompt_tokens: count_tokens(prompt.len()),
-        reply_hashes: reply_hashes(Endpoint::Chat, &prompt, &hashes, 0, max_tokens, tokenizer),
+        reply_hashes: reply_hashes(
+            Endpoint::Chat,
+            &prompt,
+            &hashes,
+            0,
+            Reply::Filler(max_tokens),
+            tokenizer,
+        ),
         hashes,
         max_tokens,
         tokens: Arc::default(),

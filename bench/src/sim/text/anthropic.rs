@@ -11,6 +11,7 @@
 use serde_json::{json, Map, Value};
 
 use super::openai::{json_object, optional_u64, parse_value, Endpoint, SimRequest};
+use super::tool_call::chat_tool_call;
 use crate::sim::error::ApiError;
 
 /// Parses a Messages body. `max_tokens` is required for generation, as Anthropic's API
@@ -67,11 +68,29 @@ pub fn parse(body: &[u8], generation: bool) -> Result<SimRequest, ApiError> {
             .collect();
         chat.insert("tools".into(), Value::Array(tools));
     }
+    if let Some(choice) = v.get("tool_choice") {
+        chat.insert("tool_choice".into(), chat_tool_choice(choice)?);
+    }
     let mut req = parse_value(Endpoint::Chat, &Value::Object(chat))?;
     req.endpoint = Endpoint::Messages;
     // The usage always ends the stream, in `message_delta`.
     req.include_usage = true;
     Ok(req)
+}
+
+/// Anthropic's `tool_choice` as chat's: `any` forces a call, `tool` a named one.
+fn chat_tool_choice(choice: &Value) -> Result<Value, ApiError> {
+    Ok(match (choice["type"].as_str(), choice.get("name")) {
+        (Some("any"), _) => json!("required"),
+        (Some("tool"), Some(name)) => json!({"type": "function", "function": {"name": name}}),
+        (Some(kind @ ("auto" | "none")), _) => json!(kind),
+        _ => {
+            return Err(ApiError::bad_request(
+                "tool_choice: must be {\"type\": \"auto\" | \"any\" | \"none\"} or \
+                 {\"type\": \"tool\", \"name\": ...}",
+            ))
+        }
+    })
 }
 
 /// One Anthropic message as chat messages: its tool results first, then the turn itself.
@@ -143,8 +162,11 @@ fn split_blocks(blocks: &Value, at: &str) -> Result<Blocks, ApiError> {
                     return Err(bad("a tool_use block needs a string 'id' and 'name'"));
                 };
                 let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
-                calls.push(json!({"id": id, "type": "function",
-                    "function": {"name": name, "arguments": input.to_string()}}));
+                calls.push(chat_tool_call(
+                    json!(id),
+                    json!(name),
+                    json!(input.to_string()),
+                ));
             }
             (Some("tool_result"), _) => {
                 let id = b.get("tool_use_id").and_then(Value::as_str);

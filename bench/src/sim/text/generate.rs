@@ -39,10 +39,17 @@ pub fn reply_hashes(
     prompt: &[u8],
     prompt_hashes: &[u64],
     seed: u64,
-    n: u64,
+    reply: Reply<'_>,
     tokenizer: &PromptTokenizer,
 ) -> Vec<u64> {
     let end = reply_end(endpoint);
+    let n = match reply {
+        Reply::Filler(n) => n,
+        Reply::Rendered(text) => {
+            let bytes = rendered_stream(text, end, tokenizer);
+            return continued_hashes(prompt, prompt_hashes, seed, [&bytes[..]]);
+        }
+    };
     let Some(tokens) = tokenizer.reply_stream(n, end) else {
         let reply = (0..n).map(token_text);
         return continued_hashes(
@@ -56,6 +63,37 @@ pub fn reply_hashes(
         Ok(tokens) => continued_hashes(prompt, prompt_hashes, seed, [tokens]),
         Err(e) => {
             // Only the reply goes uncached: the next turn misses it and computes it again.
+            log::warn!("kvbench-sim: reply not cached: {e}");
+            Vec::new()
+        }
+    }
+}
+
+/// The reply as the client sends it back: `n` filler tokens as text, or, for a tool call, the
+/// call as the template renders it (`ToolCall::rendered`).
+#[derive(Debug, Clone, Copy)]
+pub enum Reply<'a> {
+    Filler(u64),
+    Rendered(&'a str),
+}
+
+impl Reply<'_> {
+    fn filler_len(self) -> u64 {
+        match self {
+            Reply::Filler(n) => n,
+            Reply::Rendered(_) => 0,
+        }
+    }
+}
+
+/// The token stream of a rendered reply and what follows it; empty (the reply goes uncached,
+/// the next turn computes it again) if the tokenizer fails.
+fn rendered_stream(text: &str, end: &str, tokenizer: &PromptTokenizer) -> Vec<u8> {
+    let whole = format!("{text}{end}");
+    match tokenizer.text_stream(&whole) {
+        None => whole.into_bytes(),
+        Some(Ok(tokens)) => tokens,
+        Some(Err(e)) => {
             log::warn!("kvbench-sim: reply not cached: {e}");
             Vec::new()
         }
@@ -80,18 +118,19 @@ pub fn reply_hashes_and_tokens(
     prompt: &[u8],
     prompt_hashes: &[u64],
     seed: u64,
-    n: u64,
+    reply: Reply<'_>,
     tokenizer: &PromptTokenizer,
 ) -> (Vec<u64>, Arc<[u8]>) {
     let end = reply_end(endpoint);
-    let reply: Vec<u8> = match tokenizer.reply_stream(n, end) {
-        None => (0..n)
+    let reply: Vec<u8> = match (reply, tokenizer.reply_stream(reply.filler_len(), end)) {
+        (Reply::Rendered(text), _) => rendered_stream(text, end, tokenizer),
+        (Reply::Filler(n), None) => (0..n)
             .map(token_text)
             .chain(std::iter::once(end.to_owned()))
             .collect::<String>()
             .into_bytes(),
-        Some(Ok(tokens)) => tokens.to_vec(),
-        Some(Err(e)) => {
+        (_, Some(Ok(tokens))) => tokens.to_vec(),
+        (_, Some(Err(e))) => {
             log::warn!("kvbench-sim: reply not cached: {e}");
             Vec::new()
         }
@@ -122,8 +161,12 @@ mod tests {
         let prompt: Vec<u8> = (0..64 * 3 + 50).map(|i| b'a' + (i % 26) as u8).collect();
         let hashes = block_hashes(&prompt);
         for endpoint in [Endpoint::Chat, Endpoint::Completions] {
-            let (reply, tokens) = reply_hashes_and_tokens(endpoint, &prompt, &hashes, 0, 40, &tok);
-            assert_eq!(reply, reply_hashes(endpoint, &prompt, &hashes, 0, 40, &tok));
+            let (reply, tokens) =
+                reply_hashes_and_tokens(endpoint, &prompt, &hashes, 0, Reply::Filler(40), &tok);
+            assert_eq!(
+                reply,
+                reply_hashes(endpoint, &prompt, &hashes, 0, Reply::Filler(40), &tok)
+            );
             assert_eq!(tokens.len(), (hashes.len() + reply.len()) * BLOCK_BYTES);
             let mut all = hashes.clone();
             all.extend(&reply);

@@ -13,3 +13,4 @@ pub(super) mod prompt;
 pub(super) mod responses;
 pub(super) mod thread;
 pub(super) mod tokenizer;
+pub(super) mod tool_call;

@@ -4,7 +4,8 @@
 
 use serde_json::Value;
 
-use super::prompt::{is_token_ids, render_chat, render_completion};
+use super::prompt::{is_token_ids, render_chat, render_completion, render_tools};
+use super::tool_call;
 use crate::sim::error::ApiError;
 
 pub const DEFAULT_MAX_TOKENS: u64 = 16;
@@ -57,6 +58,8 @@ pub struct SimRequest {
     pub cache_salt: Option<String>,
     /// A Responses request: the conversation's input items, to store with its answer.
     pub responses: Option<super::thread::ResponsesInput>,
+    /// The tool the reply must call (`tool_choice`), if the request forces one.
+    pub tool_call: Option<String>,
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
@@ -83,7 +86,9 @@ pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError
     };
     let (prompt, token_ids) = match endpoint {
         Endpoint::Chat | Endpoint::Responses | Endpoint::Messages => {
-            (render_chat(required(v, "messages")?)?, false)
+            let mut prompt = render_tools(v.get("tools"))?;
+            prompt.extend(render_chat(required(v, "messages")?)?);
+            (prompt, false)
         }
         Endpoint::Completions | Endpoint::Embeddings => {
             let field = if endpoint == Endpoint::Completions {
@@ -119,6 +124,10 @@ pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError
             ))
         }
     };
+    let tool_call = match endpoint {
+        Endpoint::Completions | Endpoint::Embeddings => None,
+        _ => tool_call::forced(v)?,
+    };
     Ok(SimRequest {
         endpoint,
         model,
@@ -129,6 +138,7 @@ pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError
         token_ids,
         cache_salt,
         responses: None,
+        tool_call,
     })
 }
 

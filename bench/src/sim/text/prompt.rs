@@ -25,6 +25,19 @@ pub const TURN_START: &str = "<|im_start|>";
 pub const TURN_END: &str = "<|im_end|>\n";
 pub const GENERATION_PROMPT: &str = "<|im_start|>assistant\n";
 
+/// Renders a chat body's `tools` as the turn templates open with (real templates list them in
+/// the system prompt): what the model reads of them costs prefill and is cached like the rest.
+pub fn render_tools(tools: Option<&Value>) -> Result<Vec<u8>, ApiError> {
+    match tools {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(list)) if list.is_empty() => Ok(Vec::new()),
+        Some(list @ Value::Array(_)) => {
+            Ok(format!("{TURN_START}tools\n{list}{TURN_END}").into_bytes())
+        }
+        Some(_) => Err(ApiError::bad_request("'tools' must be an array")),
+    }
+}
+
 /// Renders chat `messages` through the template.
 pub fn render_chat(messages: &Value) -> Result<Vec<u8>, ApiError> {
     let list = messages

@@ -19,6 +19,7 @@ use serde_json::{json, Map, Value};
 use super::ids::random_id;
 use super::openai::{json_object, optional_bool, optional_u64, parse_value, Endpoint, SimRequest};
 pub use super::thread::{ResponsesInput, Thread};
+use super::tool_call::chat_tool_call;
 use crate::sim::error::ApiError;
 
 /// Parses a Responses body into the chat request it stands for. `previous` finds a stored
@@ -72,6 +73,14 @@ pub fn parse(
     }
     if let Some(tools) = v.get("tools").filter(|t| !t.is_null()) {
         chat.insert("tools".into(), chat_tools(tools)?);
+    }
+    if let Some(choice) = v.get("tool_choice") {
+        // Responses names a function flat (`{"type": "function", "name"}`), chat nested.
+        let choice = match choice.get("name") {
+            Some(name) => json!({"type": "function", "function": {"name": name}}),
+            None => choice.clone(),
+        };
+        chat.insert("tool_choice".into(), choice);
     }
     let store = match v.get("store") {
         None | Some(Value::Null) => true,
@@ -187,11 +196,7 @@ fn chat_message(item: &Value) -> Result<Option<Value>, ApiError> {
         Some("function_call") => Some(json!({
             "role": "assistant",
             "content": null,
-            "tool_calls": [{
-                "id": field("call_id"),
-                "type": "function",
-                "function": {"name": field("name"), "arguments": field("arguments")},
-            }],
+            "tool_calls": [chat_tool_call(field("call_id"), field("name"), field("arguments"))],
         })),
         Some("function_call_output") => {
             let content = match item.get("output") {
@@ -317,7 +322,8 @@ mod tests {
                 "function": {"name": "get", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
             {"role": "assistant", "content": "It is sunny."},
-        ]}));
+        ], "tools": [{"type": "function",
+                      "function": {"name": "get", "description": null, "parameters": {}}}]}));
         assert_eq!(r.prompt, c.prompt);
         let input = r.responses.unwrap();
         assert!(!input.store);

@@ -166,6 +166,26 @@ impl PromptTokenizer {
         Ok(out)
     }
 
+    /// The token stream of a reply's `text` as the client sends it back (a tool call), or None
+    /// for the stand-in. Remembered as the next turn's assistant turn, as `reply_stream` does,
+    /// so that the next prompt's tokens continue this stream exactly.
+    pub fn text_stream(&self, text: &str) -> Option<Result<Vec<u8>, String>> {
+        let b = self.bpe.as_ref()?;
+        let tokens = match b.ids(text) {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
+        };
+        if let (Some(memo), true) = (&b.memo, text.ends_with(TURN_END)) {
+            let turn = format!("{GENERATION_PROMPT}{text}");
+            let stream = b.remembered(memo, GENERATION_PROMPT, || b.ids(GENERATION_PROMPT));
+            if let Ok(mut whole) = stream.map(|s| s.to_vec()) {
+                whole.extend_from_slice(&tokens);
+                lock(memo).put(xxh3_128(turn.as_bytes()), whole.into());
+            }
+        }
+        Some(Ok(tokens))
+    }
+
     /// The token stream of a reply of `n` filler tokens followed by `end` as the client sends
     /// it back after the prompt, or None for the stand-in, whose stream is the text itself.
     pub fn reply_stream(&self, n: u64, end: &str) -> Option<Result<Arc<[u8]>, String>> {
@@ -360,6 +380,20 @@ mod tests {
         let (a, b) = (block_hashes(&stream), block_hashes(&next));
         assert!(!a.is_empty());
         assert_eq!(&b[..a.len()], &a[..]);
+        // A tool call sent back continues it the same way, through the template's rendering.
+        let call = super::super::tool_call::ToolCall::new("run", "call_");
+        let rendered = call.rendered(reply);
+        let calls: serde_json::Value = serde_json::from_str(&rendered).unwrap();
+        let mut turn2 = turn1.as_array().unwrap().clone();
+        turn2.push(json!({"role": "assistant", "content": null, "tool_calls": calls}));
+        turn2.push(json!({"role": "tool", "tool_call_id": call.call_id, "content": "ok"}));
+        let next = tok.stream(render_chat(&json!(turn2)).unwrap()).unwrap();
+        assert!(next.starts_with(&stream));
+        let suffix = tok
+            .text_stream(&format!("{rendered}{TURN_END}"))
+            .unwrap()
+            .unwrap();
+        assert!(next[stream.len()..].starts_with(&suffix));
     }
 
     #[test]

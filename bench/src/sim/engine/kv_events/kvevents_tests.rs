@@ -9,7 +9,7 @@ use super::*;
 use crate::sim::engine::kvcache::{block_hashes, salt_seed};
 use crate::sim::engine::profile::{Profile, ProfileName};
 use crate::sim::engine::scheduler::{NewRequest, Scheduler};
-use crate::sim::text::generate::{completion_text, reply_hashes, reply_hashes_and_tokens};
+use crate::sim::text::generate::{completion_text, reply_hashes, reply_hashes_and_tokens, Reply};
 use crate::sim::text::openai::Endpoint;
 use crate::sim::text::prompt::{count_tokens, render_chat, TURN_END};
 use crate::sim::text::tokenizer::{shipped_path, PromptTokenizer};
@@ -149,8 +149,14 @@ impl Rng {
 /// engine publishes events.
 fn request(prompt: &[u8], max_tokens: u64, tokenizer: &PromptTokenizer) -> NewRequest {
     let hashes = block_hashes(prompt);
-    let (reply, tokens) =
-        reply_hashes_and_tokens(Endpoint::Chat, prompt, &hashes, 0, max_tokens, tokenizer);
+    let (reply, tokens) = reply_hashes_and_tokens(
+        Endpoint::Chat,
+        prompt,
+        &hashes,
+        0,
+        Reply::Filler(max_tokens),
+        tokenizer,
+    );
     NewRequest {
         prompt_tokens: count_tokens(prompt.len()),
         hashes,
@@ -252,7 +258,14 @@ fn token_ids_are_the_tokenizers_ids() {
     let stream = tok.stream(render_chat(&messages).unwrap()).unwrap();
     let req = request(&stream, 24, &tok);
     let prompt_blocks = req.hashes.len();
-    let want_reply = reply_hashes(Endpoint::Chat, &stream, &req.hashes, 0, 24, &tok);
+    let want_reply = reply_hashes(
+        Endpoint::Chat,
+        &stream,
+        &req.hashes,
+        0,
+        Reply::Filler(24),
+        &tok,
+    );
     assert_eq!(req.reply_hashes, want_reply);
     let reply_blocks = req.reply_hashes.len();
     assert!(prompt_blocks >= 2 && reply_blocks >= 1);
