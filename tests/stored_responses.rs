@@ -186,3 +186,50 @@ async fn stored_response_chains_reach_the_backend_that_stored_them() {
     );
     let _ = std::fs::remove_file(&key);
 }
+
+/// A continuation sends only its new input while the engine counts the whole stored thread:
+/// its count must not teach the token model (nor be scored against its estimate), or every
+/// later estimate drifts with the chain's length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continuations_do_not_teach_the_token_model() {
+    let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sims[0].addr], "");
+    let c = client();
+    let url = kv.url("/v1/responses");
+    let long = "the engine reads every word of this text ".repeat(40);
+    let ask = |text: &str| json!({"model":MODEL,"input":text,"store":true,"max_output_tokens":4});
+    let scored = || {
+        kv.metric_sum(
+            "kvroute_prompt_tokens_estimate_ratio_count",
+            &[("method", "sized")],
+        )
+    };
+    let mut id = json_of(&send(c.post(&url).json(&ask(&long))).await)["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for turn in 0..8 {
+        let mut body = ask(&format!("and {turn}?"));
+        body["previous_response_id"] = json!(id);
+        let v = json_of(&send(c.post(&url).json(&body)).await);
+        // The engine counted the whole thread, far more than the new input.
+        assert!(v["usage"]["input_tokens"].as_u64().unwrap() > 300, "{v}");
+        id = v["id"].as_str().unwrap().to_string();
+    }
+    let fresh = json_of(&send(c.post(&url).json(&ask(&format!("fresh: {long}")))).await);
+    let text = kv.metrics();
+    // Scored: the opening and the fresh request, not the eight continuations.
+    assert_eq!(scored(), 2.0, "{text}");
+    // And the fresh request's estimate was not dragged up by the chain's counts.
+    let sum = metric_sum(
+        &text,
+        "kvroute_prompt_tokens_estimate_ratio_sum",
+        &[("method", "sized")],
+    );
+    assert!(
+        (0.8..1.25).contains(&(sum / 2.0)),
+        "mean ratio {}",
+        sum / 2.0
+    );
+    assert!(fresh["usage"]["input_tokens"].as_u64().unwrap() > 300);
+}

@@ -57,10 +57,19 @@ pub(super) fn end_request(
             .with_label_values(&[backend, ctx.model_label()])
             .observe(t.as_secs_f64());
     }
+    // A continuation of a stored response sends only its new input: its canonical stream is
+    // not the engine's prompt, so it neither extends the index nor teaches the token model
+    // (an engine count of the whole thread against an estimate of the new items would move
+    // every later estimate).
+    let profile = ctx
+        .route
+        .profile
+        .as_ref()
+        .filter(|p| p.previous_response_id.is_none());
     // The engine now also holds the reply's KV: the next turn's prefix.
     if let (Some(i), Some(p), Some(reply), 200) = (
         ctx.attempts.backend,
-        &ctx.route.profile,
+        profile,
         ctx.tap.usage.as_ref().and_then(|t| t.reply.as_deref()),
         status,
     ) {
@@ -88,7 +97,7 @@ pub(super) fn end_request(
     if let (Some(u), Some(est), Some(p)) = (
         ctx.tap.usage.as_ref().and_then(|t| t.usage),
         ctx.route.tokens.as_ref(),
-        ctx.route.profile.as_ref(),
+        profile,
     ) {
         if est.tokens > 0 && u.prompt_tokens > 0 {
             m.token_estimate_ratio
