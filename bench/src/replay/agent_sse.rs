@@ -24,9 +24,13 @@ fn tool_call(item: &Value, kind: &str, id: &str) -> Event {
         item[id].as_str(),
         item["name"].as_str(),
     ) {
-        (Some(k), Some(id), Some(name)) if k == kind => Event::ToolCall {
-            id: id.to_owned(),
+        (Some(k), Some(call), Some(name)) if k == kind => Event::ToolCall {
+            id: call.to_owned(),
             name: name.to_owned(),
+            item: item["id"]
+                .as_str()
+                .filter(|i| *i != call)
+                .map(str::to_owned),
         },
         _ => Event::Ignored,
     }
@@ -147,7 +151,8 @@ mod tests {
             [
                 Event::ToolCall {
                     id: "call_1".into(),
-                    name: "run".into()
+                    name: "run".into(),
+                    item: Some("fc_1".into()),
                 },
                 Event::Content("{\"a\":1}".into()),
             ]
@@ -164,7 +169,8 @@ mod tests {
             [
                 Event::ToolCall {
                     id: "toolu_1".into(),
-                    name: "run".into()
+                    name: "run".into(),
+                    item: None,
                 },
                 Event::Content("{\"a\"".into()),
                 Event::Ignored,

@@ -171,10 +171,12 @@ fn responses_items(m: &Message) -> Vec<Value> {
             if !m.content.is_empty() {
                 items.push(json!({"role": "assistant", "content": m.content}));
             }
-            items.push(
-                json!({"type": "function_call", "call_id": c.id, "name": c.name,
-                              "arguments": c.arguments}),
-            );
+            let mut call = json!({"type": "function_call", "call_id": c.id, "name": c.name,
+                                  "arguments": c.arguments});
+            if let Some(item) = &c.item_id {
+                call["id"] = json!(item);
+            }
+            items.push(call);
             items
         }
         (Some(c), "tool") => {
@@ -260,6 +262,7 @@ mod tests {
             id: "call_1".into(),
             name: "run".into(),
             arguments: r#"{"command":"ls"}"#.into(),
+            item_id: Some("fc_1".into()),
         };
         let req = ChatRequest {
             messages: vec![
@@ -289,7 +292,7 @@ mod tests {
         let r = Wire::Responses.body(&req, "m");
         assert_eq!(
             r["input"][1],
-            json!({"type": "function_call", "call_id": "call_1", "name": "run",
+            json!({"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "run",
                    "arguments": "{\"command\":\"ls\"}"})
         );
         assert_eq!(

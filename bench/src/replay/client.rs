@@ -5,7 +5,7 @@ use std::time::Instant;
 use futures_util::StreamExt;
 
 use super::api::{Api, Wire};
-use super::record::{ChatRequest, RequestRecord};
+use super::record::{ChatRequest, RequestRecord, ToolCall};
 use super::sse::{clip, Event, SseParser, Usage};
 use super::stats::percentile;
 
@@ -28,8 +28,8 @@ pub struct Outcome {
     pub record: RequestRecord,
     /// The reply's text, or a tool call's arguments.
     pub text: String,
-    /// The tool call the reply made: its id and the tool's name.
-    pub call: Option<(String, String)>,
+    /// The tool call the reply made, its arguments `text`.
+    pub call: Option<ToolCall>,
     /// A Responses answer's id (for `previous_response_id`).
     pub response_id: Option<String>,
 }
@@ -44,7 +44,7 @@ struct Progress {
     events: Vec<(Instant, usize)>,
     text: String,
     usage: Option<Usage>,
-    call: Option<(String, String)>,
+    call: Option<ToolCall>,
     response_id: Option<String>,
 }
 
@@ -86,11 +86,21 @@ pub async fn send(ctx: &Ctx, id: u64, req: ChatRequest, replica: usize) -> Outco
         backend: p.backend,
         oracle_hit: req.oracle_hit,
         oracle_total: req.oracle_total,
+        response_id: p.response_id.clone().filter(|_| req.agent.store),
+        previous_response_id: req
+            .agent
+            .previous
+            .as_ref()
+            .filter(|_| wire == Wire::Responses)
+            .map(|(id, _)| id.clone()),
     };
     Outcome {
         record,
+        call: p.call.map(|c| ToolCall {
+            arguments: p.text.clone(),
+            ..c
+        }),
         text: p.text,
-        call: p.call,
         response_id: p.response_id,
     }
 }
@@ -143,7 +153,14 @@ async fn exchange(
                     p.response_id = id;
                     done = true;
                 }
-                Event::ToolCall { id, name } => p.call = Some((id, name)),
+                Event::ToolCall { id, name, item } => {
+                    p.call = Some(ToolCall {
+                        id,
+                        name,
+                        arguments: String::new(),
+                        item_id: item,
+                    })
+                }
                 Event::Error(e) => return Err(format!("stream error: {e}")),
                 Event::Ignored => {}
             }

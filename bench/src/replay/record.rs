@@ -29,6 +29,10 @@ pub struct ToolCall {
     pub name: String,
     /// The arguments' JSON text as streamed.
     pub arguments: String,
+    /// The Responses output item's own id (`fc_...`), sent back with the item as agents do
+    /// (some routers refuse a `function_call` item without it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item_id: Option<String>,
 }
 
 /// How an agent session sends a request (the `agentic` workload's options).
@@ -96,6 +100,12 @@ pub struct RequestRecord {
     pub backend: Option<String>,
     pub oracle_hit: f64,
     pub oracle_total: f64,
+    /// A stored answer's id (`agentic --store`), and the stored answer this request continued
+    /// (`previous_response_id`): which backend holds which chain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_response_id: Option<String>,
 }
 
 impl RequestRecord {

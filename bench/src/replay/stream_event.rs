@@ -26,6 +26,8 @@ pub enum Event {
     ToolCall {
         id: String,
         name: String,
+        /// The Responses item's id, when it has one besides the call's.
+        item: Option<String>,
     },
     /// An in-stream `{"error": ...}` object or an unparsable payload.
     Error(String),

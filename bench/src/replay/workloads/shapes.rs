@@ -218,6 +218,7 @@ fn log_uniform(least: u64, most: u64, u: f64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replay::record::ToolCall;
     use crate::replay::workloads::sharegpt::Chat;
 
     #[test]
@@ -320,7 +321,12 @@ mod tests {
         assert_eq!(first.messages.last().unwrap().role, "user");
         chat.record_answer(
             r#"{"command":"ls"}"#.into(),
-            Some(("call_1".into(), "run".into())),
+            Some(ToolCall {
+                id: "call_1".into(),
+                name: "run".into(),
+                arguments: r#"{"command":"ls"}"#.into(),
+                item_id: None,
+            }),
             None,
         );
         let second = chat.next_request().unwrap();
@@ -348,7 +354,12 @@ mod tests {
         assert!(chat.next_request().unwrap().agent.previous.is_none());
         chat.record_answer(
             "{}".into(),
-            Some(("c1".into(), "run".into())),
+            Some(ToolCall {
+                id: "c1".into(),
+                name: "run".into(),
+                arguments: "{}".into(),
+                item_id: Some("fc_1".into()),
+            }),
             Some("resp_1".into()),
         );
         let next = chat.next_request().unwrap();

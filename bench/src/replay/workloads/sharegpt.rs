@@ -126,21 +126,12 @@ impl Chat {
         self.record_answer(text, None, None);
     }
 
-    /// Appends the reply received: `text`, or the tool call `call` (its id and tool) whose
-    /// arguments `text` is, and the answer's id when the server stored it.
-    pub fn record_answer(
-        &mut self,
-        text: String,
-        call: Option<(String, String)>,
-        stored: Option<String>,
-    ) {
+    /// Appends the reply received: `text`, or the tool call `call` (whose arguments `text`
+    /// is), and the answer's id when the server stored it.
+    pub fn record_answer(&mut self, text: String, call: Option<ToolCall>, stored: Option<String>) {
         let reply = match call {
-            Some((id, name)) => Message {
-                call: Some(ToolCall {
-                    id,
-                    name,
-                    arguments: text,
-                }),
+            Some(call) => Message {
+                call: Some(call),
                 ..Message::new("assistant", "")
             },
             None => Message::new("assistant", text),
