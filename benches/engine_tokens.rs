@@ -16,6 +16,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvroute::config::KvEventsConfig;
 use kvroute::placement::{ExactIndex, Stored, SyncState};
 use kvroute::request::engine_tokens::EngineTokenizer;
+use kvroute::request::Endpoint;
 use std::hint::black_box;
 use std::path::PathBuf;
 
@@ -59,7 +60,7 @@ fn body(messages: &[serde_json::Value]) -> Vec<u8> {
 
 /// What a request pays: its prompt's tokens, then their chain-hashed blocks.
 fn measured(t: &EngineTokenizer, bytes: &[u8]) -> Vec<u64> {
-    let tokens = t.prompt_tokens(bytes, true).expect("tokens");
+    let tokens = t.prompt_tokens(bytes, Endpoint::Chat).expect("tokens");
     black_box(t.blocks(&tokens, None, None))
 }
 
@@ -93,7 +94,7 @@ fn tokenize(c: &mut Criterion) {
                         salt += 1;
                         let mut m = conversation(kb * 1024, salt);
                         let prev = body(&m[..m.len() - 2]);
-                        let _ = t.prompt_tokens(&prev, true);
+                        let _ = t.prompt_tokens(&prev, Endpoint::Chat);
                         m.push(serde_json::json!({"role": "assistant", "content": "Sure."}));
                         m.push(serde_json::json!({"role": "user", "content": "Go on."}));
                         body(&m)
@@ -111,7 +112,7 @@ fn tokenize(c: &mut Criterion) {
 fn matching(c: &mut Criterion) {
     let t = tokenizer();
     let tokens = t
-        .prompt_tokens(&body(&conversation(100 * 1024, 7)), true)
+        .prompt_tokens(&body(&conversation(100 * 1024, 7)), Endpoint::Chat)
         .unwrap();
     let blocks = t.blocks(&tokens, None, None);
     let mut ix = ExactIndex::new(64);

@@ -803,3 +803,89 @@ async fn converse(
     }
     messages
 }
+
+/// Exact cached tokens of one API's kv_aware decisions, predicted and as the engine reported.
+fn exact_by_api(k: &Kvroute, api: &str) -> (f64, f64) {
+    let get = |source| {
+        k.metric_sum(
+            "kvroute_cached_prompt_tokens_by_index_total",
+            &[("index", "exact"), ("source", source), ("api", api)],
+        )
+    };
+    (get("predicted"), get("reported"))
+}
+
+/// The agent APIs on the exact index: a coding loop through Responses and one through Messages
+/// (tools, every reply a forced tool call sent back with its result) are tokenized as the
+/// engine converts them to chat, so each next turn is predicted exactly as cached as the
+/// engine reports it, the calls included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_apis_are_predicted_exactly() {
+    use serde_json::json;
+    let sim = Sim::start(&["--kv-events", "0", "--tokenizer", &chatml_dir()]);
+    let k = Kvroute::start_with(&[(sim.addr, endpoints_yaml(&sim))], &tokenizer_yaml());
+    wait_for("the engine to be synced", Duration::from_secs(10), || {
+        kv_state(&k, sim.addr)["state"] == "synced"
+    });
+    let system = "You are a coding agent working in a large repository. ".repeat(20);
+    let schema = json!({"type": "object", "properties": {"command": {"type": "string"}}});
+
+    let tools = json!([{"type": "function", "name": "run", "description": "Runs a command",
+                        "parameters": schema}]);
+    let mut input = vec![json!({"role": "user", "content": "Fix the failing test, please."})];
+    for turn in 0..3 {
+        let body = json!({"model": "sim-llama-8b", "instructions": system, "input": input,
+            "tools": tools, "tool_choice": "required", "max_output_tokens": 24, "store": false});
+        let v: serde_json::Value = post(&k, "/v1/responses", body, None, None)
+            .await
+            .json()
+            .await
+            .expect("json");
+        let (ours, theirs) = wait_in_step(&k, &sim, Duration::from_secs(5));
+        assert_eq!(
+            ours, theirs,
+            "responses turn {turn}: the index follows the engine"
+        );
+        let call = v["output"][0].clone();
+        assert_eq!(call["type"], "function_call", "{v}");
+        let output = json!({"type": "function_call_output", "call_id": call["call_id"],
+                            "output": format!("turn {turn}: 3 passed, 1 failed")});
+        input.extend([call, output]);
+    }
+
+    let tools = json!([{"name": "run", "description": "Runs a command", "input_schema": schema}]);
+    let mut messages = vec![json!({"role": "user", "content": "Fix the lint errors, please."})];
+    for turn in 0..3 {
+        let body = json!({"model": "sim-llama-8b", "system": system, "messages": messages,
+            "tools": tools, "tool_choice": {"type": "any"}, "max_tokens": 24});
+        let v: serde_json::Value = post(&k, "/v1/messages", body, None, None)
+            .await
+            .json()
+            .await
+            .expect("json");
+        let (ours, theirs) = wait_in_step(&k, &sim, Duration::from_secs(5));
+        assert_eq!(
+            ours, theirs,
+            "messages turn {turn}: the index follows the engine"
+        );
+        let call = v["content"][0].clone();
+        assert_eq!(call["type"], "tool_use", "{v}");
+        messages.push(json!({"role": "assistant", "content": [call.clone()]}));
+        messages.push(json!({"role": "user", "content": [{"type": "tool_result",
+            "tool_use_id": call["id"], "content": format!("turn {turn}: 2 warnings")}]}));
+    }
+
+    for api in ["responses", "messages"] {
+        let (predicted, reported) = exact_by_api(&k, api);
+        eprintln!("{api}: exact index predicted {predicted}, engine reported {reported}");
+        // The later turns hit the system prompt, the tools and every call sent back.
+        assert!(
+            reported > 300.0,
+            "{api}: later turns hit the cache: {reported}"
+        );
+        assert_eq!(
+            predicted, reported,
+            "{api}: the exact index predicts the engine"
+        );
+    }
+}

@@ -44,7 +44,7 @@ pub(super) fn remember_reply(ctx: &Ctx, p: &RequestProfile, reply: &str, m: &Pro
     let Some(body) = ctx.route.body.as_ref() else {
         return;
     };
-    if p.endpoint != Endpoint::Chat || body.len() + reply.len() > k.tokenize_max_bytes {
+    if p.endpoint == Endpoint::Completions || body.len() + reply.len() > k.tokenize_max_bytes {
         return;
     }
     let outcomes = m.exact_replies.clone();
@@ -52,10 +52,10 @@ pub(super) fn remember_reply(ctx: &Ctx, p: &RequestProfile, reply: &str, m: &Pro
         outcomes.with_label_values(&["skipped"]).inc();
         return;
     };
-    let (tok, body, reply) = (tok.clone(), body.clone(), reply.to_owned());
+    let (tok, body, reply, endpoint) = (tok.clone(), body.clone(), reply.to_owned(), p.endpoint);
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        match tok.remember_reply(&body, &reply) {
+        match tok.remember_reply(&body, endpoint, &reply) {
             Ok(()) => outcomes.with_label_values(&["tokenized"]).inc(),
             Err(e) => {
                 outcomes.with_label_values(&["failed"]).inc();
@@ -72,6 +72,11 @@ pub(super) async fn exact_blocks(
     m: &ProxyMetrics,
 ) -> Option<ExactBlocks> {
     let (k, tok) = tokenizer(ctx, p)?;
+    // A continuation's history is on the engine that stored it, where it is pinned: nothing
+    // to tokenize, nothing to place.
+    if p.previous_response_id.is_some() {
+        return None;
+    }
     let outcome = |o: &str| m.exact_tokenize.with_label_values(&[o]).inc();
     if body.len() > k.tokenize_max_bytes {
         outcome("too_large");
@@ -91,10 +96,10 @@ pub(super) async fn exact_blocks(
         .is_some_and(|pool| pool.adapter)
         .then(|| p.model.clone());
     let salt = p.cache_salt.clone();
-    let (tok, body, chat) = (tok.clone(), body.clone(), p.endpoint == Endpoint::Chat);
+    let (tok, body, endpoint) = (tok.clone(), body.clone(), p.endpoint);
     let job = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let tokens = tok.prompt_tokens(&body, chat)?;
+        let tokens = tok.prompt_tokens(&body, endpoint)?;
         Ok::<_, String>(ExactBlocks {
             blocks: tok.blocks(&tokens, lora.as_deref(), salt.as_deref()),
             block_tokens: tok.block_size as u64,

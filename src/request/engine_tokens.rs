@@ -15,6 +15,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use super::agent_chat;
+use super::endpoint::Endpoint;
 use crate::config::{ConfigError, KvEventsConfig, TokenizerFiles};
 
 /// Token ids the piece memo holds before it starts over (about 64 MiB).
@@ -293,16 +295,26 @@ impl EngineTokenizer {
         .map_err(|e| format!("chat template: {e}"))
     }
 
-    /// The prompt's token ids as the engine sees them, from a request body.
-    pub fn prompt_tokens(&self, body: &[u8], chat: bool) -> Result<Vec<u32>, String> {
+    /// The prompt's token ids as the engine sees them, from a request body of `endpoint`: a
+    /// chat's messages, or an agent API's as the engine converts them, through the chat
+    /// template; a completion's prompt as is.
+    pub fn prompt_tokens(&self, body: &[u8], endpoint: Endpoint) -> Result<Vec<u32>, String> {
         let v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-        if chat {
-            let messages = v
-                .get("messages")
-                .filter(|m| m.is_array())
-                .ok_or("no messages list")?;
-            let text = self.render_chat(messages, v.get("tools"))?;
-            return self.tokenize(&text);
+        match endpoint {
+            Endpoint::Chat => {
+                let messages = v
+                    .get("messages")
+                    .filter(|m| m.is_array())
+                    .ok_or("no messages list")?;
+                let text = self.render_chat(messages, v.get("tools"))?;
+                return self.tokenize(&text);
+            }
+            Endpoint::Responses | Endpoint::Messages => {
+                let (messages, tools) = agent_chat::to_chat(endpoint, &v)?;
+                let text = self.render_chat(&messages, Some(&tools).filter(|t| !t.is_null()))?;
+                return self.tokenize(&text);
+            }
+            Endpoint::Completions => {}
         }
         match v.get("prompt") {
             Some(Value::String(s)) => self.tokenize(s),
@@ -319,14 +331,23 @@ impl EngineTokenizer {
     /// then the engine's `reply`, only to fill the memo: that turn's client then waits for its
     /// new message to be tokenized, not for the reply too (in chat, usually the longer part).
     /// Run after the answer, off the request's path.
-    pub fn remember_reply(&self, body: &[u8], reply: &str) -> Result<(), String> {
-        let mut v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-        let messages = v
-            .get_mut("messages")
-            .and_then(Value::as_array_mut)
-            .ok_or("no messages list")?;
-        messages.push(serde_json::json!({"role": "assistant", "content": reply}));
-        let text = self.render_chat(&v["messages"], v.get("tools"))?;
+    pub fn remember_reply(
+        &self,
+        body: &[u8],
+        endpoint: Endpoint,
+        reply: &str,
+    ) -> Result<(), String> {
+        let v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let (mut messages, tools) = match endpoint {
+            Endpoint::Responses | Endpoint::Messages => agent_chat::to_chat(endpoint, &v)?,
+            _ => (
+                v.get("messages").cloned().unwrap_or(Value::Null),
+                v.get("tools").cloned().unwrap_or(Value::Null),
+            ),
+        };
+        let list = messages.as_array_mut().ok_or("no messages list")?;
+        list.push(serde_json::json!({"role": "assistant", "content": reply}));
+        let text = self.render_chat(&messages, Some(&tools).filter(|t| !t.is_null()))?;
         self.tokenize(&text).map(drop)
     }
 
@@ -498,7 +519,7 @@ mod tests {
                 serde_json::to_vec(&json!({"messages": messages.as_array().unwrap()[..2]}))
                     .unwrap()
                     .as_slice(),
-                true,
+                Endpoint::Chat,
             )
             .expect("tokens");
         let blocks_first = t.blocks(&first, None, None);
@@ -524,17 +545,24 @@ mod tests {
         let cold = |t: &EngineTokenizer| t.cold_bytes.load(std::sync::atomic::Ordering::Relaxed);
         // Without: the next turn encodes the reply.
         let plain = EngineTokenizer::load(&shipped()).expect("loads");
-        plain.prompt_tokens(b1.as_bytes(), true).expect("turn 1");
+        plain
+            .prompt_tokens(b1.as_bytes(), Endpoint::Chat)
+            .expect("turn 1");
         let before = cold(&plain);
-        let expected = plain.prompt_tokens(b2.as_bytes(), true).expect("turn 2");
+        let expected = plain
+            .prompt_tokens(b2.as_bytes(), Endpoint::Chat)
+            .expect("turn 2");
         let without = cold(&plain) - before;
         // With: the same tokens, and the reply is not encoded again.
         let t = EngineTokenizer::load(&shipped()).expect("loads");
-        t.prompt_tokens(b1.as_bytes(), true).expect("turn 1");
-        t.remember_reply(b1.as_bytes(), &reply).expect("remembered");
+        t.prompt_tokens(b1.as_bytes(), Endpoint::Chat)
+            .expect("turn 1");
+        t.remember_reply(b1.as_bytes(), Endpoint::Chat, &reply)
+            .expect("remembered");
         let before = cold(&t);
         assert_eq!(
-            t.prompt_tokens(b2.as_bytes(), true).expect("turn 2"),
+            t.prompt_tokens(b2.as_bytes(), Endpoint::Chat)
+                .expect("turn 2"),
             expected
         );
         let with = cold(&t) - before;
@@ -542,7 +570,10 @@ mod tests {
             with + reply.len() as u64 <= without,
             "{with} bytes encoded with the reply remembered, {without} without"
         );
-        assert!(t.remember_reply(b"{}", "x").is_err(), "not a chat body");
+        assert!(
+            t.remember_reply(b"{}", Endpoint::Chat, "x").is_err(),
+            "not a chat body"
+        );
     }
 
     #[test]
@@ -565,14 +596,18 @@ mod tests {
     fn completions_and_token_id_prompts() {
         let t = EngineTokenizer::load(&shipped()).expect("loads");
         let ids = t
-            .prompt_tokens(br#"{"prompt":[1,2,3]}"#, false)
+            .prompt_tokens(br#"{"prompt":[1,2,3]}"#, Endpoint::Completions)
             .expect("ids");
         assert_eq!(ids, vec![1, 2, 3]);
         let s = t
-            .prompt_tokens(br#"{"prompt":"hello world"}"#, false)
+            .prompt_tokens(br#"{"prompt":"hello world"}"#, Endpoint::Completions)
             .expect("text");
         assert_eq!(s, t.encode("hello world").unwrap());
-        assert!(t.prompt_tokens(br#"{"prompt":[-1]}"#, false).is_err());
-        assert!(t.prompt_tokens(br#"{"messages":"x"}"#, true).is_err());
+        assert!(t
+            .prompt_tokens(br#"{"prompt":[-1]}"#, Endpoint::Completions)
+            .is_err());
+        assert!(t
+            .prompt_tokens(br#"{"messages":"x"}"#, Endpoint::Chat)
+            .is_err());
     }
 }

@@ -9,12 +9,14 @@ use crate::error::ApiError;
 use canon::Canon;
 use session::BodyKeys;
 
+pub mod agent_chat;
 #[cfg(test)]
 mod agent_tests;
 mod agent_usage;
 mod blocks;
 pub(crate) mod body;
 mod canon;
+mod endpoint;
 pub mod engine_tokens;
 pub mod id_stamp;
 mod messages;
@@ -29,54 +31,9 @@ mod tokens;
 pub(crate) mod usage;
 
 pub use blocks::{BlockHasher, BlockTail, DEFAULT_BLOCK_BYTES};
+pub use endpoint::Endpoint;
 pub use session::SessionKeys;
 pub use tokens::{CountLimits, Method, TokenEstimate, TokenEstimator, TokenMetrics};
-
-/// Which API a routed request speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    Chat,
-    Completions,
-    /// OpenAI's Responses API (`/v1/responses`).
-    Responses,
-    /// Anthropic's Messages API (`/v1/messages`).
-    Messages,
-}
-
-impl Endpoint {
-    pub const ALL: [Endpoint; 4] = [
-        Endpoint::Chat,
-        Endpoint::Completions,
-        Endpoint::Responses,
-        Endpoint::Messages,
-    ];
-
-    pub fn from_path(path: &str) -> Option<Endpoint> {
-        match path {
-            "/v1/chat/completions" => Some(Endpoint::Chat),
-            "/v1/completions" => Some(Endpoint::Completions),
-            "/v1/responses" => Some(Endpoint::Responses),
-            "/v1/messages" => Some(Endpoint::Messages),
-            _ => None,
-        }
-    }
-
-    /// The `api` label of metrics and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Endpoint::Chat => "chat",
-            Endpoint::Completions => "completions",
-            Endpoint::Responses => "responses",
-            Endpoint::Messages => "messages",
-        }
-    }
-
-    /// Whether a stream carries `usage` only when `stream_options.include_usage` asks for it.
-    /// Responses and Messages streams always end with it.
-    pub fn usage_on_request(self) -> bool {
-        matches!(self, Endpoint::Chat | Endpoint::Completions)
-    }
-}
 
 /// Where the session key came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

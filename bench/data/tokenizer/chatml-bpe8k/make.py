@@ -17,13 +17,18 @@ for i, content in enumerate(["<|im_start|>", "<|im_end|>"]):
 
 # Content parts other than text are rendered by the simulator as a hash the template cannot
 # compute; only string (and text-part) content is rendered identically.
+# Tools open the prompt as a turn of their own and an assistant's tool calls follow its text,
+# both as compact JSON, as the simulator renders them (JSON with no '<', '>', '&' or "'", which
+# a template's tojson escapes).
 template = (
+    "{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% elif message['content'] is not none %}"
     "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
     "{% endif %}"
+    "{% if message['tool_calls'] %}{{ message['tool_calls'] | tojson }}{% endif %}"
     "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

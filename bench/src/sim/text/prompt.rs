@@ -25,6 +25,67 @@ pub const TURN_START: &str = "<|im_start|>";
 pub const TURN_END: &str = "<|im_end|>\n";
 pub const GENERATION_PROMPT: &str = "<|im_start|>assistant\n";
 
+/// `v` as a chat template's `tojson` writes it (Jinja's, which Hugging Face templates use, and
+/// minijinja's): keys sorted, `", "` and `": "` between items, and `<`, `>`, `&` and `'`
+/// escaped, so that HTML cannot be spelled.
+pub fn template_json(v: &Value) -> String {
+    struct Spaced;
+    impl serde_json::ser::Formatter for Spaced {
+        fn begin_array_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+        fn begin_object_key<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+        fn begin_object_value<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+        ) -> std::io::Result<()> {
+            w.write_all(b": ")
+        }
+    }
+    fn sorted(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                Value::Object(
+                    keys.into_iter()
+                        .map(|k| (k.clone(), sorted(&m[k])))
+                        .collect(),
+                )
+            }
+            Value::Array(a) => Value::Array(a.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, Spaced);
+    // A Value always serializes.
+    let _ = serde::Serialize::serialize(&sorted(v), &mut ser);
+    String::from_utf8_lossy(&out)
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026")
+        .replace('\'', "\\u0027")
+}
+
 /// Renders a chat body's `tools` as the turn templates open with (real templates list them in
 /// the system prompt): what the model reads of them costs prefill and is cached like the rest.
 pub fn render_tools(tools: Option<&Value>) -> Result<Vec<u8>, ApiError> {
@@ -32,13 +93,15 @@ pub fn render_tools(tools: Option<&Value>) -> Result<Vec<u8>, ApiError> {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::Array(list)) if list.is_empty() => Ok(Vec::new()),
         Some(list @ Value::Array(_)) => {
+            let list = template_json(list);
             Ok(format!("{TURN_START}tools\n{list}{TURN_END}").into_bytes())
         }
         Some(_) => Err(ApiError::bad_request("'tools' must be an array")),
     }
 }
 
-/// Renders chat `messages` through the template.
+/// Renders chat `messages` through the template; an assistant's tool calls follow its text,
+/// as `template_json` writes them.
 pub fn render_chat(messages: &Value) -> Result<Vec<u8>, ApiError> {
     let list = messages
         .as_array()
@@ -57,8 +120,14 @@ pub fn render_chat(messages: &Value) -> Result<Vec<u8>, ApiError> {
         out.push('\n');
         render_content(message.get("content"), i, &mut out)?;
         // Tool calls are part of what the model saw; render them by value so replays match.
-        if let Some(calls) = message.get("tool_calls") {
-            out.push_str(&calls.to_string());
+        // As a template's `{% if message['tool_calls'] %}`: none, null or empty renders nothing.
+        let calls = message.get("tool_calls").filter(|c| match c {
+            Value::Null => false,
+            Value::Array(a) => !a.is_empty(),
+            _ => true,
+        });
+        if let Some(calls) = calls {
+            out.push_str(&template_json(calls));
         }
         out.push_str(TURN_END);
     }
@@ -226,5 +295,21 @@ mod tests {
         assert!(render_completion(&json!([1, "a"])).is_err());
         assert!(render_completion(&json!([-1])).is_err());
         assert!(render_completion(&json!({"a": 1})).is_err());
+    }
+}
+
+#[cfg(test)]
+mod template_json_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn writes_json_as_a_templates_tojson_does() {
+        let v = json!({"type": "function", "function": {"name": "run", "arguments": "{\"a\":1}"},
+                       "list": [1, "<b>&'"]});
+        assert_eq!(
+            template_json(&v),
+            r#"{"function": {"arguments": "{\"a\":1}", "name": "run"}, "list": [1, "\u003cb\u003e\u0026\u0027"], "type": "function"}"#
+        );
     }
 }

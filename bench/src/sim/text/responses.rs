@@ -236,7 +236,7 @@ fn chat_parts(content: Option<&Value>) -> Result<Value, ApiError> {
 }
 
 /// Responses' flat function tools as chat's nested ones; other tools (built-in) pass as
-/// they are. The chat template does not render tools, so this keeps the request's meaning only.
+/// they are.
 fn chat_tools(tools: &Value) -> Result<Value, ApiError> {
     let list = tools
         .as_array()

@@ -9,6 +9,7 @@
 use serde_json::{json, Value};
 
 use super::ids::random_id;
+use super::prompt::template_json;
 use crate::sim::error::ApiError;
 
 /// One tool call the answer makes.
@@ -44,7 +45,7 @@ impl ToolCall {
             json!(self.name),
             json!(Self::arguments(text)),
         );
-        Value::Array(vec![call]).to_string()
+        template_json(&Value::Array(vec![call]))
     }
 }
 
