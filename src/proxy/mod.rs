@@ -544,12 +544,15 @@ impl ProxyHttp for Router {
             ErrorType::ReadTimedout | ErrorType::WriteTimedout
         );
         // Retry only while nothing has come back from the backend: once a response has started,
-        // the client may already hold part of it.
+        // the client may already hold part of it. A reused connection that broke may have been
+        // closed by the backend while pooled (nothing to hold against the backend); one that
+        // timed out was open and unanswered: the backend is hung, and the retry goes elsewhere.
+        let stale = client_reused && !ctx.attempts.timed_out;
         let retry = !ctx.attempts.upstream_responded
             && *e.esource() == ErrorSource::Upstream
             && self
                 .failures()
-                .after_failure(ctx, FailureKind::Io, client_reused)
+                .after_failure(ctx, FailureKind::Io, stale)
                 .retries();
         e.set_retry(retry);
         e
