@@ -198,12 +198,6 @@ async fn continuations_do_not_teach_the_token_model() {
     let url = kv.url("/v1/responses");
     let long = "the engine reads every word of this text ".repeat(40);
     let ask = |text: &str| json!({"model":MODEL,"input":text,"store":true,"max_output_tokens":4});
-    let scored = || {
-        kv.metric_sum(
-            "kvroute_prompt_tokens_estimate_ratio_count",
-            &[("method", "sized")],
-        )
-    };
     let mut id = json_of(&send(c.post(&url).json(&ask(&long))).await)["id"]
         .as_str()
         .unwrap()
@@ -217,9 +211,18 @@ async fn continuations_do_not_teach_the_token_model() {
         id = v["id"].as_str().unwrap().to_string();
     }
     let fresh = json_of(&send(c.post(&url).json(&ask(&format!("fresh: {long}")))).await);
+    // A request is scored as it is logged, after its answer went out: wait for the fresh one,
+    // then a little more for any late one.
+    let count = "kvroute_prompt_tokens_estimate_ratio_count";
+    kv.metrics_when(count, &[("method", "sized")], 2.0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let text = kv.metrics();
     // Scored: the opening and the fresh request, not the eight continuations.
-    assert_eq!(scored(), 2.0, "{text}");
+    assert_eq!(
+        metric_sum(&text, count, &[("method", "sized")]),
+        2.0,
+        "{text}"
+    );
     // And the fresh request's estimate was not dragged up by the chain's counts.
     let sum = metric_sum(
         &text,
