@@ -108,17 +108,20 @@ impl Fleet {
     }
 
     /// Like [`Fleet::charge`], but only while backend `i` has fewer than `cap` (per unit of
-    /// weight) requests in flight; the check and the charge are one atomic step.
+    /// weight) requests in flight, and fewer than `bound` when given (a placement's load bound,
+    /// absolute); the check and the charge are one atomic step.
     pub fn try_charge(
         &self,
         i: usize,
         prefill: u64,
         rank: Option<u32>,
-        cap: u64,
+        (cap, bound): (u64, Option<u64>),
         expected: Expected,
     ) -> Option<InflightGuard> {
         let backend = &self.backends[i];
-        let limit = cap.saturating_mul(backend.weight as u64);
+        let limit = cap
+            .saturating_mul(backend.weight as u64)
+            .min(bound.unwrap_or(u64::MAX));
         backend
             .live
             .inflight

@@ -672,7 +672,7 @@ mod tests {
         );
         // Pinned to a data-parallel rank: queued there too, until answered or dropped.
         let before_answer = f
-            .try_charge(0, 500, Some(3), 2, Expected::default())
+            .try_charge(0, 500, Some(3), (2, None), Expected::default())
             .unwrap();
         assert_eq!(
             (
@@ -682,9 +682,14 @@ mod tests {
             (500, 0)
         );
         assert!(
-            f.try_charge(0, 1, None, 2, Expected::default()).is_none(),
+            f.try_charge(0, 1, None, (2, None), Expected::default())
+                .is_none(),
             "cap of 2 reached"
         );
+        // A placement's bound below the cap holds as the cap does.
+        assert!(f
+            .try_charge(0, 1, None, (8, Some(2)), Expected::default())
+            .is_none());
         drop(g);
         drop(before_answer);
         let b = &f.backends()[0];

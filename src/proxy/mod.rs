@@ -373,8 +373,14 @@ impl ProxyHttp for Router {
                     .map_or(0, |p| p.est_output_tokens),
             );
             let (prefill, rank) = (ctx.charge.prefill, ctx.route.dp_rank);
+            // bounded_hash's bound counts requests in flight: checked again as the request is
+            // charged, in one step, so that two decisions made at once cannot both take a
+            // backend's last place (the loser is placed again).
+            let bound = decision
+                .filter(|_| cfg.routing.policy == PolicyKind::BoundedHash)
+                .and_then(|d| d.bound);
             let guard = match decision {
-                Some(_) => fleet.try_charge(idx, prefill, rank, cap, expected),
+                Some(_) => fleet.try_charge(idx, prefill, rank, (cap, bound), expected),
                 None => Some(fleet.charge(idx, prefill, rank, expected)),
             };
             if let Some(g) = guard {
