@@ -66,17 +66,23 @@ pub(super) fn end_request(
         .profile
         .as_ref()
         .filter(|p| p.previous_response_id.is_none());
-    // The engine now also holds the reply's KV: the next turn's prefix.
+    // The engine now also holds the reply's KV: the next turn's prefix, its tool calls
+    // included.
+    let calls = ctx.tap.usage.as_ref().map_or(&[][..], |t| &t.calls[..]);
     if let (Some(i), Some(p), Some(reply), 200) = (
         ctx.attempts.backend,
         profile,
         ctx.tap.usage.as_ref().and_then(|t| t.reply.as_deref()),
         status,
     ) {
-        if !reply.is_empty() {
-            if let Some(blocks) = p.reply_blocks(reply) {
+        if !reply.is_empty() || !calls.is_empty() {
+            if let Some(blocks) = p.reply_blocks(reply, calls) {
                 fleet.record(i, &blocks, &[], None);
             }
+        }
+        // The exact index's tokenizer remembers text replies (its engines' KV events name
+        // the calls' blocks anyway).
+        if !reply.is_empty() && calls.is_empty() {
             super::exact::remember_reply(ctx, p, reply, m);
         }
     }

@@ -59,7 +59,7 @@ fn a_messages_turn_extends_the_last_one_with_its_text_reply() {
     assert!(p2.prompt_bytes > without_result.prompt_bytes + 250);
 
     let reply = "The bug is the unused variable; here is the fix. ".repeat(4);
-    let with_reply = p2.reply_blocks(&reply).unwrap();
+    let with_reply = p2.reply_blocks(&reply, &[]).unwrap();
     assert_eq!(
         with_reply,
         blocks_with_reply(
@@ -182,7 +182,7 @@ fn a_responses_turn_extends_the_last_one() {
 
     // A text answer, sent back as an assistant message, continues the stream as a chat's.
     let reply = "The build is fixed: the manifest lacked a dependency. ".repeat(3);
-    let with_reply = p2.reply_blocks(&reply).unwrap();
+    let with_reply = p2.reply_blocks(&reply, &[]).unwrap();
     items.push(json!({"type":"message","role":"assistant",
                       "content":[{"type":"output_text","text":reply,"annotations":[]}]}));
     items.push(json!({"role":"user","content":"Thanks. Now run the tests."}));
@@ -236,4 +236,72 @@ fn responses_errors_name_the_field() {
         )),
         "invalid_content"
     );
+}
+
+/// A reply that is a tool call (with text before it, or alone): its blocks are those the next
+/// turn starts with when it sends the call back, in each API's spelling, whatever spacing the
+/// client writes a Messages tool input with.
+#[test]
+fn a_tool_call_reply_prefixes_the_next_turn() {
+    let call = ReplyCall {
+        name: "run".into(),
+        arguments: r#"{"command":"cargo test","cwd":"."}"#.into(),
+    };
+    let output = "test result: ok. 12 passed; 0 failed ".repeat(6);
+
+    let history = agent_history();
+    let p = of(Endpoint::Messages, &messages_turn(&history)).unwrap();
+    for text in ["", "Running the tests now."] {
+        let with_call = p.reply_blocks(text, std::slice::from_ref(&call)).unwrap();
+        assert!(with_call.len() > p.prefix_blocks.len());
+        let mut blocks = vec![];
+        if !text.is_empty() {
+            blocks.push(json!({"type": "text", "text": text}));
+        }
+        // Python's spacing and another key order: the same call.
+        blocks.push(json!({"type": "tool_use", "id": "toolu_2", "name": "run",
+                           "input": {"cwd": ".", "command": "cargo test"}}));
+        let mut next = history.clone();
+        next.push(json!({"role": "assistant", "content": blocks}));
+        next.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": output}]}));
+        let mut body = messages_turn(&next).to_string();
+        body = body.replace(r#""command":"cargo test""#, r#""command": "cargo test""#);
+        let p2 = profile(
+            Endpoint::Messages,
+            body.as_bytes(),
+            SessionKeys::default(),
+            BLOCK,
+        )
+        .unwrap();
+        assert_eq!(
+            prefix_len(&with_call, &p2.prefix_blocks),
+            with_call.len(),
+            "{text:?}"
+        );
+    }
+
+    let input = json!([{"role": "user", "content": "Fix the failing test. ".repeat(10)}]);
+    let p = of(Endpoint::Responses, &responses_turn(input.clone())).unwrap();
+    for text in ["", "Running the tests now."] {
+        let with_call = p.reply_blocks(text, std::slice::from_ref(&call)).unwrap();
+        let mut items = input.as_array().unwrap().clone();
+        if !text.is_empty() {
+            items.push(
+                json!({"type": "message", "role": "assistant", "id": "msg_1",
+                              "content": [{"type": "output_text", "text": text}]}),
+            );
+        }
+        items.push(
+            json!({"type": "function_call", "id": "fc_1", "call_id": "call_1",
+                          "name": "run", "arguments": call.arguments, "status": "completed"}),
+        );
+        items.push(json!({"type": "function_call_output", "call_id": "call_1", "output": output}));
+        let p2 = of(Endpoint::Responses, &responses_turn(json!(items))).unwrap();
+        assert_eq!(
+            prefix_len(&with_call, &p2.prefix_blocks),
+            with_call.len(),
+            "{text:?}"
+        );
+    }
 }

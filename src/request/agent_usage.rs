@@ -5,7 +5,7 @@ use serde::Deserialize;
 use std::borrow::Cow;
 
 use super::canon::Part;
-use super::reply::{push_capped, Usage};
+use super::reply::{push_capped, ReplyCall, Usage};
 
 #[derive(Deserialize)]
 struct ResponsesUsage {
@@ -94,6 +94,24 @@ struct OutputItem<'a> {
     kind: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     content: Vec<Part<'a>>,
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    arguments: Option<Cow<'a, str>>,
+}
+
+impl OutputItem<'_> {
+    /// The tool call a `function_call` item is.
+    fn call(&self) -> Option<ReplyCall> {
+        (self.kind.as_deref() == Some("function_call")).then(|| {
+            let mut call = ReplyCall {
+                name: self.name.as_deref().unwrap_or("").to_owned(),
+                arguments: String::new(),
+            };
+            push_capped(&mut call.arguments, self.arguments.as_deref().unwrap_or(""));
+            call
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -104,16 +122,23 @@ struct ResponsesText<'a> {
     delta: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     output: Vec<OutputItem<'a>>,
+    /// A finished output item (`response.output_item.done`).
+    #[serde(borrow, default)]
+    item: Option<OutputItem<'a>>,
 }
 
 /// The text a Responses reply writes: its `output_text` deltas when streamed (the closing
-/// `response.completed` repeats them whole and is not read), else its message items' text.
-pub(super) fn responses_text(json: &[u8], out: &mut String) {
+/// `response.completed` repeats them whole and is not read), else its message items' text;
+/// and its tool calls, from each finished `function_call` item or the body's.
+pub(super) fn responses_text(json: &[u8], out: &mut String, calls: &mut Vec<ReplyCall>) {
     let Ok(v) = serde_json::from_slice::<ResponsesText>(json) else {
         return;
     };
     match v.kind.as_deref() {
         Some("response.output_text.delta") => push_capped(out, v.delta.as_deref().unwrap_or("")),
+        Some("response.output_item.done") => {
+            calls.extend(v.item.as_ref().and_then(OutputItem::call))
+        }
         Some(_) => {}
         None => {
             let items = v
@@ -125,8 +150,25 @@ pub(super) fn responses_text(json: &[u8], out: &mut String) {
                     push_capped(out, t);
                 }
             }
+            calls.extend(v.output.iter().filter_map(OutputItem::call));
         }
     }
+}
+
+/// A Messages content block or stream delta: text, or a tool call's name and input (whole, or
+/// streamed as `partial_json`).
+#[derive(Deserialize)]
+struct Block<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    input: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    partial_json: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -134,25 +176,53 @@ struct MessagesText<'a> {
     #[serde(borrow, default, rename = "type")]
     kind: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    delta: Option<Part<'a>>,
+    delta: Option<Block<'a>>,
     #[serde(borrow, default)]
-    content: Vec<Part<'a>>,
+    content_block: Option<Block<'a>>,
+    #[serde(borrow, default)]
+    content: Vec<Block<'a>>,
 }
 
-/// The text a Messages reply writes: `text_delta`s when streamed, else its text blocks.
-pub(super) fn messages_text(json: &[u8], out: &mut String) {
+/// The text a Messages reply writes: `text_delta`s when streamed, else its text blocks; and its
+/// tool calls: a streamed `tool_use` block's name and its `input_json_delta`s, or the body's
+/// `tool_use` blocks.
+pub(super) fn messages_text(json: &[u8], out: &mut String, calls: &mut Vec<ReplyCall>) {
     let Ok(v) = serde_json::from_slice::<MessagesText>(json) else {
         return;
     };
-    let parts: Vec<&Part> = match v.kind.as_deref() {
-        Some("content_block_delta") => v.delta.iter().collect(),
-        Some("message") => v.content.iter().collect(),
-        _ => return,
+    let call = |b: &Block| ReplyCall {
+        name: b.name.as_deref().unwrap_or("").to_owned(),
+        arguments: b.input.map_or(String::new(), |i| i.get().to_owned()),
     };
-    for p in parts {
-        if let ("text" | "text_delta", Some(t)) = (p.kind.as_deref().unwrap_or(""), &p.text) {
-            push_capped(out, t);
+    match v.kind.as_deref() {
+        Some("content_block_start") => calls.extend(
+            v.content_block
+                .as_ref()
+                .filter(|b| b.kind.as_deref() == Some("tool_use"))
+                .map(|b| ReplyCall {
+                    arguments: String::new(),
+                    ..call(b)
+                }),
+        ),
+        Some("content_block_delta") => match (v.delta.as_ref(), calls.last_mut()) {
+            (Some(d), Some(c)) if d.kind.as_deref() == Some("input_json_delta") => {
+                push_capped(&mut c.arguments, d.partial_json.as_deref().unwrap_or(""));
+            }
+            (Some(d), _) if d.kind.as_deref() == Some("text_delta") => {
+                push_capped(out, d.text.as_deref().unwrap_or(""));
+            }
+            _ => {}
+        },
+        Some("message") => {
+            for b in &v.content {
+                match (b.kind.as_deref(), &b.text) {
+                    (Some("text"), Some(t)) => push_capped(out, t),
+                    (Some("tool_use"), _) => calls.push(call(b)),
+                    _ => {}
+                }
+            }
         }
+        _ => {}
     }
 }
 
@@ -173,17 +243,19 @@ mod tests {
         assert_eq!(responses_usage(done), Some(want));
         assert_eq!(responses_usage(br#"{"type":"response.created"}"#), None);
 
-        let mut text = String::new();
-        responses_text(body, &mut text);
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        responses_text(body, &mut text, &mut calls);
         responses_text(
             br#"{"type":"response.output_text.delta","delta":" and more"}"#,
             &mut text,
+            &mut calls,
         );
         responses_text(
             br#"{"type":"response.reasoning_text.delta","delta":"hidden"}"#,
             &mut text,
+            &mut calls,
         );
-        responses_text(done, &mut text);
+        responses_text(done, &mut text, &mut calls);
         assert_eq!(text, "Hi there and more");
     }
 
@@ -202,16 +274,63 @@ mod tests {
         let s = messages_usage(start, None);
         assert_eq!(messages_usage(delta, s), Some(want));
 
-        let mut text = String::new();
-        messages_text(body, &mut text);
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        messages_text(body, &mut text, &mut calls);
         for e in [
             &br#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#[..],
             br#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" world"}}"#,
             br#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{}"}}"#,
             start,
         ] {
-            messages_text(e, &mut text);
+            messages_text(e, &mut text, &mut calls);
         }
         assert_eq!(text, "Hello world");
+    }
+
+    #[test]
+    fn tool_calls_are_collected_streamed_and_whole() {
+        let call = |name: &str, arguments: &str| ReplyCall {
+            name: name.into(),
+            arguments: arguments.into(),
+        };
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        for e in [
+            &br#"{"type":"response.output_item.added","item":{"type":"function_call","name":"run","arguments":""}}"#[..],
+            br#"{"type":"response.function_call_arguments.delta","delta":"{\"a\""}"#,
+            br#"{"type":"response.output_item.done","item":{"type":"function_call","id":"fc_1","call_id":"c1","name":"run","arguments":"{\"a\":1}"}}"#,
+            br#"{"type":"response.output_item.done","item":{"type":"message","content":[]}}"#,
+        ] {
+            responses_text(e, &mut text, &mut calls);
+        }
+        assert_eq!(
+            (text.as_str(), &calls[..]),
+            ("", &[call("run", r#"{"a":1}"#)][..])
+        );
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        let body = br#"{"output":[{"type":"message","content":[{"type":"output_text","text":"Let me look."}]},{"type":"function_call","name":"read","arguments":"{}"}]}"#;
+        responses_text(body, &mut text, &mut calls);
+        assert_eq!(
+            (text.as_str(), &calls[..]),
+            ("Let me look.", &[call("read", "{}")][..])
+        );
+
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        for e in [
+            &br#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#[..],
+            br#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Looking."}}"#,
+            br#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"t1","name":"run","input":{}}}"#,
+            br#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"a\":"}}"#,
+            br#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"1}"}}"#,
+        ] {
+            messages_text(e, &mut text, &mut calls);
+        }
+        assert_eq!(
+            (text.as_str(), &calls[..]),
+            ("Looking.", &[call("run", r#"{"a":1}"#)][..])
+        );
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        let body = br#"{"type":"message","content":[{"type":"tool_use","id":"t1","name":"run","input":{"b": 2, "a": 1}}]}"#;
+        messages_text(body, &mut text, &mut calls);
+        assert_eq!(calls, [call("run", r#"{"b": 2, "a": 1}"#)]);
     }
 }

@@ -190,7 +190,8 @@ pub(super) fn write_blocks<const FAST: bool>(
             "thinking" => canon.field(b.thinking.as_deref().unwrap_or("").as_bytes()),
             "tool_use" | "server_tool_use" => {
                 canon.field(b.name.as_deref().unwrap_or("").as_bytes());
-                canon.field(b.input.map_or("", |v| v.get()).as_bytes());
+                let input = b.input.map_or("", |v| v.get());
+                canon.field(super::reply::canonical_json(input).as_bytes());
             }
             "tool_result" if depth < MAX_BLOCK_DEPTH => {
                 if let Some(c) = b.content {

@@ -32,6 +32,7 @@ pub(crate) mod usage;
 
 pub use blocks::{BlockHasher, BlockTail, DEFAULT_BLOCK_BYTES};
 pub use endpoint::Endpoint;
+pub use reply::ReplyCall;
 pub use session::SessionKeys;
 pub use tokens::{CountLimits, Method, TokenEstimate, TokenEstimator, TokenMetrics};
 
@@ -92,9 +93,13 @@ pub struct RequestProfile {
 impl RequestProfile {
     /// The blocks of this prompt followed by `reply`, which the engine holds once it has
     /// answered: what [`blocks_with_reply`] computes from the body, without parsing it again.
-    pub fn reply_blocks(&self, reply: &str) -> Option<Vec<u64>> {
+    pub fn reply_blocks(&self, reply: &str, calls: &[ReplyCall]) -> Option<Vec<u64>> {
         let (tail, mode) = self.tail.as_ref()?;
         Some(match mode {
+            ReplyMode::Chat if !calls.is_empty() && self.endpoint != Endpoint::Chat => {
+                let bytes = reply::with_calls(self.endpoint, reply, calls);
+                tail.continued(&self.prefix_blocks, &[&bytes])
+            }
             ReplyMode::Chat => tail.continued(
                 &self.prefix_blocks,
                 &[b"assistant", &[0x1f], reply.as_bytes(), &[0x1f]],
@@ -432,7 +437,7 @@ mod tests {
         })
         .unwrap();
         assert_eq!(
-            a.reply_blocks("the answer"),
+            a.reply_blocks("the answer", &[]),
             blocks_with_reply(Endpoint::Chat, &body, "the answer", 64).ok()
         );
         // An empty salt salts nothing (the engine refuses it).
@@ -682,7 +687,7 @@ mod tests {
             let (endpoint, body) = generated(kind, &texts);
             let p = profile(endpoint, body.as_bytes(), SessionKeys::default(), block).unwrap();
             let again = blocks_with_reply(endpoint, body.as_bytes(), &reply, block).unwrap();
-            proptest::prop_assert_eq!(p.reply_blocks(&reply), Some(again));
+            proptest::prop_assert_eq!(p.reply_blocks(&reply, &[]), Some(again));
         }
 
         /// A body read on the fast path ([`text`]) profiles as the same body read strictly

@@ -11,6 +11,7 @@
 //! blocks of prompt + reply: the engine keeps the reply's KV, and the next turn starts with it.
 
 use super::reply::push_capped;
+use super::reply::ReplyCall;
 pub use super::reply::Usage;
 use super::{agent_usage, Endpoint};
 use bytes::{Bytes, BytesMut};
@@ -131,6 +132,8 @@ pub struct UsageTap {
     pub usage: Option<Usage>,
     /// Choice 0's text so far, when collecting.
     pub reply: Option<String>,
+    /// The tool calls an agent API's reply made, when collecting.
+    pub calls: Vec<ReplyCall>,
 }
 
 /// Non-streamed bodies larger than this are not parsed for usage (they are passed through).
@@ -146,6 +149,7 @@ impl UsageTap {
             pending: BytesMut::new(),
             usage: None,
             reply: collect_reply.then(String::new),
+            calls: Vec::new(),
         }
     }
 
@@ -169,8 +173,8 @@ impl UsageTap {
         };
         match self.api {
             Endpoint::Chat | Endpoint::Completions => append_text(json, out),
-            Endpoint::Responses => agent_usage::responses_text(json, out),
-            Endpoint::Messages => agent_usage::messages_text(json, out),
+            Endpoint::Responses => agent_usage::responses_text(json, out, &mut self.calls),
+            Endpoint::Messages => agent_usage::messages_text(json, out, &mut self.calls),
         }
     }
 
