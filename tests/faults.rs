@@ -470,54 +470,65 @@ async fn a_hung_engine_is_caught_by_the_first_byte_deadline() {
 }
 
 /// A backend that hangs on a kept-alive connection is hung, not a stale pooled connection:
-/// the retry goes to a backend not tried yet after one first-byte deadline, never back to the
-/// hung one on a fresh connection (which took two deadlines: attempts A, A, B).
+/// the retry goes to a backend not tried yet after one deadline, never back to the hung one on
+/// a fresh connection (which took two deadlines: attempts A, A, B). Streamed (the first-byte
+/// deadline) and not (the read timeout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hang_on_a_reused_connection_is_retried_on_another_backend() {
-    let sims = Sim::start_n(3, &["--ttft-ms", "1", "--itl-ms", "0"]);
-    let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
-    let kv = Kvroute::start(&addrs, "  timeouts:\n    first_byte_floor_ms: 1000\n");
-    let c = client();
-    let url = kv.url("/v1/chat/completions");
-    // Each session its own prompt: the ring spreads them, no cached prefix pulls them together.
-    let ask = |i: usize| {
-        let body = json!({"model": MODEL, "max_tokens": 2, "stream": true,
-                          "messages": [{"role": "user", "content": format!("hello {i}")}]});
-        c.post(&url)
-            .header("x-session-id", format!("s-{i}"))
-            .json(&body)
-    };
-    // Every backend answers, so each keeps a connection in kvroute's pool.
-    for i in 0..12 {
-        let r = ask(i).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        r.text().await.unwrap();
-    }
-    faults(addrs[0], json!({"hang": true}));
-    let mut met_the_hang = 0.0;
-    for i in 0..12 {
-        let t0 = Instant::now();
-        let r = ask(i).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(r.text().await.unwrap().contains("[DONE]"));
-        let took = t0.elapsed();
-        assert!(
-            took < Duration::from_millis(1900),
-            "session {i}: {took:?}: A tried twice"
+    for stream in [true, false] {
+        let sims = Sim::start_n(3, &["--ttft-ms", "1", "--itl-ms", "0"]);
+        let addrs: Vec<SocketAddr> = sims.iter().map(|s| s.addr).collect();
+        let kv = Kvroute::start(
+            &addrs,
+            "  timeouts:\n    first_byte_floor_ms: 1000\n    upstream_read_ms: 1000\n",
         );
-        if took >= Duration::from_millis(950) {
-            met_the_hang += 1.0;
+        let c = client();
+        let url = kv.url("/v1/chat/completions");
+        // Each session its own prompt: the ring spreads them, no cached prefix pulls them
+        // together.
+        let ask = |i: usize| {
+            let body = json!({"model": MODEL, "max_tokens": 2, "stream": stream,
+                              "messages": [{"role": "user", "content": format!("hello {i}")}]});
+            c.post(&url)
+                .header("x-session-id", format!("s-{i}"))
+                .json(&body)
+        };
+        // Every backend answers, so each keeps a connection in kvroute's pool.
+        for i in 0..12 {
+            let r = ask(i).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.text().await.unwrap();
         }
+        faults(addrs[0], json!({"hang": true}));
+        let mut met_the_hang = 0.0;
+        for i in 0..12 {
+            let t0 = Instant::now();
+            let r = ask(i).send().await.unwrap();
+            assert_eq!(r.status(), 200, "stream={stream}");
+            r.text().await.unwrap();
+            let took = t0.elapsed();
+            assert!(
+                took < Duration::from_millis(1900),
+                "stream={stream} session {i}: {took:?}: A tried twice"
+            );
+            if took >= Duration::from_millis(950) {
+                met_the_hang += 1.0;
+            }
+        }
+        assert!(
+            met_the_hang >= 1.0,
+            "stream={stream}: no session landed on A"
+        );
+        // One failed attempt on A per request that met it, never a second.
+        let name = addrs[0].to_string();
+        assert_eq!(
+            kv.metric_sum(
+                "kvroute_upstream_failures_total",
+                &[("backend", &name), ("kind", "io")]
+            ),
+            met_the_hang,
+            "stream={stream}"
+        );
+        faults(addrs[0], json!({"hang": false}));
     }
-    assert!(met_the_hang >= 1.0, "no session landed on A");
-    // One failed attempt on A per request that met it, never a second.
-    let name = addrs[0].to_string();
-    assert_eq!(
-        kv.metric_sum(
-            "kvroute_upstream_failures_total",
-            &[("backend", &name), ("kind", "io")]
-        ),
-        met_the_hang
-    );
-    faults(addrs[0], json!({"hang": false}));
 }
