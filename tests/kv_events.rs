@@ -889,3 +889,58 @@ async fn agent_apis_are_predicted_exactly() {
         );
     }
 }
+
+/// vLLM delivers at least once: a batch sent again with its sequence number is recognised and
+/// ignored, not taken for the engine restarting (which forgets the backend's blocks and
+/// replays its history).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_delivered_twice_is_not_a_restart() {
+    let Some(py) = python() else { return };
+    let sim = Sim::start(&[]);
+    let (publish, replay) = (free_port(), free_port());
+    let batches: Vec<serde_json::Value> = (0..6u32)
+        .map(|i| {
+            let tokens: Vec<u32> = (i * 16..i * 16 + 16).collect();
+            serde_json::json!([{"type": "BlockStored", "block_hashes": [100 + i],
+                "parent_block_hash": null, "token_ids": tokens, "block_size": 16}])
+        })
+        .collect();
+    let dir = std::env::temp_dir().join(format!("kvroute-kv-dup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("batches.json");
+    std::fs::write(&file, serde_json::json!(batches).to_string()).expect("write");
+    // kvroute first, so that the later batches arrive live.
+    let k = Kvroute::start_with(
+        &[(sim.addr, kv_events_yaml(publish, replay))],
+        &tokenizer_yaml(),
+    );
+    let mut cmd = Command::new(&py);
+    cmd.arg(repo().join("bench/scripts/kv_events_reference.py"))
+        .args(["--pub", &format!("tcp://127.0.0.1:{publish}")])
+        .args(["--replay", &format!("tcp://127.0.0.1:{replay}")])
+        .arg("--events")
+        .arg(&file)
+        // The copy goes out two seconds in: kvroute has long joined by then.
+        .args(["--interval-ms", "400", "--resend", "4"])
+        .args(["--repeat-seconds", "30"])
+        .stderr(Stdio::null());
+    let _publisher = Publisher(cmd.spawn().expect("start the reference publisher"));
+    wait_for("every block", Duration::from_secs(15), || {
+        kv_state(&k, sim.addr)["blocks"] == 6
+    });
+    let b = sim.addr.to_string();
+    let batches_of = |outcome: &str| {
+        k.metric_sum(
+            "kvroute_kv_event_batches_total",
+            &[("backend", &b), ("outcome", outcome)],
+        )
+    };
+    wait_for("the batch sent again", Duration::from_secs(5), || {
+        batches_of("duplicate") == 1.0
+    });
+    assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
+    // Only the join replayed history: the copy did not start a replay from 0.
+    let replayed = batches_of("replayed");
+    assert!(replayed <= 5.0, "replayed {replayed} batches");
+    let _ = std::fs::remove_dir_all(&dir);
+}

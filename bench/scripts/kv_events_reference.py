@@ -40,6 +40,9 @@ stderr.
 
 --repeat-seconds S keeps the process serving replay (and sending nothing more) until S
 seconds after it started, so a subscriber that connects late can still replay from seq 0.
+
+--resend SEQ sends batch SEQ again, same sequence number and payload, right after the batch
+that follows it: the at-least-once redelivery a subscriber must not take for a restart.
 """
 
 import argparse
@@ -226,6 +229,8 @@ def main() -> int:
     ap.add_argument("--interval-ms", type=float, default=50.0, help="wait between batches (default 50)")
     ap.add_argument("--data-parallel-rank", type=int, default=0,
                     help="the rank every batch names (vLLM: one publisher per rank, default 0)")
+    ap.add_argument("--resend", type=int, default=None,
+                    help="send batch SEQ again after the next one (at-least-once redelivery)")
     ap.add_argument("--repeat-seconds", type=float, default=0.0,
                     help="serve replay until this many seconds after start (default 0: exit after the last batch)")
     args = ap.parse_args()
@@ -245,6 +250,10 @@ def main() -> int:
             kinds = ",".join(e["type"] for e in batch) or "-"
             print(f"kv-events-reference: sent seq {seq}: {len(batch)} event(s) [{kinds}], "
                   f"{len(payload)} bytes", file=sys.stderr)
+            if args.resend is not None and seq == args.resend + 1:
+                again = next(p for s, p in publisher.buffer if s == args.resend)
+                publisher.pub.send_multipart((publisher.topic, args.resend.to_bytes(8, "big"), again))
+                print(f"kv-events-reference: sent seq {args.resend} again", file=sys.stderr)
         publisher.serve_until(started + args.repeat_seconds)
     except KeyboardInterrupt:
         pass

@@ -15,7 +15,7 @@ pub struct KvEventMetrics {
 }
 
 /// Outcomes of a batch, each exported at zero from the first sight of a backend.
-const BATCH_OUTCOMES: &[&str] = &["received", "replayed", "malformed", "lost"];
+const BATCH_OUTCOMES: &[&str] = &["received", "replayed", "malformed", "lost", "duplicate"];
 const EVENT_OUTCOMES: &[&str] = &["applied", "skipped"];
 const BLOCK_CHANGES: &[&str] = &["stored", "removed", "unresolved"];
 const STATES: &[SyncState] = &[SyncState::Off, SyncState::Partial, SyncState::Synced];
@@ -27,7 +27,8 @@ impl KvEventMetrics {
                 r,
                 "kvroute_kv_event_batches_total",
                 "Engine KV-event batches by backend: received live, replayed after a gap, \
-                 malformed (skipped), lost (a gap replay could not fill).",
+                 malformed (skipped), lost (a gap replay could not fill), duplicate (delivered \
+                 again, already applied).",
                 &["backend", "rank", "outcome"],
             )?,
             events: counter_vec(

@@ -19,7 +19,7 @@
 use bytes::Bytes;
 use futures_util::StreamExt;
 use pingora::server::ShutdownWatch;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
@@ -149,6 +149,8 @@ async fn follow(target: Target, writer: ExactWriter, metrics: KvEventMetrics) {
             metrics: &metrics,
             expected: None,
             replayed_upto: None,
+            recent: VecDeque::new(),
+            malformed: Malformed::default(),
             groups: Groups::default(),
             rank_mismatch: false,
         };
@@ -176,10 +178,46 @@ struct Follower<'a> {
     expected: Option<u64>,
     /// Live batches up to this were already applied from a replay.
     replayed_upto: Option<u64>,
+    /// The last batches applied, by sequence number and payload hash: a publisher delivers at
+    /// least once (vLLM), and a batch seen again is not the engine restarting.
+    recent: VecDeque<(u64, u64)>,
+    malformed: Malformed,
     /// The engine's KV cache group that is followed (learnt anew for each connection).
     groups: Groups,
     /// The stream said it is another rank (warned once per connection).
     rank_mismatch: bool,
+}
+
+/// How many applied batches are remembered to recognise one delivered again.
+const RECENT_BATCHES: usize = 1024;
+/// Malformed batches are logged at warn at most this often per backend, with a count of those
+/// not logged.
+const MALFORMED_WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Rate-limits the warning about malformed batches.
+#[derive(Default)]
+struct Malformed {
+    last_warned: Option<std::time::Instant>,
+    unlogged: u64,
+}
+
+impl Malformed {
+    fn warn(&mut self, name: &str, what: &dyn std::fmt::Display) {
+        let now = std::time::Instant::now();
+        if self
+            .last_warned
+            .is_some_and(|t| now.duration_since(t) < MALFORMED_WARN_EVERY)
+        {
+            self.unlogged += 1;
+            return;
+        }
+        let unlogged = std::mem::take(&mut self.unlogged);
+        self.last_warned = Some(now);
+        log::warn!(
+            "kv events: {name}: malformed batch skipped: {what} ({unlogged} more since the last \
+             warning)"
+        );
+    }
 }
 
 impl Follower<'_> {
@@ -245,6 +283,11 @@ impl Follower<'_> {
         let frames = msg.into_vec();
         let (Some(seq), Some(payload)) = (frames.get(1).and_then(seq_of), frames.get(2)) else {
             self.metrics.batch(self.target.who(), "malformed");
+            let what = format!(
+                "a message of {} frame(s), not [topic, seq, batch]",
+                frames.len()
+            );
+            self.malformed.warn(&self.target.name, &what);
             return;
         };
         self.metrics.batch(self.target.who(), "received");
@@ -255,6 +298,11 @@ impl Follower<'_> {
             Some(e) if seq == e => {}
             Some(e) if seq > e => self.catch_up(e, false).await,
             None => self.catch_up(0, false).await,
+            // The same batch again (delivery is at least once): already applied.
+            Some(_) if self.recent.contains(&(seq, payload_hash(payload))) => {
+                self.metrics.batch(self.target.who(), "duplicate");
+                return;
+            }
             Some(_) => {
                 log::warn!(
                     "kv events: {} restarted its sequence at {seq}; its blocks are forgotten",
@@ -267,7 +315,7 @@ impl Follower<'_> {
         if self.replayed(seq) {
             return;
         }
-        self.apply(payload);
+        self.apply(seq, payload);
         self.expected = Some(seq + 1);
     }
 
@@ -336,13 +384,17 @@ impl Follower<'_> {
         }
         for (seq, payload) in &batches {
             self.metrics.batch(self.target.who(), "replayed");
-            self.apply(payload);
+            self.apply(*seq, payload);
             self.expected = Some(seq + 1);
         }
         self.replayed_upto = batches.last().map(|(s, _)| *s);
     }
 
-    fn apply(&mut self, payload: &Bytes) {
+    fn apply(&mut self, seq: u64, payload: &Bytes) {
+        if self.recent.len() == RECENT_BATCHES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, payload_hash(payload)));
         let who = self.target.who();
         match wire::decode(payload) {
             Ok(batch) => {
@@ -381,13 +433,14 @@ impl Follower<'_> {
             }
             Err(e) => {
                 self.metrics.batch(who, "malformed");
-                log::debug!(
-                    "kv events: {}: malformed batch skipped: {e}",
-                    self.target.name
-                );
+                self.malformed.warn(&self.target.name, &e);
             }
         }
     }
+}
+
+fn payload_hash(payload: &Bytes) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
 }
 
 fn seq_of(frame: &Bytes) -> Option<u64> {
