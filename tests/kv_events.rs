@@ -890,12 +890,11 @@ async fn agent_apis_are_predicted_exactly() {
     }
 }
 
-/// vLLM delivers at least once: a batch sent again with its sequence number is recognised and
-/// ignored, not taken for the engine restarting (which forgets the backend's blocks and
-/// replays its history).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_delivered_twice_is_not_a_restart() {
-    let Some(py) = python() else { return };
+/// Six single-block batches from the reference publisher with `extra` arguments, kvroute
+/// subscribed before they go out (so the later ones arrive live); returns once every block is
+/// known, with kvroute and the publisher still running.
+async fn live_batches(extra: &[&str]) -> Option<(Kvroute, Sim, Publisher, PathBuf)> {
+    let py = python()?;
     let sim = Sim::start(&[]);
     let (publish, replay) = (free_port(), free_port());
     let batches: Vec<serde_json::Value> = (0..6u32)
@@ -905,11 +904,14 @@ async fn a_batch_delivered_twice_is_not_a_restart() {
                 "parent_block_hash": null, "token_ids": tokens, "block_size": 16}])
         })
         .collect();
-    let dir = std::env::temp_dir().join(format!("kvroute-kv-dup-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "kvroute-kv-live-{}-{}",
+        std::process::id(),
+        extra.join("")
+    ));
     std::fs::create_dir_all(&dir).expect("dir");
     let file = dir.join("batches.json");
     std::fs::write(&file, serde_json::json!(batches).to_string()).expect("write");
-    // kvroute first, so that the later batches arrive live.
     let k = Kvroute::start_with(
         &[(sim.addr, kv_events_yaml(publish, replay))],
         &tokenizer_yaml(),
@@ -920,27 +922,59 @@ async fn a_batch_delivered_twice_is_not_a_restart() {
         .args(["--replay", &format!("tcp://127.0.0.1:{replay}")])
         .arg("--events")
         .arg(&file)
-        // The copy goes out two seconds in: kvroute has long joined by then.
-        .args(["--interval-ms", "400", "--resend", "4"])
-        .args(["--repeat-seconds", "30"])
+        // The odd frames go out two seconds in: kvroute has long joined by then.
+        .args(["--interval-ms", "400", "--repeat-seconds", "30"])
+        .args(extra)
         .stderr(Stdio::null());
-    let _publisher = Publisher(cmd.spawn().expect("start the reference publisher"));
+    let publisher = Publisher(cmd.spawn().expect("start the reference publisher"));
     wait_for("every block", Duration::from_secs(15), || {
         kv_state(&k, sim.addr)["blocks"] == 6
     });
-    let b = sim.addr.to_string();
-    let batches_of = |outcome: &str| {
-        k.metric_sum(
-            "kvroute_kv_event_batches_total",
-            &[("backend", &b), ("outcome", outcome)],
-        )
+    Some((k, sim, publisher, dir))
+}
+
+fn batches_of(k: &Kvroute, sim: &Sim, outcome: &str) -> f64 {
+    k.metric_sum(
+        "kvroute_kv_event_batches_total",
+        &[("backend", &sim.addr.to_string()), ("outcome", outcome)],
+    )
+}
+
+/// vLLM delivers at least once: a batch sent again with its sequence number is recognised and
+/// ignored, not taken for the engine restarting (which forgets the backend's blocks and
+/// replays its history).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_delivered_twice_is_not_a_restart() {
+    let Some((k, sim, _publisher, dir)) = live_batches(&["--resend", "4"]).await else {
+        return;
     };
     wait_for("the batch sent again", Duration::from_secs(5), || {
-        batches_of("duplicate") == 1.0
+        batches_of(&k, &sim, "duplicate") == 1.0
     });
     assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
+    assert!(!k.log().contains("restarted its sequence"), "{}", k.log());
     // Only the join replayed history: the copy did not start a replay from 0.
-    let replayed = batches_of("replayed");
+    let replayed = batches_of(&k, &sim, "replayed");
     assert!(replayed <= 5.0, "replayed {replayed} batches");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A sequence number far past the engine's own history (a corrupt frame) is skipped as
+/// malformed: the backend's blocks are not forgotten, and the batches after it are not taken
+/// for a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_far_ahead_sequence_number_does_not_wipe_the_backend() {
+    let Some((k, sim, _publisher, dir)) = live_batches(&["--bogus-after", "3"]).await else {
+        return;
+    };
+    assert_eq!(batches_of(&k, &sim, "malformed"), 1.0);
+    assert_eq!(batches_of(&k, &sim, "lost"), 0.0);
+    assert_eq!(kv_state(&k, sim.addr)["state"], "synced");
+    let log = k.log();
+    assert!(
+        !log.contains("forgotten") && !log.contains("restarted"),
+        "{log}"
+    );
+    assert!(log.contains("past the engine's history"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -43,6 +43,9 @@ seconds after it started, so a subscriber that connects late can still replay fr
 
 --resend SEQ sends batch SEQ again, same sequence number and payload, right after the batch
 that follows it: the at-least-once redelivery a subscriber must not take for a restart.
+--bogus-after SEQ sends, right after batch SEQ, a copy of it under a sequence number 2**40
+ahead that the replay buffer never holds: a corrupt frame a subscriber must not wipe a backend
+for.
 """
 
 import argparse
@@ -229,6 +232,8 @@ def main() -> int:
     ap.add_argument("--interval-ms", type=float, default=50.0, help="wait between batches (default 50)")
     ap.add_argument("--data-parallel-rank", type=int, default=0,
                     help="the rank every batch names (vLLM: one publisher per rank, default 0)")
+    ap.add_argument("--bogus-after", type=int, default=None,
+                    help="after batch SEQ, send it again under a far-ahead sequence number")
     ap.add_argument("--resend", type=int, default=None,
                     help="send batch SEQ again after the next one (at-least-once redelivery)")
     ap.add_argument("--repeat-seconds", type=float, default=0.0,
@@ -250,6 +255,9 @@ def main() -> int:
             kinds = ",".join(e["type"] for e in batch) or "-"
             print(f"kv-events-reference: sent seq {seq}: {len(batch)} event(s) [{kinds}], "
                   f"{len(payload)} bytes", file=sys.stderr)
+            if args.bogus_after is not None and seq == args.bogus_after:
+                publisher.pub.send_multipart((publisher.topic, (seq + 2**40).to_bytes(8, "big"), payload))
+                print(f"kv-events-reference: sent seq {seq + 2**40} (bogus)", file=sys.stderr)
             if args.resend is not None and seq == args.resend + 1:
                 again = next(p for s, p in publisher.buffer if s == args.resend)
                 publisher.pub.send_multipart((publisher.topic, args.resend.to_bytes(8, "big"), again))

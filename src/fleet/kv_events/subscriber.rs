@@ -296,7 +296,17 @@ impl Follower<'_> {
         }
         match self.expected {
             Some(e) if seq == e => {}
-            Some(e) if seq > e => self.catch_up(e, false).await,
+            Some(e) if seq > e => {
+                // A gap, or a number the engine never published (a corrupt frame): its own
+                // history tells them apart. Not one to wipe a backend for.
+                if !self.gap_until(e, seq).await {
+                    self.metrics.batch(self.target.who(), "malformed");
+                    let what =
+                        format!("sequence number {seq} is past the engine's history (next {e})");
+                    self.malformed.warn(&self.target.name, &what);
+                    return;
+                }
+            }
             None => self.catch_up(0, false).await,
             // The same batch again (delivery is at least once): already applied.
             Some(_) if self.recent.contains(&(seq, payload_hash(payload))) => {
@@ -337,6 +347,30 @@ impl Follower<'_> {
     /// partial: its blocks are forgotten (the missed batches may have removed some) and
     /// followed from the first batch the buffer has. `probe`: nothing is known to be missing,
     /// so an empty answer is not a loss.
+    /// A live batch `seq` came while `from` was expected. Replays the gap, and returns whether
+    /// the engine's history confirms `seq`: when the replay answers with every batch from
+    /// `from` on and none reaches `seq`, the engine never published it, and what was replayed
+    /// is applied without forgetting anything. Without an answer it is taken as a gap.
+    async fn gap_until(&mut self, from: u64, seq: u64) -> bool {
+        let Some(r) = &self.target.events.replay_endpoint else {
+            self.catch_up(from, false).await;
+            return true;
+        };
+        if let Ok(batches) = replay(r, from).await {
+            let contiguous = batches.first().is_none_or(|(s, _)| *s == from);
+            if contiguous && batches.last().is_none_or(|(s, _)| *s < seq) {
+                for (s, payload) in &batches {
+                    self.metrics.batch(self.target.who(), "replayed");
+                    self.apply(*s, payload);
+                    self.expected = Some(s + 1);
+                }
+                return false;
+            }
+        }
+        self.catch_up(from, false).await;
+        true
+    }
+
     async fn catch_up(&mut self, from: u64, probe: bool) {
         let got = match &self.target.events.replay_endpoint {
             Some(r) => replay(r, from).await,
