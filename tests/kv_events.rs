@@ -894,6 +894,14 @@ async fn agent_apis_are_predicted_exactly() {
 /// subscribed before they go out (so the later ones arrive live); returns once every block is
 /// known, with kvroute and the publisher still running.
 async fn live_batches(extra: &[&str]) -> Option<(Kvroute, Sim, Publisher, PathBuf)> {
+    live_batches_until(extra, 6).await
+}
+
+/// [`live_batches`], returning once the last batch is in and kvroute knows `blocks` blocks.
+async fn live_batches_until(
+    extra: &[&str],
+    blocks: u64,
+) -> Option<(Kvroute, Sim, Publisher, PathBuf)> {
     let py = python()?;
     let sim = Sim::start(&[]);
     let (publish, replay) = (free_port(), free_port());
@@ -927,8 +935,16 @@ async fn live_batches(extra: &[&str]) -> Option<(Kvroute, Sim, Publisher, PathBu
         .args(extra)
         .stderr(Stdio::null());
     let publisher = Publisher(cmd.spawn().expect("start the reference publisher"));
-    wait_for("every block", Duration::from_secs(15), || {
-        kv_state(&k, sim.addr)["blocks"] == 6
+    let received = |k: &Kvroute| {
+        k.metric_sum(
+            "kvroute_kv_event_batches_total",
+            &[("backend", &sim.addr.to_string()), ("outcome", "received")],
+        )
+    };
+    // Every batch in (live ones counted as received, the first few maybe replayed at the
+    // join), and the blocks they leave.
+    wait_for("every batch", Duration::from_secs(15), || {
+        received(&k) >= 3.0 && kv_state(&k, sim.addr)["blocks"] == blocks
     });
     Some((k, sim, publisher, dir))
 }
@@ -976,5 +992,36 @@ async fn a_far_ahead_sequence_number_does_not_wipe_the_backend() {
         "{log}"
     );
     assert!(log.contains("past the engine's history"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// An event kvroute cannot decode does not drop its batch whole while the backend stays
+/// synced: the batch's other events are applied, and since what the unknown one did is not
+/// known, the backend's earlier blocks are forgotten and it turns partial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_event_applies_the_rest_and_resyncs() {
+    let Some((k, sim, _publisher, dir)) = live_batches_until(&["--garbage-in", "3"], 3).await
+    else {
+        return;
+    };
+    // Blocks 100-102 forgotten; 103 (the garbage's batch), 104 and 105 applied. (Three blocks
+    // are also what the first three batches leave: wait for the state after the last.)
+    wait_for(
+        "the batches after the garbage",
+        Duration::from_secs(10),
+        || {
+            let state = kv_state(&k, sim.addr);
+            state["state"] == "partial" && state["blocks"] == 3
+        },
+    );
+    let undecodable = k.metric_sum(
+        "kvroute_kv_events_total",
+        &[
+            ("backend", &sim.addr.to_string()),
+            ("outcome", "undecodable"),
+        ],
+    );
+    assert_eq!(undecodable, 1.0);
+    assert!(k.log().contains("undecodable event"), "{}", k.log());
     let _ = std::fs::remove_dir_all(&dir);
 }

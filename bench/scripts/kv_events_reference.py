@@ -45,7 +45,8 @@ seconds after it started, so a subscriber that connects late can still replay fr
 that follows it: the at-least-once redelivery a subscriber must not take for a restart.
 --bogus-after SEQ sends, right after batch SEQ, a copy of it under a sequence number 2**40
 ahead that the replay buffer never holds: a corrupt frame a subscriber must not wipe a backend
-for.
+for. --garbage-in SEQ adds to batch SEQ an event of a kind no engine sends
+(`{"type": "BlockMangled"}`), after its own events.
 """
 
 import argparse
@@ -148,9 +149,12 @@ def make_event(raw: dict, array_events: bool):
     return cls(**fields)
 
 
-def encode_batch(raw_events: list, array_events: bool, ts: float, rank: int = 0) -> bytes:
+def encode_batch(raw_events: list, array_events: bool, ts: float, rank: int = 0,
+                 garbage: bool = False) -> bytes:
     """The payload of one batch, as the publisher thread encodes it."""
-    events = [make_event(e, array_events) for e in raw_events]
+    events: list[Any] = [make_event(e, array_events) for e in raw_events]
+    if garbage:
+        events.append({"type": "BlockMangled"})
     return msgspec.msgpack.encode(EventBatch(ts=ts, events=events, data_parallel_rank=rank))
 
 
@@ -232,6 +236,8 @@ def main() -> int:
     ap.add_argument("--interval-ms", type=float, default=50.0, help="wait between batches (default 50)")
     ap.add_argument("--data-parallel-rank", type=int, default=0,
                     help="the rank every batch names (vLLM: one publisher per rank, default 0)")
+    ap.add_argument("--garbage-in", type=int, default=None,
+                    help="add an event of an unknown kind to batch SEQ")
     ap.add_argument("--bogus-after", type=int, default=None,
                     help="after batch SEQ, send it again under a far-ahead sequence number")
     ap.add_argument("--resend", type=int, default=None,
@@ -250,7 +256,8 @@ def main() -> int:
         for i, batch in enumerate(batches):
             if i > 0:
                 publisher.serve_until(time.monotonic() + args.interval_ms / 1000)
-            payload = encode_batch(batch, args.array_events, time.time(), args.data_parallel_rank)
+            payload = encode_batch(batch, args.array_events, time.time(), args.data_parallel_rank,
+                                   garbage=i == args.garbage_in)
             seq = publisher.send(payload)
             kinds = ",".join(e["type"] for e in batch) or "-"
             print(f"kv-events-reference: sent seq {seq}: {len(batch)} event(s) [{kinds}], "

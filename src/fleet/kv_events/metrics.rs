@@ -16,7 +16,7 @@ pub struct KvEventMetrics {
 
 /// Outcomes of a batch, each exported at zero from the first sight of a backend.
 const BATCH_OUTCOMES: &[&str] = &["received", "replayed", "malformed", "lost", "duplicate"];
-const EVENT_OUTCOMES: &[&str] = &["applied", "skipped"];
+const EVENT_OUTCOMES: &[&str] = &["applied", "skipped", "undecodable"];
 const BLOCK_CHANGES: &[&str] = &["stored", "removed", "unresolved"];
 const STATES: &[SyncState] = &[SyncState::Off, SyncState::Partial, SyncState::Synced];
 
@@ -34,8 +34,9 @@ impl KvEventMetrics {
             events: counter_vec(
                 r,
                 "kvroute_kv_events_total",
-                "Engine KV events by backend: applied to the exact index, or skipped (another \
-                 block size, or blocks not on the GPU).",
+                "Engine KV events by backend: applied to the exact index, skipped (another \
+                 block size, or blocks not on the GPU), or undecodable (its backend's earlier \
+                 blocks forgotten).",
                 &["backend", "rank", "outcome"],
             )?,
             blocks: counter_vec(

@@ -430,8 +430,27 @@ impl Follower<'_> {
         }
         self.recent.push_back((seq, payload_hash(payload)));
         let who = self.target.who();
-        match wire::decode(payload) {
-            Ok(batch) => {
+        match wire::decode_events(payload) {
+            Ok((batch, undecodable)) => {
+                if let Some(first) = undecodable.first() {
+                    // What an event kvroute cannot read did is unknown (a removal it missed
+                    // would leave a block believed cached): the backend's blocks are forgotten
+                    // and it is followed from here, with the events of this batch that did
+                    // decode.
+                    self.metrics.count(
+                        &self.metrics.events,
+                        who,
+                        "undecodable",
+                        undecodable.len() as u64,
+                    );
+                    let what = format!(
+                        "{} undecodable event(s), the first {first}; the backend's blocks are \
+                         forgotten and it is followed from here",
+                        undecodable.len()
+                    );
+                    self.malformed.warn(&self.target.name, &what);
+                    self.set(SyncState::Partial);
+                }
                 // Ports offset otherwise than vLLM does would put one rank's blocks under
                 // another's name, and pin requests to a rank that lacks them.
                 if let Some(r) = batch.dp_rank.filter(|&r| r != self.target.rank) {

@@ -78,8 +78,20 @@ fn bad<T>(what: impl Into<String>) -> Result<T, WireError> {
 /// a newer engine adds; anything much deeper is not a batch, and is refused before it costs.
 const MAX_DEPTH: usize = 16;
 
-/// Decode one published payload.
+/// Decode one published payload; any event that does not decode makes it an error (the
+/// tests' strict reading; the follower reads with [`decode_events`]).
+#[cfg(test)]
 pub fn decode(payload: &[u8]) -> Result<Batch, WireError> {
+    let (batch, mut undecodable) = decode_events(payload)?;
+    match undecodable.is_empty() {
+        true => Ok(batch),
+        false => Err(undecodable.swap_remove(0)),
+    }
+}
+
+/// Decode one published payload, keeping the events that decode: the batch, and why each
+/// other event was not decoded. An error when the payload is not a batch at all.
+pub fn decode_events(payload: &[u8]) -> Result<(Batch, Vec<WireError>), WireError> {
     let mut rd = payload;
     let v = rmpv::decode::read_value_with_max_depth(&mut rd, MAX_DEPTH)
         .map_err(|e| WireError(format!("not msgpack: {e}")))?;
@@ -102,16 +114,19 @@ pub fn decode(payload: &[u8]) -> Result<Batch, WireError> {
     let Some(Value::Array(list)) = events else {
         return bad("a batch has no event list");
     };
-    let events = list
-        .iter()
-        .enumerate()
-        .map(|(i, e)| event(e).map_err(|WireError(w)| WireError(format!("event {i}: {w}"))))
-        .collect::<Result<_, _>>()?;
-    Ok(Batch {
+    let (mut events, mut undecodable) = (Vec::with_capacity(list.len()), Vec::new());
+    for (i, e) in list.iter().enumerate() {
+        match event(e) {
+            Ok(e) => events.push(e),
+            Err(WireError(w)) => undecodable.push(WireError(format!("event {i}: {w}"))),
+        }
+    }
+    let batch = Batch {
         ts,
         events,
         dp_rank,
-    })
+    };
+    Ok((batch, undecodable))
 }
 
 fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
@@ -523,6 +538,26 @@ pub(crate) mod tests {
         }
         let ok = vllm_batch(vec![stored_map(&[1], None, &tokens)]);
         assert!(decode(&ok).is_ok());
+    }
+
+    #[test]
+    fn a_bad_event_leaves_the_others() {
+        let tokens: Vec<u64> = (0..16).collect();
+        let p = vllm_batch(vec![
+            stored_map(&[1], None, &tokens),
+            Value::Map(vec![(s("type"), s("BlockMangled"))]),
+            stored_map(&[2], Some(1), &tokens),
+        ]);
+        let (batch, bad) = decode_events(&p).expect("a batch");
+        assert_eq!(batch.events.len(), 2);
+        assert_eq!(bad.len(), 1);
+        assert!(
+            bad[0].0.starts_with("event 1: unknown event type"),
+            "{:?}",
+            bad[0]
+        );
+        assert!(decode(&p).is_err());
+        assert!(decode_events(b"not msgpack").is_err());
     }
 
     proptest::proptest! {
