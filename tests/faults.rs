@@ -422,8 +422,9 @@ async fn refused_connects_are_retried_outside_the_budget() {
 }
 
 /// With the default config, a streamed request whose backend hangs before its first byte is
-/// answered by another backend within 60 s (the first-byte deadline is 30 s, not the 300 s of
-/// `upstream_read_ms`), and the timeout counts as an upstream failure.
+/// answered by another backend after one first-byte deadline (30 s, not the 300 s of
+/// `upstream_read_ms`; never two, on the hung backend again), and the timeout counts as an
+/// upstream failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_engine_is_caught_by_the_first_byte_deadline() {
     let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
@@ -452,7 +453,7 @@ async fn a_hung_engine_is_caught_by_the_first_byte_deadline() {
         assert_eq!(r.status(), 200);
         assert!(r.text().await.unwrap().contains("[DONE]"));
         let took = t0.elapsed();
-        assert!(took < Duration::from_secs(60), "{took:?}");
+        assert!(took < Duration::from_secs(45), "{took:?}");
         if took >= Duration::from_secs(29) {
             met_the_hang = true;
             break;
