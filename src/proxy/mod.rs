@@ -323,10 +323,9 @@ impl ProxyHttp for Router {
         let generation = ctx.generation.clone();
         let (fleet, cfg) = (&generation.fleet, &generation.config);
         ctx.attempts.count += 1;
-        let cap = cfg.limits.backend_max_inflight;
         let placer = self.placer();
-        // Placement and the hard cap race with concurrent requests: a charge that finds its
-        // backend full since the decision places again (or queues).
+        // Placement and the hard cap (and bounded_hash's bound) race with concurrent requests:
+        // a charge that finds its backend full since the decision places again (or queues).
         let idx = loop {
             if ctx.route.profile.is_some() {
                 if let Err(err) = placer.queue_for_capacity(ctx).await {
@@ -364,25 +363,7 @@ impl ProxyHttp for Router {
                 ctx.error = Some(err.clone());
                 return Err(err.into_pingora());
             };
-            let expected = fleet.expected(
-                idx,
-                decision.map_or(0.0, |d| d.est_ttft_s),
-                ctx.route
-                    .profile
-                    .as_ref()
-                    .map_or(0, |p| p.est_output_tokens),
-            );
-            let (prefill, rank) = (ctx.charge.prefill, ctx.route.dp_rank);
-            // bounded_hash's bound counts requests in flight: checked again as the request is
-            // charged, in one step, so that two decisions made at once cannot both take a
-            // backend's last place (the loser is placed again).
-            let bound = decision
-                .filter(|_| cfg.routing.policy == PolicyKind::BoundedHash)
-                .and_then(|d| d.bound);
-            let guard = match decision {
-                Some(_) => fleet.try_charge(idx, prefill, rank, (cap, bound), expected),
-                None => Some(fleet.charge(idx, prefill, rank, expected)),
-            };
+            let guard = placer.charge(ctx, idx, decision);
             if let Some(g) = guard {
                 if let Some(d) = decision {
                     placer.record(ctx, &d);

@@ -10,6 +10,7 @@ use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
 use crate::fleet::adapters::AdapterSlot;
 use crate::fleet::kv_events::Matches;
+use crate::fleet::InflightGuard;
 use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
 use crate::request::RequestProfile;
 
@@ -36,6 +37,34 @@ pub(super) struct Placer<'a> {
 }
 
 impl Placer<'_> {
+    /// Charge backend `idx` with the request, in one step with the check of its hard cap
+    /// (`limits.backend_max_inflight`) and, for bounded_hash, of the decision's bound (requests
+    /// in flight): two decisions made at once cannot both take a backend's last place. `None`:
+    /// it is full (the caller places the request again).
+    pub fn charge(
+        &self,
+        ctx: &Ctx,
+        idx: usize,
+        decision: Option<Decision>,
+    ) -> Option<InflightGuard> {
+        let (fleet, cfg) = (&ctx.generation.fleet, &ctx.generation.config);
+        let output = ctx
+            .route
+            .profile
+            .as_ref()
+            .map_or(0, |p| p.est_output_tokens);
+        let expected = fleet.expected(idx, decision.map_or(0.0, |d| d.est_ttft_s), output);
+        let (prefill, rank) = (ctx.charge.prefill, ctx.route.dp_rank);
+        let bound = decision
+            .filter(|_| cfg.routing.policy == PolicyKind::BoundedHash)
+            .and_then(|d| d.bound);
+        let cap = (cfg.limits.backend_max_inflight, bound);
+        match decision {
+            Some(_) => fleet.try_charge(idx, prefill, rank, cap, expected),
+            None => Some(fleet.charge(idx, prefill, rank, expected)),
+        }
+    }
+
     /// Choose a backend; `None` when none is eligible. Routed requests come back with their
     /// decision so it can be recorded once the charge succeeds.
     pub fn place(&self, ctx: &mut Ctx) -> Option<(usize, Option<Decision>)> {
