@@ -19,7 +19,11 @@ use serde_json::{json, Map, Value};
 use super::endpoint::Endpoint;
 
 /// The chat `messages` and `tools` (`Value::Null` for none) an agent API's body stands for.
-pub fn to_chat(endpoint: Endpoint, body: &Value) -> Result<(Value, Value), String> {
+/// The body is taken apart, not copied: an agent's history is most of it.
+pub fn to_chat(endpoint: Endpoint, body: Value) -> Result<(Value, Value), String> {
+    let Value::Object(body) = body else {
+        return Err("the body is not a JSON object".into());
+    };
     match endpoint {
         Endpoint::Responses => responses(body),
         Endpoint::Messages => messages(body),
@@ -28,30 +32,27 @@ pub fn to_chat(endpoint: Endpoint, body: &Value) -> Result<(Value, Value), Strin
 }
 
 /// One entry of an assistant message's `tool_calls`.
-fn tool_call(id: &Value, name: &Value, arguments: Value) -> Value {
+fn tool_call(id: Value, name: Value, arguments: Value) -> Value {
     json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
 }
 
-fn field(v: &Value, name: &str) -> Value {
-    v.get(name).cloned().unwrap_or(Value::Null)
+fn take(v: &mut Map<String, Value>, name: &str) -> Value {
+    v.remove(name).unwrap_or(Value::Null)
 }
 
-fn responses(body: &Value) -> Result<(Value, Value), String> {
-    if body
-        .get("previous_response_id")
-        .is_some_and(|p| !p.is_null())
-    {
+fn responses(mut body: Map<String, Value>) -> Result<(Value, Value), String> {
+    if !take(&mut body, "previous_response_id").is_null() {
         return Err("continues a stored response: its history is on the engine".into());
     }
     let mut out = Vec::new();
-    match body.get("instructions") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => out.push(json!({"role": "system", "content": s})),
-        Some(_) => return Err("`instructions` is not a string".into()),
+    match take(&mut body, "instructions") {
+        Value::Null => {}
+        s @ Value::String(_) => out.push(json!({"role": "system", "content": s})),
+        _ => return Err("`instructions` is not a string".into()),
     }
-    match body.get("input") {
-        Some(Value::String(s)) => out.push(json!({"role": "user", "content": s})),
-        Some(Value::Array(items)) => {
+    match take(&mut body, "input") {
+        s @ Value::String(_) => out.push(json!({"role": "user", "content": s})),
+        Value::Array(items) => {
             for item in items {
                 if let Some(m) = responses_item(item)? {
                     out.push(m);
@@ -60,19 +61,23 @@ fn responses(body: &Value) -> Result<(Value, Value), String> {
         }
         _ => return Err("`input` is not a string or a list of items".into()),
     }
-    let tools = match body.get("tools") {
-        Some(Value::Array(list)) => Value::Array(
-            list.iter()
-                .map(|t| match t.get("type").and_then(Value::as_str) {
-                    Some("function") if t.get("function").is_none() => json!({
-                        "type": "function",
-                        "function": {
-                            "name": t.get("name"),
-                            "description": t.get("description"),
-                            "parameters": t.get("parameters"),
-                        },
-                    }),
-                    _ => t.clone(),
+    let tools = match take(&mut body, "tools") {
+        Value::Array(list) => Value::Array(
+            list.into_iter()
+                .map(|t| {
+                    let flat = t.get("type").and_then(Value::as_str) == Some("function")
+                        && t.get("function").is_none();
+                    match t {
+                        Value::Object(mut f) if flat => json!({
+                            "type": "function",
+                            "function": {
+                                "name": take(&mut f, "name"),
+                                "description": take(&mut f, "description"),
+                                "parameters": take(&mut f, "parameters"),
+                            },
+                        }),
+                        t => t,
+                    }
                 })
                 .collect(),
         ),
@@ -81,30 +86,34 @@ fn responses(body: &Value) -> Result<(Value, Value), String> {
     Ok((Value::Array(out), tools))
 }
 
-fn responses_item(item: &Value) -> Result<Option<Value>, String> {
-    let kind = item.get("type").and_then(Value::as_str);
-    let role = item.get("role").and_then(Value::as_str);
-    Ok(match (kind, role) {
-        (None | Some("message"), Some(role)) => Some(json!({
-            "role": role,
-            "content": text_parts(item.get("content"))?,
-        })),
-        (Some("function_call"), _) => Some(json!({
-            "role": "assistant",
-            "content": null,
-            "tool_calls": [tool_call(&field(item, "call_id"), &field(item, "name"),
-                                     field(item, "arguments"))],
-        })),
+fn responses_item(item: Value) -> Result<Option<Value>, String> {
+    let Value::Object(mut item) = item else {
+        return Ok(None);
+    };
+    let kind = item.get("type").and_then(Value::as_str).map(str::to_owned);
+    let is_role = item.get("role").is_some_and(Value::is_string);
+    Ok(match (kind.as_deref(), is_role) {
+        (None | Some("message"), true) => {
+            let content = text_parts(take(&mut item, "content"))?;
+            Some(json!({"role": take(&mut item, "role"), "content": content}))
+        }
+        (Some("function_call"), _) => {
+            let call = tool_call(
+                take(&mut item, "call_id"),
+                take(&mut item, "name"),
+                take(&mut item, "arguments"),
+            );
+            Some(json!({"role": "assistant", "content": null, "tool_calls": [call]}))
+        }
         (Some("function_call_output"), _) => {
-            let content = match item.get("output") {
-                Some(Value::String(s)) => Value::String(s.clone()),
-                Some(parts @ Value::Array(_)) => text_parts(Some(parts))?,
+            let content = match item.remove("output") {
+                Some(parts @ Value::Array(_)) => text_parts(parts)?,
+                Some(s @ Value::String(_)) => s,
                 Some(other) => Value::String(other.to_string()),
                 None => Value::Null,
             };
-            Some(
-                json!({"role": "tool", "tool_call_id": field(item, "call_id"), "content": content}),
-            )
+            let id = take(&mut item, "call_id");
+            Some(json!({"role": "tool", "tool_call_id": id, "content": content}))
         }
         // Reasoning and items the engines do not render.
         _ => None,
@@ -113,50 +122,55 @@ fn responses_item(item: &Value) -> Result<Option<Value>, String> {
 
 /// Content as chat's: a string as is, text parts (`input_text`, `output_text`) as text parts,
 /// other parts (images, files) whole.
-fn text_parts(content: Option<&Value>) -> Result<Value, String> {
+fn text_parts(content: Value) -> Result<Value, String> {
     match content {
-        Some(Value::String(s)) => Ok(Value::String(s.clone())),
-        Some(Value::Array(parts)) => Ok(Value::Array(
+        s @ Value::String(_) => Ok(s),
+        Value::Array(parts) => Ok(Value::Array(
             parts
-                .iter()
-                .map(
-                    |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                        (Some("input_text" | "output_text" | "text"), Some(Value::String(t))) => {
-                            json!({"type": "text", "text": t})
-                        }
-                        _ => p.clone(),
-                    },
-                )
+                .into_iter()
+                .map(|mut p| {
+                    let text = matches!(
+                        p.get("type").and_then(Value::as_str),
+                        Some("input_text" | "output_text" | "text")
+                    ) && p.get("text").is_some_and(Value::is_string);
+                    match p.as_object_mut().filter(|_| text) {
+                        Some(part) => json!({"type": "text", "text": take(part, "text")}),
+                        None => p,
+                    }
+                })
                 .collect(),
         )),
         _ => Err("a message's content is not a string or a list of parts".into()),
     }
 }
 
-fn messages(body: &Value) -> Result<(Value, Value), String> {
+fn messages(mut body: Map<String, Value>) -> Result<(Value, Value), String> {
     let mut out = Vec::new();
-    match body.get("system") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => out.push(json!({"role": "system", "content": s})),
-        Some(blocks @ Value::Array(_)) => {
+    match take(&mut body, "system") {
+        Value::Null => {}
+        s @ Value::String(_) => out.push(json!({"role": "system", "content": s})),
+        blocks @ Value::Array(_) => {
             let (parts, _, _) = split_blocks(blocks)?;
             out.push(json!({"role": "system", "content": parts}));
         }
-        Some(_) => return Err("`system` is not a string or a list of blocks".into()),
+        _ => return Err("`system` is not a string or a list of blocks".into()),
     }
-    let list = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .ok_or("no messages list")?;
+    let Value::Array(list) = take(&mut body, "messages") else {
+        return Err("no messages list".into());
+    };
     for m in list {
-        let role = m
-            .get("role")
-            .and_then(Value::as_str)
-            .ok_or("a message without a role")?;
-        match m.get("content") {
-            Some(Value::String(s)) => out.push(json!({"role": role, "content": s})),
-            Some(blocks @ Value::Array(_)) => {
-                let (parts, calls, results) = split_blocks(blocks)?;
+        let Value::Object(mut m) = m else {
+            return Err("a message is not an object".into());
+        };
+        let role = take(&mut m, "role");
+        if !role.is_string() {
+            return Err("a message without a role".into());
+        }
+        match take(&mut m, "content") {
+            s @ Value::String(_) => out.push(json!({"role": role, "content": s})),
+            Value::Array(blocks) => {
+                let empty = blocks.is_empty();
+                let (parts, calls, results) = split_blocks(Value::Array(blocks))?;
                 let had_parts = !parts.is_empty();
                 out.extend(results);
                 if !calls.is_empty() {
@@ -166,21 +180,25 @@ fn messages(body: &Value) -> Result<(Value, Value), String> {
                         Value::Null
                     };
                     out.push(json!({"role": role, "content": content, "tool_calls": calls}));
-                } else if had_parts || blocks.as_array().is_some_and(Vec::is_empty) {
+                } else if had_parts || empty {
                     out.push(json!({"role": role, "content": parts}));
                 }
             }
             _ => return Err("a message's content is not a string or a list of blocks".into()),
         }
     }
-    let tools = match body.get("tools") {
-        Some(Value::Array(list)) => Value::Array(
-            list.iter()
+    let tools = match take(&mut body, "tools") {
+        Value::Array(list) => Value::Array(
+            list.into_iter()
                 .map(|t| {
+                    let mut t = match t {
+                        Value::Object(t) => t,
+                        _ => Map::new(),
+                    };
                     json!({"type": "function", "function": {
-                        "name": t.get("name"),
-                        "description": t.get("description"),
-                        "parameters": t.get("input_schema"),
+                        "name": take(&mut t, "name"),
+                        "description": take(&mut t, "description"),
+                        "parameters": take(&mut t, "input_schema"),
                     }})
                 })
                 .collect(),
@@ -194,41 +212,42 @@ fn messages(body: &Value) -> Result<(Value, Value), String> {
 /// results).
 type Split = (Vec<Value>, Vec<Value>, Vec<Value>);
 
-fn split_blocks(blocks: &Value) -> Result<Split, String> {
+fn split_blocks(blocks: Value) -> Result<Split, String> {
     let (mut parts, mut calls, mut results) = (Vec::new(), Vec::new(), Vec::new());
-    for b in blocks.as_array().into_iter().flatten() {
-        match b.get("type").and_then(Value::as_str) {
+    let Value::Array(blocks) = blocks else {
+        return Ok((parts, calls, results));
+    };
+    for b in blocks {
+        let kind = b.get("type").and_then(Value::as_str).map(str::to_owned);
+        let Value::Object(mut f) = b else {
+            return Err("a content block without a type".into());
+        };
+        match kind.as_deref() {
             Some("text") => {
-                let text = b
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .ok_or("a text block without text")?;
+                let text = take(&mut f, "text");
+                if !text.is_string() {
+                    return Err("a text block without text".into());
+                }
                 parts.push(json!({"type": "text", "text": text}));
             }
             Some("tool_use") => {
-                let input = b
-                    .get("input")
-                    .cloned()
-                    .unwrap_or_else(|| Value::Object(Map::new()));
-                calls.push(tool_call(
-                    &field(b, "id"),
-                    &field(b, "name"),
-                    json!(input.to_string()),
-                ));
+                let input = f
+                    .remove("input")
+                    .map_or_else(|| "{}".to_owned(), |i| i.to_string());
+                let call = tool_call(take(&mut f, "id"), take(&mut f, "name"), json!(input));
+                calls.push(call);
             }
             Some("tool_result") => {
-                let content = match b.get("content") {
-                    None | Some(Value::Null) => Value::String(String::new()),
-                    Some(Value::String(s)) => Value::String(s.clone()),
-                    Some(inner @ Value::Array(_)) => Value::Array(split_blocks(inner)?.0),
-                    Some(_) => return Err("a tool_result's content is not text or blocks".into()),
+                let content = match take(&mut f, "content") {
+                    Value::Null => Value::String(String::new()),
+                    s @ Value::String(_) => s,
+                    inner @ Value::Array(_) => Value::Array(split_blocks(inner)?.0),
+                    _ => return Err("a tool_result's content is not text or blocks".into()),
                 };
-                results.push(
-                    json!({"role": "tool", "tool_call_id": field(b, "tool_use_id"),
-                                    "content": content}),
-                );
+                let id = take(&mut f, "tool_use_id");
+                results.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
             }
-            Some(_) => parts.push(b.clone()),
+            Some(_) => parts.push(Value::Object(f)),
             None => return Err("a content block without a type".into()),
         }
     }
@@ -248,7 +267,7 @@ mod tests {
              "arguments": "{\"command\":\"ls\"}"},
             {"type": "function_call_output", "call_id": "c1", "output": "a.rs"},
         ], "tools": [{"type": "function", "name": "run", "parameters": {"type": "object"}}]});
-        let (messages, tools) = to_chat(Endpoint::Responses, &body).unwrap();
+        let (messages, tools) = to_chat(Endpoint::Responses, body.clone()).unwrap();
         assert_eq!(
             messages,
             json!([
@@ -263,9 +282,9 @@ mod tests {
         assert_eq!(tools[0]["function"]["name"], "run");
         assert!(tools[0]["function"]["description"].is_null());
         let stored = json!({"model": "m", "previous_response_id": "resp_1", "input": "more"});
-        assert!(to_chat(Endpoint::Responses, &stored).is_err());
+        assert!(to_chat(Endpoint::Responses, stored).is_err());
         let plain = json!({"model": "m", "input": "hi"});
-        let (m, t) = to_chat(Endpoint::Responses, &plain).unwrap();
+        let (m, t) = to_chat(Endpoint::Responses, plain).unwrap();
         assert_eq!(
             (m, t),
             (json!([{"role": "user", "content": "hi"}]), Value::Null)
@@ -286,7 +305,7 @@ mod tests {
                     {"type": "text", "text": "go on"}]},
             ],
             "tools": [{"name": "run", "description": "Runs", "input_schema": {"type": "object"}}]});
-        let (messages, tools) = to_chat(Endpoint::Messages, &body).unwrap();
+        let (messages, tools) = to_chat(Endpoint::Messages, body.clone()).unwrap();
         assert_eq!(
             messages,
             json!([
@@ -304,7 +323,7 @@ mod tests {
             json!([{"type": "function", "function": {"name": "run", "description": "Runs",
                                                      "parameters": {"type": "object"}}}])
         );
-        assert!(to_chat(Endpoint::Messages, &json!({"messages": "x"})).is_err());
-        assert!(to_chat(Endpoint::Chat, &body).is_err());
+        assert!(to_chat(Endpoint::Messages, json!({"messages": "x"})).is_err());
+        assert!(to_chat(Endpoint::Chat, body).is_err());
     }
 }

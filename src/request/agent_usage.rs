@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use std::borrow::Cow;
 
-use super::canon::Part;
+use super::canon::{Block, Part};
 use super::reply::{push_capped, ReplyCall, Usage};
 
 #[derive(Deserialize)]
@@ -153,22 +153,6 @@ pub(super) fn responses_text(json: &[u8], out: &mut String, calls: &mut Vec<Repl
             calls.extend(v.output.iter().filter_map(OutputItem::call));
         }
     }
-}
-
-/// A Messages content block or stream delta: text, or a tool call's name and input (whole, or
-/// streamed as `partial_json`).
-#[derive(Deserialize)]
-struct Block<'a> {
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    input: Option<&'a serde_json::value::RawValue>,
-    #[serde(borrow, default)]
-    partial_json: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]

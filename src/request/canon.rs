@@ -143,21 +143,25 @@ pub(super) fn write_message_content<const FAST: bool>(
     Ok(())
 }
 
-/// One content block of Anthropic's Messages API or one part of the Responses API.
+/// One content block of Anthropic's Messages API or one part of the Responses API; also a
+/// reply's block and stream delta, read by the usage tap.
 #[derive(Deserialize)]
-struct Block<'a> {
+pub(super) struct Block<'a> {
     #[serde(borrow, default, rename = "type")]
-    kind: Option<Cow<'a, str>>,
+    pub(super) kind: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
+    pub(super) text: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     thinking: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
+    pub(super) name: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
+    pub(super) input: Option<&'a RawValue>,
     #[serde(borrow, default)]
     content: Option<&'a RawValue>,
+    /// A streamed `tool_use`'s input, piece by piece (a reply's `input_json_delta`).
+    #[serde(borrow, default)]
+    pub(super) partial_json: Option<Cow<'a, str>>,
 }
 
 /// How deep a block may nest blocks (a tool result holds text and images, nothing deeper).

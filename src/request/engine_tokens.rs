@@ -310,7 +310,7 @@ impl EngineTokenizer {
                 return self.tokenize(&text);
             }
             Endpoint::Responses | Endpoint::Messages => {
-                let (messages, tools) = agent_chat::to_chat(endpoint, &v)?;
+                let (messages, tools) = agent_chat::to_chat(endpoint, v)?;
                 let text = self.render_chat(&messages, Some(&tools).filter(|t| !t.is_null()))?;
                 return self.tokenize(&text);
             }
@@ -339,7 +339,7 @@ impl EngineTokenizer {
     ) -> Result<(), String> {
         let v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
         let (mut messages, tools) = match endpoint {
-            Endpoint::Responses | Endpoint::Messages => agent_chat::to_chat(endpoint, &v)?,
+            Endpoint::Responses | Endpoint::Messages => agent_chat::to_chat(endpoint, v)?,
             _ => (
                 v.get("messages").cloned().unwrap_or(Value::Null),
                 v.get("tools").cloned().unwrap_or(Value::Null),
