@@ -11,25 +11,6 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-fn faults(sim: SocketAddr, update: serde_json::Value) {
-    let body = update.to_string();
-    let mut s = TcpStream::connect(sim).unwrap();
-    write!(
-        s,
-        "POST /debug/faults HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    assert_eq!(
-        parse_response(&raw).map(|r| r.0),
-        Some(200),
-        "faults update"
-    );
-}
-
 fn hello(max_tokens: u32, stream: bool) -> serde_json::Value {
     chat_body(
         MODEL,
@@ -178,7 +159,7 @@ async fn a_backend_answering_500s_is_ejected_and_comes_back() {
         &[a, b],
         "  routing:\n    policy: round_robin\n  outlier:\n    consecutive_failures: 3\n    base_ejection_ms: 1500\n",
     );
-    faults(a, json!({"fail_rate": 1.0}));
+    set_faults(a, json!({"fail_rate": 1.0}));
     let c = client();
     let url = kv.url("/v1/chat/completions");
     let mut statuses = Vec::new();
@@ -209,7 +190,7 @@ async fn a_backend_answering_500s_is_ejected_and_comes_back() {
     );
 
     // Fixed, and back after its ejection: it gets traffic again.
-    faults(a, json!({"fail_rate": 0.0}));
+    set_faults(a, json!({"fail_rate": 0.0}));
     let seen = sims[0].requests().len();
     tokio::time::sleep(Duration::from_millis(1600)).await;
     for _ in 0..10 {
@@ -234,7 +215,7 @@ async fn a_hanging_backend_is_retried_elsewhere_then_504() {
         &[a, b],
         "  routing:\n    policy: round_robin\n  timeouts:\n    upstream_read_ms: 400\n  outlier:\n    enabled: false\n",
     );
-    faults(a, json!({"hang": true}));
+    set_faults(a, json!({"hang": true}));
     let c = client();
     let url = kv.url("/v1/chat/completions");
     for _ in 0..4 {
@@ -244,15 +225,15 @@ async fn a_hanging_backend_is_retried_elsewhere_then_504() {
         assert!(r.text().await.unwrap().contains("[DONE]"));
         assert!(t0.elapsed() < Duration::from_secs(3));
     }
-    faults(b, json!({"hang": true}));
+    set_faults(b, json!({"hang": true}));
     let r = c.post(&url).json(&hello(2, false)).send().await.unwrap();
     assert_eq!(r.status(), 504);
     assert_eq!(
         error_of(&r.bytes().await.unwrap())["code"],
         "upstream_timeout"
     );
-    faults(a, json!({"hang": false}));
-    faults(b, json!({"hang": false}));
+    set_faults(a, json!({"hang": false}));
+    set_faults(b, json!({"hang": false}));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,7 +244,7 @@ async fn the_retry_budget_holds_when_the_whole_fleet_hangs() {
         "  timeouts:\n    upstream_read_ms: 500\n  outlier:\n    enabled: false\n  limits:\n    max_attempts: 3\n    retry_budget_ratio: 0.2\n    retry_budget_min: 3\n",
     );
     for s in &sims {
-        faults(s.addr, json!({"hang": true}));
+        set_faults(s.addr, json!({"hang": true}));
     }
     let url = kv.url("/v1/chat/completions");
     let n = 30;
@@ -304,7 +285,7 @@ async fn the_retry_budget_holds_when_the_whole_fleet_hangs() {
     assert!(attempts <= (n + 2 * 6) as f64, "{attempts} attempts");
     assert!(exhausted >= (n - 6) as f64, "{exhausted} refused");
     for s in &sims {
-        faults(s.addr, json!({"hang": false}));
+        set_faults(s.addr, json!({"hang": false}));
     }
 }
 
@@ -430,7 +411,7 @@ async fn a_hung_engine_is_caught_by_the_first_byte_deadline() {
     let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "0"]);
     let (a, b) = (sims[0].addr, sims[1].addr);
     let kv = Kvroute::start(&[a, b], "");
-    faults(a, json!({"hang": true}));
+    set_faults(a, json!({"hang": true}));
     // Sessions one after another until one lands on the hung backend (with two backends, all
     // but 1 in 4096 runs meet it within twelve). One at a time: the retry budget, not the
     // deadline, is what limits many hung requests at once (tested above).
@@ -467,7 +448,7 @@ async fn a_hung_engine_is_caught_by_the_first_byte_deadline() {
             &[("backend", &name), ("kind", "io")]
         ) >= 1.0
     );
-    faults(a, json!({"hang": false}));
+    set_faults(a, json!({"hang": false}));
 }
 
 /// A backend that hangs on a kept-alive connection is hung, not a stale pooled connection:
@@ -500,7 +481,7 @@ async fn a_hang_on_a_reused_connection_is_retried_on_another_backend() {
             assert_eq!(r.status(), 200);
             r.text().await.unwrap();
         }
-        faults(addrs[0], json!({"hang": true}));
+        set_faults(addrs[0], json!({"hang": true}));
         let mut met_the_hang = 0.0;
         for i in 0..12 {
             let t0 = Instant::now();
@@ -530,6 +511,6 @@ async fn a_hang_on_a_reused_connection_is_retried_on_another_backend() {
             met_the_hang,
             "stream={stream}"
         );
-        faults(addrs[0], json!({"hang": false}));
+        set_faults(addrs[0], json!({"hang": false}));
     }
 }

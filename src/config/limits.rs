@@ -12,6 +12,9 @@ pub struct LimitsConfig {
     /// Upstream attempts per request (first try included); only failures before the first
     /// response byte are retried, each on a backend not tried yet.
     pub max_attempts: u32,
+    /// Times one stream may be continued on another backend after its backend failed
+    /// mid-response (0: never; the stream then ends with an error event).
+    pub max_migrations: u32,
     /// Seconds suggested in `Retry-After` when no backend can take a request.
     pub retry_after_seconds: u32,
     /// Hard cap of requests in flight per backend (per unit of weight); when every backend is
@@ -42,6 +45,7 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_body_bytes: 32 * 1024 * 1024,
             max_attempts: 3,
+            max_migrations: 2,
             retry_after_seconds: 1,
             backend_max_inflight: 256,
             queue_size: 1024,
@@ -111,6 +115,12 @@ impl LimitsConfig {
             return Err(err(
                 "kvroute.limits.max_attempts",
                 "must be between 1 and 16",
+            ));
+        }
+        if self.max_migrations > 16 {
+            return Err(err(
+                "kvroute.limits.max_migrations",
+                "must be between 0 and 16",
             ));
         }
         if self.backend_max_inflight == 0 {

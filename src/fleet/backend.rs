@@ -68,6 +68,9 @@ pub(super) struct Live {
     pub(super) adapter_loads: Mutex<LoadTimes>,
     /// Adapters the engine holds at once, as it reports (`max_lora`); 0 until reported.
     pub(super) max_loras: AtomicU64,
+    /// The engine refused a continuation request (an unknown `continue_final_message`, say):
+    /// not a migration target for as long as this kvroute runs (a reload keeps this).
+    pub(super) refuses_continuation: std::sync::atomic::AtomicBool,
 }
 
 /// Adapters an engine is assumed to hold until it says: vLLM's default `--max-loras`.
@@ -109,6 +112,7 @@ impl Live {
             adapters: Arc::default(),
             adapter_loads: Mutex::default(),
             max_loras: AtomicU64::new(0),
+            refuses_continuation: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -141,6 +145,16 @@ pub struct BackendState {
 }
 
 impl BackendState {
+    /// Whether the engine refused to continue a stream (see `mark_refuses_continuation`).
+    pub fn refuses_continuation(&self) -> bool {
+        self.live.refuses_continuation.load(Ordering::Relaxed)
+    }
+
+    /// The engine answered a continuation with a refusal: migrations go elsewhere.
+    pub fn mark_refuses_continuation(&self) -> bool {
+        !self.live.refuses_continuation.swap(true, Ordering::Relaxed)
+    }
+
     /// A Pingora peer for this backend (TLS when configured); callers set its timeouts.
     pub fn peer(&self) -> HttpPeer {
         http_peer(self.addr, self.tls.as_deref())

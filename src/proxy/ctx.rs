@@ -13,6 +13,7 @@ use crate::fleet::{Generation, InflightGuard};
 use crate::placement::Pool;
 use crate::placement::Reason;
 use crate::request::id_stamp::IdStamp;
+use crate::request::resume::{Splice, Transcript};
 use crate::request::usage::UsageTap;
 use crate::request::{RequestProfile, TokenEstimate};
 
@@ -29,6 +30,7 @@ pub struct Ctx {
     pub(super) charge: Charge,
     pub(super) tap: ResponseTap,
     pub(super) quota: Quota,
+    pub(super) resume: Resume,
     /// A specific error to render instead of the generic one for the Pingora error.
     pub(super) error: Option<ApiError>,
     /// The shape errors are answered in: the API the request's path speaks.
@@ -129,6 +131,28 @@ pub(super) struct ResponseTap {
     pub stamp: Option<IdStamp>,
 }
 
+/// A stream that may go on elsewhere if its backend fails (see `super::migrate`).
+#[derive(Default)]
+pub(super) struct Resume {
+    /// What the client has been sent (chat and completions streams, migrations allowed).
+    pub transcript: Option<Transcript>,
+    /// The running attempt continues the stream: its events are rewritten by this.
+    pub splice: Option<Splice>,
+    pub migrations: u32,
+    /// Prompt tokens of the attempts before the running one, and of the running one (an
+    /// estimate: the engines that failed never reported theirs).
+    pub prompt_before: u64,
+    pub prompt_now: u64,
+    /// Tokens of the text so far that the running attempt's prompt replays.
+    pub replayed: u64,
+    /// When the client was last sent something, and when the running continuation started
+    /// from there (for the gap metric, observed once).
+    pub last_sent: Option<Instant>,
+    pub cut_at: Option<Instant>,
+    /// The cut stream's text was already whole: end it rather than report an error.
+    pub ending: Option<Bytes>,
+}
+
 /// The caller's key (access control on) and the tokens charged to it up front.
 #[derive(Default)]
 pub(super) struct Quota {
@@ -147,6 +171,7 @@ impl Ctx {
             charge: Charge::default(),
             tap: ResponseTap::default(),
             quota: Quota::default(),
+            resume: Resume::default(),
             error: None,
             dialect: Dialect::default(),
             _active: active,

@@ -1,5 +1,6 @@
 //! What a failed upstream attempt means: outlier detection, whether to retry (attempts, retry
-//! budget), and how a response cut after it started ends for the client.
+//! budget), and how a response cut after it started ends for the client when it cannot be
+//! continued (`super::migrate`).
 
 use pingora::proxy::Session;
 use pingora::Error;
@@ -17,6 +18,9 @@ pub(super) enum FailureKind {
     Connect,
     /// The connection broke or timed out before a response header.
     Io,
+    /// The engine refused a stream's continuation (an option it does not know): nothing
+    /// against its health.
+    RefusedContinuation,
 }
 
 impl FailureKind {
@@ -24,6 +28,7 @@ impl FailureKind {
         match self {
             FailureKind::Connect => "connect",
             FailureKind::Io => "io",
+            FailureKind::RefusedContinuation => "refused_continuation",
         }
     }
 }
@@ -126,13 +131,16 @@ impl FailurePolicy<'_> {
         }
         if let Some(b) = ctx.attempts.backend {
             ctx.attempts.tried.push(b);
-            self.report(ctx, b, Outcome::Failure);
+            if kind != FailureKind::RefusedContinuation {
+                self.report(ctx, b, Outcome::Failure);
+            }
         }
         let decision = if ctx.attempts.count >= max_attempts {
             RetryDecision::AttemptsExhausted
-        } else if ctx.attempts.retrying.is_some() || kind == FailureKind::Connect {
-            // A refused or failed connect never reached the backend: retrying it adds no work
-            // anywhere, so it needs no budget (attempts still bound it).
+        } else if ctx.attempts.retrying.is_some() || kind != FailureKind::Io {
+            // A refused or failed connect never reached the backend, and a refused continuation
+            // was not started: retrying adds no work anywhere, so it needs no budget (attempts
+            // still bound it).
             RetryDecision::Retried
         } else {
             match self.edge.retry_budget.try_retry(ratio, min) {
@@ -148,6 +156,21 @@ impl FailurePolicy<'_> {
             .with_label_values(&[decision.as_str()])
             .inc();
         decision
+    }
+
+    /// The backend failed after the response started: release its charge, count the failure
+    /// against it, and never send this request there again.
+    pub fn cut(&self, ctx: &mut Ctx) {
+        ctx.charge.guard = None;
+        self.edge.queue.wake_one();
+        self.metrics
+            .upstream_failures
+            .with_label_values(&[ctx.backend_name(), "cut"])
+            .inc();
+        if let Some(b) = ctx.attempts.backend {
+            ctx.attempts.tried.push(b);
+            self.report(ctx, b, Outcome::Failure);
+        }
     }
 
     /// Feed an attempt's outcome on backend `b` to outlier detection.

@@ -35,10 +35,22 @@ pub(super) fn end_request(
     let streamed = ctx.route.profile.as_ref().is_some_and(|p| p.stream);
     let ttft = ctx.tap.first_byte.map(|t| t.duration_since(ctx.start));
     let fleet = &ctx.generation.fleet;
+    // A migrated stream's continuation: its usage counts the attempts before it too (see
+    // `request::resume::Splice`), and its first byte and prompt are not the first attempt's.
+    let migrated = ctx.resume.splice.as_ref();
+    let engine_usage = ctx.tap.usage.as_ref().and_then(|t| t.usage);
+    let usage = match (engine_usage, migrated) {
+        (Some(u), Some(s)) => Some(s.summed(u)),
+        (u, _) => u,
+    };
     // How far kv_aware's TTFT prediction was off, as the first byte tells it.
-    if let (Some(sent), Some(first), true, 200) =
-        (ctx.charge.dispatched, ctx.tap.first_byte, streamed, status)
-    {
+    if let (Some(sent), Some(first), true, 200, None) = (
+        ctx.charge.dispatched,
+        ctx.tap.first_byte,
+        streamed,
+        status,
+        migrated,
+    ) {
         if ctx.charge.est_ttft_s > 0.0 {
             m.first_byte_ratio
                 .with_label_values(&[backend])
@@ -90,7 +102,7 @@ pub(super) fn end_request(
         if let (Some(key), true) = (acl.keys.get(caller.index), ctx.quota.charged_tokens > 0) {
             // Settle the up-front estimate with what the engine reports; a request that
             // never reached a backend used nothing.
-            let used = match ctx.tap.usage.as_ref().and_then(|t| t.usage) {
+            let used = match usage {
                 Some(u) => u.prompt_tokens + u.completion_tokens,
                 None if ctx.attempts.backend.is_none() => 0,
                 None => ctx.quota.charged_tokens,
@@ -100,11 +112,9 @@ pub(super) fn end_request(
         }
     }
     // The engine's count of the prompt settles the estimate and teaches the model's ratios.
-    if let (Some(u), Some(est), Some(p)) = (
-        ctx.tap.usage.as_ref().and_then(|t| t.usage),
-        ctx.route.tokens.as_ref(),
-        profile,
-    ) {
+    if let (Some(u), Some(est), Some(p), None) =
+        (engine_usage, ctx.route.tokens.as_ref(), profile, migrated)
+    {
         if est.tokens > 0 && u.prompt_tokens > 0 {
             m.token_estimate_ratio
                 .with_label_values(&[est.method.as_str()])
@@ -112,7 +122,7 @@ pub(super) fn end_request(
         }
         tokens.learn(&p.model, est, u.prompt_tokens);
     }
-    if let Some(u) = ctx.tap.usage.as_ref().and_then(|t| t.usage) {
+    if let Some(u) = usage {
         fleet.observe_output(u.completion_tokens);
         let api = ctx
             .route

@@ -7,6 +7,7 @@ use super::ctx::IndexMode;
 use crate::metrics::{
     counter, counter_vec, estimate_ratio_vec, int_gauge_vec, microseconds, ratio_vec, seconds_vec,
 };
+use crate::request::resume::Unfit;
 use crate::request::Endpoint;
 
 pub struct ProxyMetrics {
@@ -25,6 +26,8 @@ pub struct ProxyMetrics {
     pub(super) retries: IntCounterVec,
     pub(super) ejections: IntCounterVec,
     pub(super) cut_streams: IntCounterVec,
+    pub(super) migrations: IntCounterVec,
+    pub(super) migration_gap: HistogramVec,
     pub(super) first_byte_ratio: HistogramVec,
     pub(super) token_estimate_ratio: HistogramVec,
     pub(super) queued_by_model: IntGaugeVec,
@@ -125,6 +128,23 @@ impl ProxyMetrics {
                 "Responses cut after they started (the backend failed mid-stream), by backend.",
                 &["backend"],
             )?,
+            migrations: counter_vec(
+                r,
+                "kvroute_migrations_total",
+                "Streams whose backend failed after the response started, by what followed: \
+                 migrated (continued on another backend), finished (the text was already whole: \
+                 the stream was ended), limit (limits.max_migrations reached), budget (the retry \
+                 budget was spent), disabled (limits.max_migrations is 0), unfit_* (a request \
+                 another engine cannot continue faithfully).",
+                &["outcome"],
+            )?,
+            migration_gap: seconds_vec(
+                r,
+                "kvroute_migration_gap_seconds",
+                "A migrated stream's gap: from the last event before its backend failed to the \
+                 first event of the continuation, by the backend that continued it.",
+                &["backend"],
+            )?,
             first_byte_ratio: ratio_vec(
                 r,
                 "kvroute_backend_first_byte_prediction_ratio",
@@ -197,6 +217,12 @@ impl ProxyMetrics {
                 }
             }
         }
+        for outcome in ["migrated", "finished", "limit", "budget", "disabled"] {
+            m.migrations.with_label_values(&[outcome]);
+        }
+        for unfit in Unfit::ALL {
+            m.migrations.with_label_values(&[unfit.as_str()]);
+        }
         for outcome in ["retried", "budget_exhausted", "attempts_exhausted"] {
             m.retries.with_label_values(&[outcome]);
         }
@@ -216,7 +242,7 @@ impl ProxyMetrics {
     /// Export `backend`'s failure counters at zero (at start, and for a backend a reload adds),
     /// so an alert on their increase sees the first failure.
     pub fn init_backend(&self, backend: &str) {
-        for kind in ["connect", "io"] {
+        for kind in ["connect", "io", "cut", "refused_continuation"] {
             self.upstream_failures.with_label_values(&[backend, kind]);
         }
         self.ejections.with_label_values(&[backend]);

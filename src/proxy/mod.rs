@@ -29,15 +29,19 @@ mod exact;
 mod failures;
 mod finish;
 mod metrics;
+mod migrate;
 mod models;
 mod placement;
+mod reject;
 mod stored;
 
 pub use ctx::Ctx;
 pub use metrics::ProxyMetrics;
 
 use failures::{FailureKind, FailurePolicy};
+use migrate::Migrator;
 use placement::Placer;
+use reject::reject;
 
 /// vLLM's and SGLang's header pinning a request to one data-parallel rank of the engine.
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -98,65 +102,11 @@ impl Router {
             metrics: &self.metrics,
         }
     }
-}
 
-/// Answer `err` now and end the request (for use in `request_filter`).
-async fn reject(
-    session: &mut Session,
-    ctx: &mut Ctx,
-    err: ApiError,
-    body_unread: bool,
-) -> Result<bool> {
-    log::debug!("rejecting request: {err}");
-    err.send(session, !body_unread, ctx.dialect).await?;
-    // Lingering close: a socket closed with unread bytes sends a reset, and a client still
-    // writing its body may lose the answer already in its receive buffer. Read and discard
-    // what it sends, for a moment. Not for a client too slow to send in time, nor for one that
-    // waits for `100 Continue` before it sends anything and was refused first: neither will
-    // send what the linger would wait for.
-    let awaits_continue = session.body_bytes_read() == 0
-        && session
-            .req_header()
-            .headers
-            .get(http::header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if body_unread && err.status != 408 && !awaits_continue {
-        ctx.answered = Some(std::time::Instant::now());
-        let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
-    }
-    ctx.error = Some(err);
-    Ok(true)
-}
-
-/// How long a refused request's unread body is read and discarded before the connection closes.
-const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
-
-impl Router {
-    /// `GET /v1/models[/{id}]` from what the fleet serves (`Ok(true)`: answered); anything else
-    /// passes through (`Ok(false)`).
-    async fn answer_models(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        let path = session.req_header().uri.path();
-        let id = match path.strip_prefix("/v1/models") {
-            Some("") => None,
-            Some(rest) => match rest.strip_prefix('/') {
-                Some(id) if !id.is_empty() => Some(id.to_string()),
-                _ => return Ok(false),
-            },
-            None => return Ok(false),
-        };
-        let generation = ctx.generation.clone();
-        let key = match (&ctx.quota.caller, &generation.config.access) {
-            (Some(c), Some(acl)) => acl.keys.get(c.index),
-            _ => None,
-        };
-        let visible = |m: &str| key.is_none_or(|k| access::check_model(k, m).is_ok());
-        match models::answer(&generation.fleet, id.as_deref(), visible) {
-            None => Ok(false),
-            Some(Ok(body)) => {
-                models::send(session, body).await?;
-                Ok(true)
-            }
-            Some(Err(e)) => reject(session, ctx, e, true).await,
+    fn migrator(&self) -> Migrator<'_> {
+        Migrator {
+            edge: &self.edge,
+            metrics: &self.metrics,
         }
     }
 }
@@ -224,7 +174,7 @@ impl ProxyHttp for Router {
             return Ok(false);
         }
         let Route::Inference(endpoint) = route else {
-            return self.answer_models(session, ctx).await;
+            return models::answer_models(session, ctx).await;
         };
         match session
             .req_header()
@@ -437,6 +387,8 @@ impl ProxyHttp for Router {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        self.migrator()
+            .check_answer(ctx, upstream.status.as_u16())?;
         ctx.attempts.upstream_responded = true;
         // The retry was answered: it no longer multiplies load, so free its budget unit.
         ctx.attempts.retrying = None;
@@ -457,9 +409,13 @@ impl ProxyHttp for Router {
         }
         if let (Some(p), 200) = (&ctx.route.profile, upstream.status.as_u16()) {
             let collect_reply = ctx.generation.config.routing.policy == PolicyKind::KvAware;
-            ctx.tap.usage = Some(
-                UsageTap::new(p.stream, ctx.route.strip_usage, collect_reply).speaking(p.endpoint),
-            );
+            let mut tap =
+                UsageTap::new(p.stream, ctx.route.strip_usage, collect_reply).speaking(p.endpoint);
+            if let (Some(_), Some(t)) = (&ctx.resume.splice, &ctx.resume.transcript) {
+                tap.replying_after(&t.seen().text);
+            }
+            ctx.tap.usage = Some(tap);
+            self.migrator().watch(ctx);
             if ctx.route.strip_usage {
                 // The body will be shorter than the backend said.
                 upstream.remove_header(&http::header::CONTENT_LENGTH);
@@ -487,6 +443,7 @@ impl ProxyHttp for Router {
         if let Some(tap) = ctx.tap.usage.as_mut() {
             tap.filter(body, end_of_stream);
         }
+        self.migrator().on_body(ctx, body)?;
         // The drain is cut short: end a running stream now; `fail_to_proxy` sends it the SSE
         // error event.
         if !end_of_stream
@@ -520,7 +477,7 @@ impl ProxyHttp for Router {
     fn error_while_proxy(
         &self,
         peer: &HttpPeer,
-        _session: &mut Session,
+        session: &mut Session,
         e: Box<Error>,
         ctx: &mut Ctx,
         client_reused: bool,
@@ -530,17 +487,29 @@ impl ProxyHttp for Router {
             e.etype(),
             ErrorType::ReadTimedout | ErrorType::WriteTimedout
         );
-        // Retry only while nothing has come back from the backend: once a response has started,
-        // the client may already hold part of it. A reused connection that broke may have been
-        // closed by the backend while pooled (nothing to hold against the backend); one that
-        // timed out was open and unanswered: the backend is hung, and the retry goes elsewhere.
-        let stale = client_reused && !ctx.attempts.timed_out;
-        let retry = !ctx.attempts.upstream_responded
-            && *e.esource() == ErrorSource::Upstream
-            && self
-                .failures()
-                .after_failure(ctx, FailureKind::Io, stale)
-                .retries();
+        if *e.esource() != ErrorSource::Upstream {
+            e.set_retry(false);
+            return e;
+        }
+        // Before the client has anything, the request is sent again whole. A reused connection
+        // that broke may have been closed by the backend while pooled (nothing to hold against
+        // the backend); one that timed out was open and unanswered: the backend is hung, and
+        // the retry goes elsewhere. Once the client's stream has started, it is continued
+        // elsewhere from where the client is, if it can be.
+        let retry = if !ctx.attempts.upstream_responded || session.response_written().is_none() {
+            let kind = match e.etype() {
+                ErrorType::HTTPStatus(400 | 422) if ctx.resume.splice.is_some() => {
+                    FailureKind::RefusedContinuation
+                }
+                _ => FailureKind::Io,
+            };
+            let stale = client_reused && !ctx.attempts.timed_out;
+            self.failures().after_failure(ctx, kind, stale).retries()
+        } else {
+            let written = session.body_bytes_sent() as u64;
+            session.response_written().map(|r| r.status.as_u16()) == Some(200)
+                && self.migrator().after_cut(&self.failures(), ctx, written)
+        };
         e.set_retry(retry);
         e
     }
@@ -550,6 +519,16 @@ impl ProxyHttp for Router {
             .error
             .clone()
             .or_else(|| ApiError::for_proxy_error(e, ctx.backend_name()));
+        if let (Some(_), Some(end)) = (session.response_written(), ctx.resume.ending.take()) {
+            // The text was whole when the backend failed: the stream only needed its end.
+            if let Err(werr) = session.write_response_body(Some(end), true).await {
+                log::debug!("could not end the stream: {werr}");
+            }
+            return FailToProxy {
+                error_code: 200,
+                can_reuse_downstream: false,
+            };
+        }
         let mut code = 0;
         if let Some(api) = api {
             if session.response_written().is_none() {

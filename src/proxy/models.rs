@@ -6,6 +6,9 @@ use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
+use super::ctx::Ctx;
+use super::reject::reject;
+use crate::edge::access;
 use crate::error::ApiError;
 use crate::fleet::models::ModelEntry;
 use crate::fleet::Fleet;
@@ -17,6 +20,34 @@ fn entry(m: &ModelEntry) -> serde_json::Value {
         v["parent"] = serde_json::Value::String(p.clone());
     }
     v
+}
+
+/// `GET /v1/models[/{id}]` from what the fleet serves (`Ok(true)`: answered); anything else
+/// passes through (`Ok(false)`).
+pub(super) async fn answer_models(session: &mut Session, ctx: &mut Ctx) -> pingora::Result<bool> {
+    let path = session.req_header().uri.path();
+    let id = match path.strip_prefix("/v1/models") {
+        Some("") => None,
+        Some(rest) => match rest.strip_prefix('/') {
+            Some(id) if !id.is_empty() => Some(id.to_string()),
+            _ => return Ok(false),
+        },
+        None => return Ok(false),
+    };
+    let generation = ctx.generation.clone();
+    let key = match (&ctx.quota.caller, &generation.config.access) {
+        (Some(c), Some(acl)) => acl.keys.get(c.index),
+        _ => None,
+    };
+    let visible = |m: &str| key.is_none_or(|k| access::check_model(k, m).is_ok());
+    match answer(&generation.fleet, id.as_deref(), visible) {
+        None => Ok(false),
+        Some(Ok(body)) => {
+            send(session, body).await?;
+            Ok(true)
+        }
+        Some(Err(e)) => reject(session, ctx, e, true).await,
+    }
 }
 
 /// The answer to `GET /v1/models` or `/v1/models/{id}` (`id`), if kvroute answers it:

@@ -24,6 +24,7 @@ mod openai;
 mod reply;
 pub mod response_id;
 mod responses;
+pub mod resume;
 mod session;
 pub mod surface;
 mod text;

@@ -158,6 +158,14 @@ impl UsageTap {
         UsageTap { api, ..self }
     }
 
+    /// The reply so far came from an earlier attempt (a stream continued on this backend):
+    /// the text collected starts with it.
+    pub fn replying_after(&mut self, text: &str) {
+        if let Some(r) = self.reply.as_mut() {
+            push_capped(r, text);
+        }
+    }
+
     /// Usage in a body or event, and whether the event holds nothing else.
     fn usage_of(&self, json: &[u8]) -> Option<(Usage, bool)> {
         match self.api {

@@ -110,6 +110,26 @@ impl Drop for Sim {
     }
 }
 
+/// Change a simulated server's faults (`POST /debug/faults`).
+pub fn set_faults(sim: SocketAddr, update: serde_json::Value) {
+    let body = update.to_string();
+    let mut s = TcpStream::connect(sim).unwrap();
+    write!(
+        s,
+        "POST /debug/faults HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    assert_eq!(
+        parse_response(&raw).map(|r| r.0),
+        Some(200),
+        "faults update"
+    );
+}
+
 /// The items of a `backends:` list, each with its own extra lines.
 pub fn backends_yaml(backends: &[(SocketAddr, String)]) -> String {
     backends

@@ -17,6 +17,43 @@ pub struct Faults {
     pub hang: bool,
     /// While set, `/health` answers 503.
     pub unhealthy: bool,
+    /// While non-zero, every stream that reaches this many tokens is cut there: the
+    /// connection is dropped mid-response, as when an engine is killed.
+    pub cut_after_tokens: u64,
+    /// While non-zero, every stream that reaches this many tokens ends there with an error
+    /// event (vLLM's shape) and `[DONE]`, as an engine reports a failure mid-stream.
+    pub error_after_tokens: u64,
+    /// While set, a chat request with `continue_final_message` is refused with 400, as by an
+    /// engine that does not know the option.
+    pub refuse_continuation: bool,
+}
+
+/// What a stream does at one of its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamFault {
+    Cut,
+    Error,
+}
+
+impl Faults {
+    /// The fault, if any, for a stream about to send its token `i` (counted from its start).
+    pub fn at_token(&self, i: u64) -> Option<StreamFault> {
+        if self.cut_after_tokens > 0 && i >= self.cut_after_tokens {
+            Some(StreamFault::Cut)
+        } else if self.error_after_tokens > 0 && i >= self.error_after_tokens {
+            Some(StreamFault::Error)
+        } else {
+            None
+        }
+    }
+}
+
+/// The error event an engine ends a failed stream with (vLLM's `ErrorResponse`), then
+/// `[DONE]`.
+pub fn error_events() -> axum::body::Bytes {
+    axum::body::Bytes::from_static(
+        b"data: {\"error\":{\"object\":\"error\",\"message\":\"kvbench-sim: the engine failed mid-stream\",\"type\":\"InternalServerError\",\"param\":null,\"code\":500}}\n\ndata: [DONE]\n\n",
+    )
 }
 
 /// A partial change; absent fields keep their value. Unknown fields are rejected so that a typo
@@ -28,6 +65,9 @@ pub struct FaultUpdate {
     pub hang_rate: Option<f64>,
     pub hang: Option<bool>,
     pub unhealthy: Option<bool>,
+    pub cut_after_tokens: Option<u64>,
+    pub error_after_tokens: Option<u64>,
+    pub refuse_continuation: Option<bool>,
 }
 
 impl FaultUpdate {
@@ -56,6 +96,15 @@ impl Faults {
         if let Some(v) = update.unhealthy {
             self.unhealthy = v;
         }
+        if let Some(v) = update.cut_after_tokens {
+            self.cut_after_tokens = v;
+        }
+        if let Some(v) = update.error_after_tokens {
+            self.error_after_tokens = v;
+        }
+        if let Some(v) = update.refuse_continuation {
+            self.refuse_continuation = v;
+        }
     }
 }
 
@@ -79,6 +128,20 @@ pub fn hits(rate: f64, seq: u64, server: usize, salt: u64) -> bool {
     let seed = salt ^ (server as u64).rotate_left(32);
     let draw = xxh3_64_with_seed(&seq.to_le_bytes(), seed) >> 11;
     (draw as f64 / (1u64 << 53) as f64) < rate
+}
+
+/// A stream's fault: the connection dropped (an error from the body stream makes the server
+/// abort it), or the engine's error event.
+/// The events before a cut are let out first (the server flushes while the stream waits), so
+/// the client has exactly the tokens before it.
+pub async fn stream_fault(fault: StreamFault) -> Result<axum::body::Bytes, std::io::Error> {
+    match fault {
+        StreamFault::Cut => {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            Err(std::io::Error::other("kvbench-sim: stream cut (fault)"))
+        }
+        StreamFault::Error => Ok(error_events()),
+    }
 }
 
 #[cfg(test)]

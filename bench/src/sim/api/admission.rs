@@ -43,6 +43,11 @@ pub async fn admit(
         Endpoint::Messages => anthropic::parse(body, true)?,
         _ => openai::parse(endpoint, body)?,
     };
+    if req.continues && s.faults().refuse_continuation {
+        return Err(ApiError::bad_request(
+            "kvbench-sim: unknown field 'continue_final_message' (refuse_continuation)",
+        ));
+    }
     if !req.token_ids && !s.config.tokenizer.is_stand_in() {
         req.prompt = tokenize(&s.config.tokenizer, std::mem::take(&mut req.prompt)).await?;
     }

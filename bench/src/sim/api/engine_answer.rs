@@ -11,13 +11,13 @@
 //! that fills it, as llama.cpp does, and cuts the output where the context is full. A server
 //! speaking llama.cpp adds its `timings` beside `usage`, in model milliseconds.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use bytes::BytesMut;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -30,8 +30,9 @@ use crate::sim::config::Engine;
 use crate::sim::engine::scheduler::NewRequest;
 use crate::sim::engine::task::Progress;
 use crate::sim::error::ApiError;
+use crate::sim::faults::stream_fault;
 use crate::sim::text::generate::{
-    completion_text, reply_hashes, reply_hashes_and_tokens, token_text, Reply,
+    continued_text, reply_hashes, reply_hashes_and_tokens, token_text, Reply,
 };
 
 pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: Instant) -> Response {
@@ -61,7 +62,11 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     // Only now that `n` is known to fit the pool: the hashes cost a few bytes per token.
     let tokenizer = &s.config.tokenizer;
     let (endpoint, prompt) = (a.req.endpoint, &a.req.prompt);
-    let rendered = answer.rendered_reply(&completion_text(n));
+    let first = a.req.first_token;
+    let reply_text = continued_text(first, n);
+    let rendered = answer
+        .rendered_reply(&reply_text)
+        .or_else(|| (first > 0).then(|| reply_text.clone()));
     let reply = rendered
         .as_deref()
         .map_or(Reply::Filler(n), Reply::Rendered);
@@ -97,6 +102,7 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         let stream = EngineStream {
             watcher,
             writer: StreamWriter::new(answer),
+            first,
             usage: a.req.include_usage.then_some(usage),
             start: usage,
             timings: llamacpp,
@@ -104,7 +110,7 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         };
         return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
             let event = st.next_event().await?;
-            Some((Ok::<Bytes, Infallible>(event), st))
+            Some((event, st))
         }));
     }
     while watcher.sent < n {
@@ -114,13 +120,7 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     }
     usage.cached_tokens = watcher.cached_tokens();
     let timings = llamacpp.then(|| watcher.timings());
-    Json(answer_body::whole(
-        &answer,
-        &completion_text(n),
-        usage,
-        timings,
-    ))
-    .into_response()
+    Json(answer_body::whole(&answer, &reply_text, usage, timings)).into_response()
 }
 
 fn engine_gone() -> Response {
@@ -184,6 +184,8 @@ impl Watcher {
 struct EngineStream {
     watcher: Watcher,
     writer: StreamWriter,
+    /// The reply's first token (a continuation starts past 0).
+    first: u64,
     usage: Option<Usage>,
     /// The prompt's usage; its cached tokens are the engine's, known at the first token.
     start: Usage,
@@ -193,26 +195,38 @@ struct EngineStream {
 }
 
 impl EngineStream {
-    async fn next_event(&mut self) -> Option<Bytes> {
+    async fn next_event(&mut self) -> Option<Result<Bytes, std::io::Error>> {
         let w = &mut self.watcher;
         if w.sent < w.n {
+            if let Some(fault) = w.s.faults().at_token(w.sent) {
+                self.usage = None;
+                self.done = true;
+                w.n = w.sent;
+                return Some(stream_fault(fault).await);
+            }
             // A dropped request ends the stream without [DONE], as a crashed engine would.
             let (from, upto) = w.next().await?;
-            let text: String = (from..upto).map(token_text).collect();
             let start = Usage {
                 cached_tokens: w.cached_tokens(),
                 ..self.start
             };
-            return Some(self.writer.token(&text, from == 0, upto == w.n, start));
+            // One event a token, as llama.cpp and SGLang stream, even when a slow reader
+            // lets several build up: a client counts tokens by events.
+            let mut out = BytesMut::new();
+            for i in from..upto {
+                let text = token_text(self.first + i);
+                out.extend_from_slice(&self.writer.token(&text, i == 0, i + 1 == w.n, start));
+            }
+            return Some(Ok(out.freeze()));
         }
         if let Some(mut usage) = self.usage.take() {
             usage.cached_tokens = w.cached_tokens();
             let timings = self.timings.then(|| w.timings());
-            return Some(self.writer.usage(usage, timings));
+            return Some(Ok(self.writer.usage(usage, timings)));
         }
         if !self.done {
             self.done = true;
-            return self.writer.done();
+            return self.writer.done().map(Ok);
         }
         None
     }

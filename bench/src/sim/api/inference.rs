@@ -3,7 +3,6 @@
 //! server's engine (`engine_answer`), in fixed-timing mode here, with the first token after the
 //! TTFT and then one token per inter-token interval.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -26,7 +25,8 @@ use crate::sim::config::Engine;
 use crate::sim::engine::kvcache::BLOCK_TOKENS;
 use crate::sim::engine::lora::AdapterUse;
 use crate::sim::engine::stats::Gauge;
-use crate::sim::text::generate::{completion_text, reply_hashes, token_text, Reply, Schedule};
+use crate::sim::faults::stream_fault;
+use crate::sim::text::generate::{continued_text, reply_hashes, token_text, Reply, Schedule};
 use crate::sim::text::openai::Endpoint;
 
 pub const BODY_HASH_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-xxh3");
@@ -128,6 +128,8 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
         return engine_answer::serve(s, a, answer, arrived).await;
     }
     let n = a.req.max_tokens;
+    let first = a.req.first_token;
+    let reply_text = continued_text(first, n);
     let kv_blocks = (a.usage.prompt_tokens + n).div_ceil(BLOCK_TOKENS);
     let stream = a.req.stream;
     let include_usage = a.req.include_usage;
@@ -145,12 +147,15 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
         seed: a.seed,
         endpoint: a.req.endpoint,
         prompt: a.req.prompt,
-        rendered: answer.rendered_reply(&completion_text(n)),
+        rendered: answer
+            .rendered_reply(&reply_text)
+            .or_else(|| (first > 0).then(|| reply_text.clone())),
     };
     if stream {
         let stream = TokenStream {
             gen,
             writer: StreamWriter::new(answer),
+            first,
             next: 0,
             n,
             usage: include_usage.then_some(a.usage),
@@ -159,7 +164,7 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
         };
         return sse_response(futures_util::stream::unfold(stream, |mut st| async move {
             let event = st.next_event().await?;
-            Some((Ok::<Bytes, Infallible>(event), st))
+            Some((event, st))
         }));
     }
     gen.token(0).await;
@@ -167,13 +172,7 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
     gen.replied(n);
     let timings = gen.timings(a.usage.cached_tokens, n);
     drop(gen.running);
-    Json(answer_body::whole(
-        &answer,
-        &completion_text(n),
-        a.usage,
-        timings,
-    ))
-    .into_response()
+    Json(answer_body::whole(&answer, &reply_text, a.usage, timings)).into_response()
 }
 
 /// One request on the simulated engine: holds its KV blocks (the running gauge) until dropped.
@@ -272,6 +271,8 @@ impl Generation {
 struct TokenStream {
     gen: Generation,
     writer: StreamWriter,
+    /// The reply's first token (a continuation starts past 0).
+    first: u64,
     next: u64,
     n: u64,
     usage: Option<Usage>,
@@ -281,25 +282,31 @@ struct TokenStream {
 }
 
 impl TokenStream {
-    async fn next_event(&mut self) -> Option<Bytes> {
+    async fn next_event(&mut self) -> Option<Result<Bytes, std::io::Error>> {
         if self.next < self.n {
             let i = self.next;
+            if let Some(fault) = self.gen.state.faults().at_token(i) {
+                self.next = self.n;
+                self.usage = None;
+                self.done = true;
+                return Some(stream_fault(fault).await);
+            }
             self.next += 1;
             self.gen.token(i).await;
             let last = i + 1 == self.n;
             if last {
                 self.gen.replied(self.n);
             }
-            let text = token_text(i);
-            return Some(self.writer.token(&text, i == 0, last, self.start));
+            let text = token_text(self.first + i);
+            return Some(Ok(self.writer.token(&text, i == 0, last, self.start)));
         }
         if let Some(usage) = self.usage.take() {
             let timings = self.gen.timings(self.start.cached_tokens, self.n);
-            return Some(self.writer.usage(usage, timings));
+            return Some(Ok(self.writer.usage(usage, timings)));
         }
         if !self.done {
             self.done = true;
-            return self.writer.done();
+            return self.writer.done().map(Ok);
         }
         None
     }

@@ -3,8 +3,6 @@
 //! and Messages APIs send typed events instead (`responses_answer`, `messages_answer`);
 //! `StreamWriter` gives both answer modes one interface to all three.
 
-use std::convert::Infallible;
-
 use axum::body::Body;
 use axum::http::{header, HeaderValue};
 use axum::response::Response;
@@ -115,7 +113,7 @@ impl ChunkWriter {
 
 pub fn sse_response<S>(events: S) -> Response
 where
-    S: futures_util::Stream<Item = Result<Bytes, Infallible>> + Send + 'static,
+    S: futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
 {
     let mut res = Response::new(Body::from_stream(events));
     let headers = res.headers_mut();

@@ -12,7 +12,9 @@ use super::prompt::TURN_END;
 use super::tokenizer::PromptTokenizer;
 use crate::sim::engine::kvcache::{continued_hashes, BLOCK_BYTES};
 
-pub use super::filler::{completion_text, token_text};
+#[cfg(test)]
+pub use super::filler::completion_text;
+pub use super::filler::{continued_text, token_text};
 
 #[derive(Debug, Clone, Copy)]
 pub struct Schedule {

@@ -4,7 +4,8 @@
 
 use serde_json::Value;
 
-use super::prompt::{is_token_ids, render_chat, render_completion, render_tools};
+use super::filler::trailing_reply;
+use super::prompt::{is_token_ids, render_chat_continued, render_completion, render_tools};
 use super::tool_call;
 use crate::sim::error::ApiError;
 
@@ -60,6 +61,11 @@ pub struct SimRequest {
     pub responses: Option<super::thread::ResponsesInput>,
     /// The tool the reply must call (`tool_choice`), if the request forces one.
     pub tool_call: Option<String>,
+    /// The reply's first token: a request continuing a reply's start (see `trailing_reply`)
+    /// is answered from where that start ends.
+    pub first_token: u64,
+    /// Chat's `continue_final_message`: the last message is a reply's start to go on with.
+    pub continues: bool,
 }
 
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<SimRequest, ApiError> {
@@ -84,11 +90,26 @@ pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError
         Some(_) => return Err(ApiError::bad_request("'model' must be a string")),
         None => return Err(ApiError::bad_request("missing required field 'model'")),
     };
-    let (prompt, token_ids) = match endpoint {
+    let mut continues = false;
+    let (prompt, token_ids, first_token) = match endpoint {
         Endpoint::Chat | Endpoint::Responses | Endpoint::Messages => {
+            // vLLM's rule and words.
+            let continue_final = optional_bool(v, "continue_final_message")?;
+            continues = continue_final;
+            if continue_final && v.get("add_generation_prompt") == Some(&Value::Bool(true)) {
+                return Err(ApiError::bad_request(
+                    "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                ));
+            }
+            let messages = required(v, "messages")?;
             let mut prompt = render_tools(v.get("tools"))?;
-            prompt.extend(render_chat(required(v, "messages")?)?);
-            (prompt, false)
+            prompt.extend(render_chat_continued(messages, continue_final)?);
+            let last = messages.as_array().and_then(|m| m.last());
+            let first = match last.and_then(|m| m.get("content")).and_then(Value::as_str) {
+                Some(text) if continue_final => trailing_reply(text),
+                _ => 0,
+            };
+            (prompt, false, first)
         }
         Endpoint::Completions | Endpoint::Embeddings => {
             let field = if endpoint == Endpoint::Completions {
@@ -97,7 +118,11 @@ pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError
                 "input"
             };
             let p = required(v, field)?;
-            (render_completion(p)?, is_token_ids(p))
+            let first = match p {
+                Value::String(text) if endpoint == Endpoint::Completions => trailing_reply(text),
+                _ => 0,
+            };
+            (render_completion(p)?, is_token_ids(p), first)
         }
     };
     let stream = optional_bool(v, "stream")?;
@@ -139,6 +164,8 @@ pub fn parse_value(endpoint: Endpoint, v: &Value) -> Result<SimRequest, ApiError
         cache_salt,
         responses: None,
         tool_call,
+        first_token,
+        continues,
     })
 }
 

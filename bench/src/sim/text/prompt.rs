@@ -103,6 +103,12 @@ pub fn render_tools(tools: Option<&Value>) -> Result<Vec<u8>, ApiError> {
 /// Renders chat `messages` through the template; an assistant's tool calls follow its text,
 /// as `template_json` writes them.
 pub fn render_chat(messages: &Value) -> Result<Vec<u8>, ApiError> {
+    render_chat_continued(messages, false)
+}
+
+/// `render_chat`, or with `continue_final` (vLLM's `continue_final_message` without a
+/// generation prompt) the last message left open: the reply continues its text.
+pub fn render_chat_continued(messages: &Value, continue_final: bool) -> Result<Vec<u8>, ApiError> {
     let list = messages
         .as_array()
         .ok_or_else(|| ApiError::bad_request("'messages' must be an array"))?;
@@ -128,6 +134,9 @@ pub fn render_chat(messages: &Value) -> Result<Vec<u8>, ApiError> {
         });
         if let Some(calls) = calls {
             out.push_str(&template_json(calls));
+        }
+        if continue_final && i + 1 == list.len() {
+            return Ok(out.into_bytes());
         }
         out.push_str(TURN_END);
     }

@@ -1,0 +1,177 @@
+//! Migration: a stream whose backend fails after the response started (the connection reset or
+//! closed, an engine error event, silence past the read deadline) goes on on another backend,
+//! from where its client is. The request layer says what the client has and how to ask for
+//! the rest ([`crate::request::resume`]); this decides whether to, and wires it into the
+//! attempt loop.
+
+use bytes::Bytes;
+use pingora::{Error, ErrorType, Result};
+use std::time::Instant;
+
+use super::ctx::Ctx;
+use super::failures::FailurePolicy;
+use super::metrics::ProxyMetrics;
+use crate::edge::EdgeState;
+use crate::request::resume::{self, Continuation, Splice, Transcript, Unfit};
+use crate::request::Endpoint;
+
+/// Decides what follows a cut stream, and runs its continuation.
+pub(super) struct Migrator<'a> {
+    pub edge: &'a EdgeState,
+    pub metrics: &'a ProxyMetrics,
+}
+
+impl Migrator<'_> {
+    /// A 200 response starts: a stream that could be continued keeps a transcript of what
+    /// its client is sent. A continuation keeps the one it continues.
+    pub fn watch(&self, ctx: &mut Ctx) {
+        if ctx.resume.transcript.is_some() {
+            return;
+        }
+        let Some(p) = ctx.route.profile.as_ref() else {
+            return;
+        };
+        if p.stream
+            && ctx.generation.config.limits.max_migrations > 0
+            && matches!(p.endpoint, Endpoint::Chat | Endpoint::Completions)
+        {
+            ctx.resume.transcript = Some(Transcript::new());
+            ctx.resume.prompt_now = p.est_prompt_tokens;
+        }
+    }
+
+    /// A continuation's answer: anything but 200 fails the attempt before a byte of it reaches
+    /// the client, whose stream is already open. An engine that refuses the request itself
+    /// (400, 422: it does not know `continue_final_message`, say) is not asked again.
+    pub fn check_answer(&self, ctx: &Ctx, status: u16) -> Result<()> {
+        if ctx.resume.splice.is_none() || status == 200 {
+            return Ok(());
+        }
+        if let (400 | 422, Some(i)) = (status, ctx.attempts.backend) {
+            let b = &ctx.generation.fleet.backends()[i];
+            if b.mark_refuses_continuation() {
+                log::warn!(
+                    "backend {} refused to continue a stream (HTTP {status}): it is no longer a migration target",
+                    b.name
+                );
+            }
+        }
+        Err(Error::explain(
+            ErrorType::HTTPStatus(status),
+            format!("the continuation was answered with HTTP {status}"),
+        )
+        .into_up())
+    }
+
+    /// What goes to the client: a continuation's events rewritten to the stream's identity,
+    /// then recorded. An engine's error event is taken out and fails the attempt.
+    pub fn on_body(&self, ctx: &mut Ctx, body: &mut Option<Bytes>) -> Result<()> {
+        if let Some(s) = &ctx.resume.splice {
+            s.filter(body);
+        }
+        let Some(t) = ctx.resume.transcript.as_mut() else {
+            return Ok(());
+        };
+        if let Err(message) = t.observe(body) {
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(502),
+                format!("the engine reported an error mid-stream: {message}"),
+            )
+            .into_up());
+        }
+        if body.as_ref().is_some_and(|b| !b.is_empty()) {
+            let now = Instant::now();
+            if let Some(cut) = ctx.resume.cut_at.take() {
+                self.metrics
+                    .migration_gap
+                    .with_label_values(&[ctx.backend_name()])
+                    .observe(now.duration_since(cut).as_secs_f64());
+            }
+            ctx.resume.last_sent = Some(now);
+        }
+        Ok(())
+    }
+
+    /// The backend failed after the client's stream started, which has `written` body bytes:
+    /// go on elsewhere (`true`: the attempt loop places the continuation) or end the stream
+    /// (with its end when the text is whole, else with an error event).
+    pub fn after_cut(&self, failures: &FailurePolicy, ctx: &mut Ctx, written: u64) -> bool {
+        failures.cut(ctx);
+        if let Some(t) = ctx.resume.transcript.as_mut() {
+            t.settle(written);
+        }
+        let outcome = self.decide(ctx);
+        self.metrics.migrations.with_label_values(&[outcome]).inc();
+        if outcome != "migrated" {
+            log::info!(
+                "stream on backend {} cut after it started: not continued ({outcome})",
+                ctx.backend_name()
+            );
+        }
+        outcome == "migrated"
+    }
+
+    fn decide(&self, ctx: &mut Ctx) -> &'static str {
+        let limits = &ctx.generation.config.limits;
+        let Some(p) = ctx.route.profile.as_ref().filter(|p| p.stream) else {
+            return "unfit_api";
+        };
+        let endpoint = p.endpoint;
+        let Some(t) = ctx.resume.transcript.as_ref() else {
+            return if limits.max_migrations == 0 {
+                "disabled"
+            } else {
+                Unfit::Api.as_str()
+            };
+        };
+        let seen = t.seen();
+        if seen.finished {
+            ctx.resume.ending = Some(resume::final_events(endpoint, seen, false));
+            return "finished";
+        }
+        if ctx.resume.migrations >= limits.max_migrations {
+            return "limit";
+        }
+        let body = ctx.route.body.as_deref().unwrap_or_default();
+        let next = match resume::continuation(endpoint, body, seen) {
+            Ok(Continuation::Body(b)) => b,
+            Ok(Continuation::Complete) => {
+                ctx.resume.ending = Some(resume::final_events(endpoint, seen, true));
+                return "finished";
+            }
+            Err(u) => return u.as_str(),
+        };
+        if ctx.attempts.retrying.is_none() {
+            match self
+                .edge
+                .retry_budget
+                .try_retry(limits.retry_budget_ratio, limits.retry_budget_min)
+            {
+                Some(r) => ctx.attempts.retrying = Some(r),
+                None => return "budget",
+            }
+        }
+        let first_prompt = ctx.resume.prompt_now.saturating_sub(ctx.resume.replayed);
+        ctx.resume.prompt_before += ctx.resume.prompt_now;
+        ctx.resume.replayed = seen.tokens;
+        ctx.resume.prompt_now = first_prompt + seen.tokens;
+        ctx.resume.splice = Some(Splice::new(seen, ctx.resume.prompt_before));
+        ctx.resume.migrations += 1;
+        ctx.resume.cut_at = ctx.resume.last_sent;
+        ctx.route.body = Some(next);
+        // The engines' token ids were for the prompt without the text so far.
+        ctx.route.exact = None;
+        if let Some(p) = ctx.route.profile.as_mut() {
+            p.est_prompt_tokens = ctx.resume.prompt_now;
+        }
+        ctx.attempts.upstream_responded = false;
+        // Engines that refused a continuation before are not asked.
+        let generation = ctx.generation.clone();
+        for (i, b) in generation.fleet.backends().iter().enumerate() {
+            if b.refuses_continuation() && !ctx.attempts.tried.contains(&i) {
+                ctx.attempts.tried.push(i);
+            }
+        }
+        "migrated"
+    }
+}

@@ -1,0 +1,266 @@
+//! Streams that lose their backend after the response started go on on another one, through
+//! real processes: a killed engine, a connection dropped mid-stream, an engine's error event.
+//! The simulator's text is deterministic (token i is " tok{i}") and it continues a reply's
+//! start from where it ends, so "whole" is checkable: the client reads exactly the text of an
+//! unbroken stream, under one `id`, with one end.
+
+mod common;
+
+use common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// The text of an unbroken reply of `n` tokens.
+fn whole(n: u64) -> String {
+    (0..n).map(|i| format!(" tok{i}")).collect()
+}
+
+/// A streamed request's events, as JSON (`[DONE]` as the string "[DONE]").
+struct Stream {
+    events: Vec<Value>,
+}
+
+impl Stream {
+    fn parse(raw: &str) -> Stream {
+        let events = raw
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                let data = e.trim().strip_prefix("data: ").unwrap_or(e.trim());
+                serde_json::from_str(data).unwrap_or_else(|_| Value::String(data.to_string()))
+            })
+            .collect();
+        Stream { events }
+    }
+
+    /// Choice 0's text, chat or completions.
+    fn text(&self) -> String {
+        self.events
+            .iter()
+            .filter_map(|e| {
+                let c = &e["choices"][0];
+                c["delta"]["content"].as_str().or(c["text"].as_str())
+            })
+            .collect()
+    }
+
+    fn chunks(&self) -> impl Iterator<Item = &Value> {
+        self.events.iter().filter(|e| e.get("choices").is_some())
+    }
+
+    fn dones(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| e.as_str() == Some("[DONE]"))
+            .count()
+    }
+
+    fn error(&self) -> Option<&Value> {
+        self.events.iter().find_map(|e| e.get("error"))
+    }
+}
+
+async fn stream_of(kv: &Kvroute, path: &str, body: Value) -> Stream {
+    let r = client()
+        .post(kv.url(path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let raw = tokio::time::timeout(Duration::from_secs(20), r.text())
+        .await
+        .expect("the stream hung")
+        .expect("the stream broke instead of ending");
+    Stream::parse(&raw)
+}
+
+fn chat(n: u32) -> Value {
+    let mut body = chat_body(
+        MODEL,
+        json!([{"role": "user", "content": "hello"}]),
+        true,
+        n,
+    );
+    body["stream_options"] = json!({"include_usage": true});
+    body
+}
+
+fn migrations(kv: &Kvroute, outcome: &str) -> f64 {
+    kv.metric_sum("kvroute_migrations_total", &[("outcome", outcome)])
+}
+
+const FAST: [&str; 4] = ["--ttft-ms", "1", "--itl-ms", "5"];
+
+/// The engine is killed mid-stream: the rest of the text comes from the other backend, spliced
+/// into the same stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engines_stream_goes_on_elsewhere_as_one_stream() {
+    let mut sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "20"]);
+    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+    let mut r = client()
+        .post(kv.url("/v1/chat/completions"))
+        .json(&chat(60))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let served_by = r.headers()["x-kvbench-addr"].to_str().unwrap().to_string();
+    let mut raw = String::new();
+    while !raw.contains("tok5\"") {
+        let chunk = r.chunk().await.unwrap().expect("stream ended early");
+        raw.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let dead = sims.iter().position(|s| s.addr.to_string() == served_by);
+    sims[dead.expect("served by a sim")].kill();
+    let rest = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut rest = String::new();
+        while let Some(chunk) = r.chunk().await.expect("the stream broke") {
+            rest.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        rest
+    })
+    .await
+    .expect("the migrated stream hung");
+    let s = Stream::parse(&(raw + &rest));
+    assert_eq!(s.error(), None, "{:?}", s.events);
+    assert_eq!(s.text(), whole(60));
+    assert_eq!(s.dones(), 1);
+    let first = s.chunks().next().unwrap().clone();
+    for c in s.chunks() {
+        assert_eq!(
+            (&c["id"], &c["created"], &c["model"]),
+            (&first["id"], &first["created"], &first["model"])
+        );
+    }
+    let roles = s
+        .chunks()
+        .filter(|c| c["choices"][0]["delta"].get("role").is_some())
+        .count();
+    assert_eq!(roles, 1, "one opening chunk");
+    let finish: Vec<_> = s
+        .chunks()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .collect();
+    assert_eq!(finish, ["length"]);
+    let usage = &s.chunks().last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 60, "{usage}");
+    assert_eq!(migrations(&kv, "migrated"), 1.0);
+    assert_eq!(kv.metric_sum("kvroute_cut_streams_total", &[]), 0.0);
+    assert_eq!(
+        kv.metric_sum("kvroute_migration_gap_seconds_count", &[]),
+        1.0
+    );
+}
+
+/// Connections dropped mid-stream and engine error events, on chat and completions: the
+/// continuation asks for what is left, and the client reads one whole stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_connections_and_engine_errors_are_continued() {
+    let sims = Sim::start_n(2, &FAST);
+    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+    // Every stream is cut at its 5th token: the first attempt sends 5, its continuation the
+    // other 3.
+    for s in &sims {
+        set_faults(s.addr, json!({"cut_after_tokens": 5}));
+    }
+    let s = stream_of(&kv, "/v1/chat/completions", chat(8)).await;
+    assert_eq!((s.text(), s.dones(), s.error()), (whole(8), 1, None));
+    let usage = &s.chunks().last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 8, "{usage}");
+    // The replayed text was the continuation's prompt: both prompts are counted.
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 2 * 5, "{usage}");
+    let completions = json!({"model": MODEL, "prompt": "Once", "max_tokens": 7, "stream": true});
+    let s = stream_of(&kv, "/v1/completions", completions).await;
+    assert_eq!((s.text(), s.dones(), s.error()), (whole(7), 1, None));
+    // An engine's error event mid-stream is not the client's: the stream goes on.
+    for s in &sims {
+        set_faults(
+            s.addr,
+            json!({"cut_after_tokens": 0, "error_after_tokens": 4}),
+        );
+    }
+    let s = stream_of(&kv, "/v1/chat/completions", chat(6)).await;
+    assert_eq!((s.text(), s.dones(), s.error()), (whole(6), 1, None));
+    assert_eq!(migrations(&kv, "migrated"), 3.0);
+    // Text that reached its limit before the cut needs only its end.
+    for s in &sims {
+        set_faults(
+            s.addr,
+            json!({"cut_after_tokens": 4, "error_after_tokens": 0}),
+        );
+    }
+    let s = stream_of(&kv, "/v1/chat/completions", chat(4)).await;
+    assert_eq!((s.text(), s.dones(), s.error()), (whole(4), 1, None));
+}
+
+/// At most `limits.max_migrations` continuations; what cannot be continued faithfully ends
+/// with an error event, counted by why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_are_limited_and_unfit_streams_end_with_an_error() {
+    let sims = Sim::start_n(4, &FAST);
+    let addrs: Vec<_> = sims.iter().map(|s| s.addr).collect();
+    let kv = Kvroute::start(&addrs, "");
+    for s in &sims {
+        set_faults(s.addr, json!({"cut_after_tokens": 3}));
+    }
+    // Three attempts of 3 tokens each (the default limit is 2 migrations), then an error.
+    let s = stream_of(&kv, "/v1/chat/completions", chat(20)).await;
+    assert_eq!(s.text(), whole(9));
+    assert_eq!(
+        s.error().unwrap()["code"],
+        "upstream_failed",
+        "{:?}",
+        s.events
+    );
+    assert_eq!(s.dones(), 0);
+    assert_eq!(migrations(&kv, "migrated"), 2.0);
+    assert_eq!(migrations(&kv, "limit"), 1.0);
+    assert_eq!(kv.metric_sum("kvroute_cut_streams_total", &[]), 1.0);
+    // Token log probabilities another engine did not sample cannot be continued.
+    let mut body = chat(20);
+    body["logprobs"] = json!(true);
+    let s = stream_of(&kv, "/v1/chat/completions", body).await;
+    assert_eq!(s.text(), whole(3));
+    assert!(s.error().is_some());
+    assert_eq!(migrations(&kv, "unfit_logprobs"), 1.0);
+    drop(kv);
+    // Migration off: the stream ends with an error event, as before.
+    let kv = Kvroute::start(&addrs, "  limits:\n    max_migrations: 0\n");
+    let s = stream_of(&kv, "/v1/chat/completions", chat(20)).await;
+    assert_eq!(s.text(), whole(3));
+    assert!(s.error().is_some());
+    assert_eq!(migrations(&kv, "disabled"), 1.0);
+}
+
+/// An engine that refuses a continuation (it does not know `continue_final_message`) is not
+/// asked to continue a stream again; the client's stream is not touched by its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_refusing_continuations_is_not_asked_again() {
+    let sims = Sim::start_n(2, &FAST);
+    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+    for s in &sims {
+        set_faults(
+            s.addr,
+            json!({"cut_after_tokens": 3, "refuse_continuation": true}),
+        );
+    }
+    for _ in 0..4 {
+        let s = stream_of(&kv, "/v1/chat/completions", chat(10)).await;
+        assert_eq!(s.text(), whole(3));
+        assert_eq!(s.error().unwrap()["code"], "upstream_failed");
+    }
+    let refused = |b: &Sim| {
+        kv.metric_sum(
+            "kvroute_upstream_failures_total",
+            &[
+                ("kind", "refused_continuation"),
+                ("backend", &b.addr.to_string()),
+            ],
+        )
+    };
+    let per_backend: Vec<f64> = sims.iter().map(refused).collect();
+    assert!(per_backend.iter().all(|&n| n <= 1.0), "{per_backend:?}");
+    assert!(per_backend.iter().sum::<f64>() >= 1.0, "{per_backend:?}");
+}
