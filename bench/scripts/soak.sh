@@ -4,11 +4,15 @@
 #
 # The Mooncake trace through kvroute at ~80% of a 4-server simulated H100 fleet's prefill
 # capacity (the trace offers ~54k prompt tokens/s at 1x; 4 x 25k tok/s = 100k; 1.5x is ~80%)
-# for DURATION_S seconds, killing one backend (kill -9) and restarting it every minute, in turn.
+# for DURATION_S seconds, killing one backend (kill -9) and restarting it every minute, in turn
+# (KILL_EVERY_S=0: no kills), and freezing one (SIGSTOP, then SIGCONT FREEZE_S seconds later)
+# at FREEZE_AT_S (FREEZE_S=0: no freeze). Every reply's text is checked against the
+# simulator's deterministic one (`replay --check-text`): a stream continued on another backend
+# must read as an unbroken one.
 #
-# Reports requests sent and failed (only requests in flight on the killed backend may fail),
-# the in-flight count on each backend just before it was killed, and kvroute's RSS at start
-# and end. Writes OUT/README.md (OUT default bench/runs/soak). Needs release binaries:
+# Reports requests sent and failed, the in-flight count on each backend just before it was
+# killed, streams migrated and their gaps, and kvroute's RSS at start and end. Writes
+# OUT/README.md (OUT default bench/runs/soak). Needs release binaries:
 #   cargo build --release --workspace && bench/scripts/soak.sh
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -18,6 +22,10 @@ cd "$REPO_ROOT"
 DURATION_S=${DURATION_S:-600}
 SPEEDUP=${SPEEDUP:-1.5}
 KILL_EVERY_S=${KILL_EVERY_S:-60}
+FREEZE_AT_S=${FREEZE_AT_S:-90}
+FREEZE_S=${FREEZE_S:-60}
+# Server 3 is killed at 240 s and 480 s only: its freeze (90-150 s) never meets a kill.
+FREEZE_IDX=${FREEZE_IDX:-3}
 BASE_PORT=${BASE_PORT:-19100}
 N=4
 BIN=${CARGO_TARGET_DIR:-target}/release
@@ -51,7 +59,7 @@ sleep 1
 RSS_START=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
 
 "$BIN/kvbench" replay --target "http://$LISTEN" --workload mooncake --trace-speedup "$SPEEDUP" \
-  --duration-s "$DURATION_S" --grace-s 120 --out "$OUT/replay" --label soak \
+  --duration-s "$DURATION_S" --grace-s 120 --out "$OUT/replay" --label soak --check-text \
   > "$RUN/replay.log" 2>&1 &
 REPLAY_PID=$!
 
@@ -69,9 +77,22 @@ REPLAY_PID=$!
   done
 ) > "$OUT/rss.csv" &
 
+if (( FREEZE_S > 0 )); then
+  (
+    sleep "$FREEZE_AT_S"
+    kill -STOP "${SIM_PIDS[$FREEZE_IDX]}"
+    echo "t=${FREEZE_AT_S}s froze 127.0.0.1:$((BASE_PORT + FREEZE_IDX)) for ${FREEZE_S}s"
+    sleep "$FREEZE_S"
+    kill -CONT "${SIM_PIDS[$FREEZE_IDX]}"
+  ) &
+  FREEZE="server $FREEZE_IDX frozen (SIGSTOP) at ${FREEZE_AT_S} s for ${FREEZE_S} s"
+else
+  FREEZE="no freeze"
+fi
+
 KILLS=""
 t=0
-while (( t + KILL_EVERY_S < DURATION_S )); do
+while (( KILL_EVERY_S > 0 && t + KILL_EVERY_S < DURATION_S )); do
   sleep "$KILL_EVERY_S"
   t=$((t + KILL_EVERY_S))
   i=$(( (t / KILL_EVERY_S - 1) % N ))
@@ -89,9 +110,9 @@ wait "$REPLAY_PID"
 RSS_END=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
 curl -fs "http://$ADMIN/metrics" > "$OUT/metrics.txt"
 
-python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" "$KILL_EVERY_S" <<'PY'
+python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" "$KILL_EVERY_S" "$FREEZE" <<'PY'
 import json, sys
-out, rss0, rss1, dur, speedup, kills, every = sys.argv[1:8]
+out, rss0, rss1, dur, speedup, kills, every, freeze = sys.argv[1:9]
 r = json.load(open(f"{out}/replay/report.json"))
 s = r["summary"]
 def metric(name):
@@ -101,6 +122,30 @@ def metric(name):
             tot += float(line.rsplit(" ", 1)[1])
     return tot
 cut = metric("kvroute_cut_streams_total")
+migrated = metric('kvroute_migrations_total{outcome="migrated"}')
+not_migrated = metric("kvroute_migrations_total") - migrated
+mangled = sum(1 for rec in r.get("records", [])
+              if "text differs from an unbroken stream" in (rec.get("error") or ""))
+if r.get("records_omitted"):
+    mangled = "n/a (records omitted)"
+def gap_quantiles(cause, qs=(0.5, 0.99)):
+    # From the histogram's cumulative buckets (all backends): the upper bound of the bucket
+    # where each quantile falls.
+    buckets = {}
+    for line in open(f"{out}/metrics.txt"):
+        if line.startswith("kvroute_migration_gap_seconds_bucket") and f'cause="{cause}"' in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[le] = buckets.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    order = sorted(buckets, key=lambda le: float("inf") if le == "+Inf" else float(le))
+    total = buckets.get("+Inf", 0.0)
+    if total == 0:
+        return "-"
+    out_q = []
+    for q in qs:
+        le = next(le for le in order if buckets[le] >= q * total)
+        out_q.append("<= " + ("inf" if le == "+Inf" else f"{float(le) * 1000:.0f} ms"))
+    return f"{int(total)} ({', '.join(out_q)})"
+gaps = {c: gap_quantiles(c) for c in ("connection", "silent", "engine_error")}
 failed_attempts = metric("kvroute_upstream_failures_total")
 retried = metric('kvroute_retries_total{outcome="retried"}')
 ejections = metric("kvroute_outlier_ejections_total")
@@ -113,11 +158,17 @@ text = f"""# Soak run
 
 `bench/scripts/soak.sh` (DURATION_S={dur}, SPEEDUP={speedup}, KILL_EVERY_S={every}): the Mooncake trace at {speedup}x
 through kvroute (kv_aware) to 4 simulated H100 servers, one killed (kill -9) and restarted
-(2 s later) every {every} s in turn.
+(2 s later) every {every} s in turn (0: none); {freeze}. Every reply's text checked against
+the simulator's (`replay --check-text`).
 
-| requests sent | failed (errors + timeouts) | in flight on killed backends | TTFT p50 ms | TTFT p90 ms | kvroute RSS start / end |
-|---|---|---|---|---|---|
-| {s['requests']} | {s['errors']} + {s['timeouts']} | {in_flight_at_kills} | {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} | {int(rss0)//1024} / {int(rss1)//1024} MiB |
+| requests sent | failed (errors + timeouts) | of which text mangled | in flight on killed backends | streams migrated | cut, not migrated | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | cache hit | kvroute RSS start / end |
+|---|---|---|---|---|---|---|---|---|---|---|
+| {s['requests']} | {s['errors']} + {s['timeouts']} | {mangled} | {in_flight_at_kills} | {migrated:.0f} | {not_migrated:.0f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p90_ms']:.0f} | {s['ttft_p99_ms']:.0f} | {s['cache_hit_rate']:.3f} | {int(rss0)//1024} / {int(rss1)//1024} MiB |
+
+Migrated streams' gaps (last event before the failure to the first of the continuation,
+kvroute's `kvroute_migration_gap_seconds`: count and the bucket bounds of p50, p99), by how
+the backend failed: connection closed {gaps['connection']}; silent past the read deadline
+{gaps['silent']}; engine error event {gaps['engine_error']}.
 
 Kills (time, backend, requests in flight on it just before):
 

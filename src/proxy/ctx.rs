@@ -149,6 +149,8 @@ pub(super) struct Resume {
     /// from there (for the gap metric, observed once).
     pub last_sent: Option<Instant>,
     pub cut_at: Option<Instant>,
+    /// How the attempt being continued failed (the `cause` label of the gap).
+    pub cause: &'static str,
     /// The cut stream's text was already whole: end it rather than report an error.
     pub ending: Option<Bytes>,
 }

@@ -142,8 +142,10 @@ impl ProxyMetrics {
                 r,
                 "kvroute_migration_gap_seconds",
                 "A migrated stream's gap: from the last event before its backend failed to the \
-                 first event of the continuation, by the backend that continued it.",
-                &["backend"],
+                 first event of the continuation, by the backend that continued it and how the \
+                 other failed (connection: reset or closed; silent: nothing within the read \
+                 deadline; engine_error: the engine's error event).",
+                &["backend", "cause"],
             )?,
             first_byte_ratio: ratio_vec(
                 r,

@@ -84,7 +84,7 @@ impl Migrator<'_> {
             if let Some(cut) = ctx.resume.cut_at.take() {
                 self.metrics
                     .migration_gap
-                    .with_label_values(&[ctx.backend_name()])
+                    .with_label_values(&[ctx.backend_name(), ctx.resume.cause])
                     .observe(now.duration_since(cut).as_secs_f64());
             }
             ctx.resume.last_sent = Some(now);
@@ -95,8 +95,19 @@ impl Migrator<'_> {
     /// The backend failed after the client's stream started, which has `written` body bytes:
     /// go on elsewhere (`true`: the attempt loop places the continuation) or end the stream
     /// (with its end when the text is whole, else with an error event).
-    pub fn after_cut(&self, failures: &FailurePolicy, ctx: &mut Ctx, written: u64) -> bool {
+    pub fn after_cut(
+        &self,
+        failures: &FailurePolicy,
+        ctx: &mut Ctx,
+        e: &Error,
+        written: u64,
+    ) -> bool {
         failures.cut(ctx);
+        ctx.resume.cause = match e.etype() {
+            ErrorType::ReadTimedout => "silent",
+            ErrorType::HTTPStatus(_) => "engine_error",
+            _ => "connection",
+        };
         if let Some(t) = ctx.resume.transcript.as_mut() {
             t.settle(written);
         }

@@ -508,7 +508,9 @@ impl ProxyHttp for Router {
         } else {
             let written = session.body_bytes_sent() as u64;
             session.response_written().map(|r| r.status.as_u16()) == Some(200)
-                && self.migrator().after_cut(&self.failures(), ctx, written)
+                && self
+                    .migrator()
+                    .after_cut(&self.failures(), ctx, &e, written)
         };
         e.set_retry(retry);
         e

@@ -119,6 +119,11 @@ pub struct ReplayArgs {
     /// Send the workload's session id as `x-session-id`.
     #[arg(long)]
     pub session_header: bool,
+    /// Check each reply's text against the simulator's (token i is " tok{i}"): a text reply
+    /// that is not exactly its first `completion_tokens` tokens, in order, counts as an error.
+    /// A stream a router continued on another server must read as one unbroken stream.
+    #[arg(long)]
+    pub check_text: bool,
     /// The API requests speak: chat, or an agent API (`responses`, `messages`, or `mixed`:
     /// each session through one of the two).
     #[arg(long, value_enum, default_value_t = Api::Chat)]

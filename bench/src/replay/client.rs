@@ -18,6 +18,8 @@ pub struct Ctx {
     pub api: Api,
     pub model: String,
     pub session_header: bool,
+    /// `--check-text`: the reply must be the simulator's unbroken text.
+    pub check_text: bool,
     pub start: Instant,
     /// Requests still running at this instant are abandoned and recorded as "timeout".
     pub hard_deadline: tokio::time::Instant,
@@ -175,7 +177,29 @@ async fn exchange(
     if p.first.is_none() {
         return Err("stream carried no content".to_owned());
     }
+    if ctx.check_text && p.call.is_none() {
+        let n = p
+            .usage
+            .map_or(u64::from(req.max_tokens), |u| u.completion_tokens);
+        check_text(&p.text, n)?;
+    }
     Ok(())
+}
+
+/// The simulator's reply of `n` tokens is `" tok0 tok1 … tok{n-1}"`: anything else was
+/// mangled on the way (text lost, repeated or reordered where a stream was continued).
+fn check_text(text: &str, n: u64) -> Result<(), String> {
+    let mut words = text.split(' ');
+    let whole = words.next() == Some("")
+        && (0..n).all(|i| words.next().and_then(|w| w.strip_prefix("tok")) == Some(&i.to_string()))
+        && words.next().is_none();
+    if whole {
+        return Ok(());
+    }
+    Err(format!(
+        "text differs from an unbroken stream of {n} tokens: {}",
+        clip(text)
+    ))
 }
 
 fn on_text(p: &mut Progress, now: Instant, t: String) {
@@ -223,6 +247,20 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unbroken_text_passes_and_a_mangled_one_does_not() {
+        assert!(check_text(" tok0 tok1 tok2", 3).is_ok());
+        assert!(check_text("", 0).is_ok());
+        for bad in [
+            " tok0 tok2",
+            " tok0 tok1 tok1 tok2",
+            " tok0 tok1",
+            " tok0 tok1 tok2 tok3",
+        ] {
+            assert!(check_text(bad, 3).is_err(), "{bad}");
+        }
+    }
     use std::time::Duration;
 
     #[test]

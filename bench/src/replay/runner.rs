@@ -131,6 +131,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
             api: args.api,
             model: args.model.clone(),
             session_header: args.session_header,
+            check_text: args.check_text,
             start,
             hard_deadline: stop_at + Duration::from_secs_f64(args.grace_s),
         },
