@@ -26,6 +26,10 @@ pub struct ApiKeyConfig {
     pub requests_per_minute: Option<u64>,
     /// Prompt plus completion tokens per minute (estimated up front, settled from `usage`).
     pub tokens_per_minute: Option<u64>,
+    /// The highest `x-priority` this key's requests get in the router queue; a higher one
+    /// is lowered to it (default 0: the header can only lower a request's priority).
+    #[serde(default)]
+    pub max_priority: i32,
 }
 
 /// Parse a `sha256:` hex digest from the config.

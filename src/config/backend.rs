@@ -63,6 +63,10 @@ pub struct BackendConfig {
     /// knows exactly which prefixes it caches.
     #[serde(default)]
     pub kv_events: Option<BackendKvEvents>,
+    /// Absolute path of a file holding the engine's own API key (its `--api-key`), sent as
+    /// `Authorization: Bearer` on every request and scrape. The key stays out of the config.
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -147,6 +151,12 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
         }
         if let Some(k) = &b.kv_events {
             k.validate(&format!("kvroute.backends[{i}].kv_events"))?;
+        }
+        if b.api_key_file.as_ref().is_some_and(|p| !p.is_absolute()) {
+            return Err(err(
+                format!("kvroute.backends[{i}].api_key_file"),
+                "must be an absolute path",
+            ));
         }
         if let Some(t) = &b.tls {
             if t.sni.trim().is_empty() {

@@ -22,6 +22,11 @@ pub struct AllowRule {
     /// Upper-case HTTP methods; default `GET` and `HEAD` (read-only).
     #[serde(default = "read_only")]
     pub methods: Vec<String>,
+    /// Forward `Upgrade` (a WebSocket, say) on this route: the backend may switch protocols,
+    /// and the connection then becomes a tunnel kvroute no longer inspects. Off: the header
+    /// is removed, and a backend that switches anyway is refused.
+    #[serde(default)]
+    pub upgrade: bool,
 }
 
 fn read_only() -> Vec<String> {
@@ -85,6 +90,7 @@ mod tests {
         AllowRule {
             path: path.into(),
             methods: methods.iter().map(|m| m.to_string()).collect(),
+            upgrade: false,
         }
     }
 

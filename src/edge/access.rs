@@ -211,6 +211,7 @@ mod tests {
                     models: vec!["m1".into()],
                     requests_per_minute: Some(60),
                     tokens_per_minute: Some(6000),
+                    max_priority: 0,
                 },
                 ApiKeyConfig {
                     sha256: hex(&digest(b"beta-key")),
@@ -218,6 +219,7 @@ mod tests {
                     models: vec![],
                     requests_per_minute: None,
                     tokens_per_minute: None,
+                    max_priority: 0,
                 },
             ],
         }

@@ -140,6 +140,8 @@ pub struct BackendState {
     pub(super) lb_backend: Backend,
     /// `backends[].tls`: reached over TLS.
     pub tls: Option<Arc<UpstreamTls>>,
+    /// `Authorization` for the engine's own key (`backends[].api_key_file`).
+    pub engine_auth: Option<Arc<str>>,
     /// `backends[].models` (`None` when the config lists none).
     pub configured_models: Option<Arc<Vec<ModelEntry>>>,
 }

@@ -16,6 +16,8 @@ pub enum FleetError {
     IndexPoisoned,
     /// A backend's TLS settings cannot be used (its CA bundle).
     BackendTls { backend: String, reason: String },
+    /// A backend's API key file cannot be used.
+    BackendApiKey { backend: String, reason: String },
 }
 
 impl fmt::Display for FleetError {
@@ -28,6 +30,9 @@ impl fmt::Display for FleetError {
             FleetError::IndexPoisoned => f.write_str("prefix index lock poisoned"),
             FleetError::BackendTls { backend, reason } => {
                 write!(f, "backend {backend}: tls: {reason}")
+            }
+            FleetError::BackendApiKey { backend, reason } => {
+                write!(f, "backend {backend}: api_key_file: {reason}")
             }
         }
     }

@@ -69,7 +69,27 @@ type Parsed = (
     Option<SocketAddr>,
     Backend,
     Option<Arc<UpstreamTls>>,
+    Option<Arc<str>>,
 );
+
+/// The `Authorization` value for an engine's own key, read from `path` (on every build of the
+/// fleet, so a reload picks up a rotated key).
+fn engine_auth(backend: &str, path: &std::path::Path) -> Result<Arc<str>, FleetError> {
+    let bad = |reason: String| FleetError::BackendApiKey {
+        backend: backend.to_string(),
+        reason: format!("{}: {reason}", path.display()),
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+    let key = text.trim();
+    if key.is_empty() || key.contains(char::is_whitespace) {
+        return Err(bad("must hold one key, on one line".into()));
+    }
+    let value = format!("Bearer {key}");
+    if http::HeaderValue::from_str(&value).is_err() {
+        return Err(bad("the key is not a valid header value".into()));
+    }
+    Ok(value.into())
+}
 
 /// A backend's address, optional DCGM exporter and TLS settings (its CA bundle read), parsed
 /// before anything is changed.
@@ -88,7 +108,11 @@ fn parse_backend(b: &BackendConfig) -> Result<Parsed, FleetError> {
         Some(t) => Some(Arc::new(UpstreamTls::load(&b.addr, t)?)),
         None => None,
     };
-    Ok((addr, dcgm, lb_backend, tls))
+    let auth = match &b.api_key_file {
+        Some(path) => Some(engine_auth(&b.addr, path)?),
+        None => None,
+    };
+    Ok((addr, dcgm, lb_backend, tls, auth))
 }
 
 /// Index blocks for a backend: its configured KV size, else what its engine showed, else the
@@ -195,7 +219,7 @@ impl Fleet {
                     owner[s] = None;
                 }
             }
-            for (b, (addr, dcgm, lb_backend, tls)) in cfg.backends.iter().zip(parsed) {
+            for (b, (addr, dcgm, lb_backend, tls, engine_auth)) in cfg.backends.iter().zip(parsed) {
                 let (slot, live) = match old.get(&addr) {
                     Some(prev) => {
                         if let Some(s) = prev.slot {
@@ -240,6 +264,7 @@ impl Fleet {
                     live,
                     lb_backend,
                     tls,
+                    engine_auth,
                     configured_models: (!b.models.is_empty()).then(|| {
                         Arc::new(
                             b.models

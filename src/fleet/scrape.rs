@@ -14,7 +14,12 @@ use super::upstream::{http_peer, probe_session, release_probe_session};
 use crate::config::EngineKind;
 
 /// `GET path` on `addr`, body as text. Bounded by `timeout` and 4 MiB.
-async fn fetch(mut peer: HttpPeer, path: &str, timeout: Duration) -> Result<String, String> {
+async fn fetch(
+    mut peer: HttpPeer,
+    path: &str,
+    auth: Option<&str>,
+    timeout: Duration,
+) -> Result<String, String> {
     let host = if peer.sni.is_empty() {
         peer._address.to_string()
     } else {
@@ -28,6 +33,10 @@ async fn fetch(mut peer: HttpPeer, path: &str, timeout: Duration) -> Result<Stri
         let mut req =
             RequestHeader::build("GET", path.as_bytes(), None).map_err(|e| e.to_string())?;
         req.insert_header("Host", host).map_err(|e| e.to_string())?;
+        if let Some(a) = auth {
+            req.insert_header(http::header::AUTHORIZATION, a)
+                .map_err(|e| e.to_string())?;
+        }
         session
             .write_request_header(Box::new(req))
             .await
@@ -74,14 +83,16 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
                 // What the engine serves: routed by unless the config pins it (a model that
                 // disappears from the list stops being routed here), and where it does, still
                 // the word on which models are LoRA adapters. A failed fetch keeps the last list.
-                match fetch(b.peer(), "/v1/models", timeout).await {
+                match fetch(b.peer(), "/v1/models", b.engine_auth.as_deref(), timeout).await {
                     Ok(t) => match parse_model_list(&t) {
                         Some(list) => fleet.discover_models(i, list),
                         None => log::debug!("models {}: not an OpenAI model list", b.name),
                     },
                     Err(e) => log::debug!("models {}: {e}", b.name),
                 }
-                let text = match fetch(b.peer(), &b.metrics_path, timeout).await {
+                let text = match fetch(b.peer(), &b.metrics_path, b.engine_auth.as_deref(), timeout)
+                    .await
+                {
                     Ok(t) => t,
                     Err(e) => {
                         log::debug!("telemetry {}: {e}", b.name);
@@ -93,13 +104,13 @@ pub async fn scrape_forever(current: &Current, shutdown: &mut ShutdownWatch) {
                 // llama.cpp exports neither its KV size nor its slots on /metrics; /props
                 // says both. Asked until it answers once: they change only with a restart.
                 if b.engine == EngineKind::Llamacpp && b.slots().is_none() {
-                    match fetch(b.peer(), "/props", timeout).await {
+                    match fetch(b.peer(), "/props", b.engine_auth.as_deref(), timeout).await {
                         Ok(t) => add_llamacpp_props(&t, &mut stats),
                         Err(e) => log::debug!("props {}: {e}", b.name),
                     }
                 }
                 if let Some(dcgm) = b.dcgm {
-                    match fetch(http_peer(dcgm, None), "/metrics", timeout).await {
+                    match fetch(http_peer(dcgm, None), "/metrics", None, timeout).await {
                         Ok(t) => parse_dcgm(&t, &mut stats),
                         Err(e) => log::debug!("dcgm {}: {e}", b.name),
                     }

@@ -70,6 +70,8 @@ pub(super) struct Route {
     pub upstream_path: Option<String>,
     /// The answer carries response ids to stamp; the engine id the request named, if any.
     pub stamp_ids: Option<Option<String>>,
+    /// A pass-through route whose rule lets the backend switch protocols (`upgrade: true`).
+    pub allow_upgrade: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -133,8 +133,8 @@ impl ProxyMetrics {
                 "kvroute_migrations_total",
                 "Streams whose backend failed after the response started, by what followed: \
                  migrated (continued on another backend), finished (the text was already whole: \
-                 the stream was ended), limit (limits.max_migrations reached), budget (the retry \
-                 budget was spent), disabled (limits.max_migrations is 0), unfit_* (a request \
+                 the stream was ended), limit (limits.max_migrations reached), disabled \
+                 (limits.max_migrations is 0), unfit_* (a request \
                  another engine cannot continue faithfully).",
                 &["outcome"],
             )?,
@@ -219,7 +219,7 @@ impl ProxyMetrics {
                 }
             }
         }
-        for outcome in ["migrated", "finished", "limit", "budget", "disabled"] {
+        for outcome in ["migrated", "finished", "limit", "disabled"] {
             m.migrations.with_label_values(&[outcome]);
         }
         for unfit in Unfit::ALL {

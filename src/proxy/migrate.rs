@@ -11,13 +11,11 @@ use std::time::Instant;
 use super::ctx::Ctx;
 use super::failures::FailurePolicy;
 use super::metrics::ProxyMetrics;
-use crate::edge::EdgeState;
 use crate::request::resume::{self, Continuation, Splice, Transcript, Unfit};
 use crate::request::Endpoint;
 
 /// Decides what follows a cut stream, and runs its continuation.
 pub(super) struct Migrator<'a> {
-    pub edge: &'a EdgeState,
     pub metrics: &'a ProxyMetrics,
 }
 
@@ -136,8 +134,17 @@ impl Migrator<'_> {
             };
         };
         let seen = t.seen();
+        // The usage the client asked for, if the end is all that is left to send: every
+        // attempt's prompt (estimated: the failed engines never reported theirs) and the
+        // tokens the client has.
+        let usage = (p.include_usage && !ctx.route.strip_usage).then(|| {
+            (
+                ctx.resume.prompt_before + ctx.resume.prompt_now,
+                seen.tokens,
+            )
+        });
         if seen.finished {
-            ctx.resume.ending = Some(resume::final_events(endpoint, seen, false));
+            ctx.resume.ending = Some(resume::final_events(endpoint, seen, false, usage));
             return "finished";
         }
         if ctx.resume.migrations >= limits.max_migrations {
@@ -147,21 +154,15 @@ impl Migrator<'_> {
         let next = match resume::continuation(endpoint, body, seen) {
             Ok(Continuation::Body(b)) => b,
             Ok(Continuation::Complete) => {
-                ctx.resume.ending = Some(resume::final_events(endpoint, seen, true));
+                ctx.resume.ending = Some(resume::final_events(endpoint, seen, true, usage));
                 return "finished";
             }
             Err(u) => return u.as_str(),
         };
-        if ctx.attempts.retrying.is_none() {
-            match self
-                .edge
-                .retry_budget
-                .try_retry(limits.retry_budget_ratio, limits.retry_budget_min)
-            {
-                Some(r) => ctx.attempts.retrying = Some(r),
-                None => return "budget",
-            }
-        }
+        // Outside the retry budget: the failed engine's work is gone with it, so the
+        // continuation replaces work rather than adding any, and a backend that dies with a
+        // hundred streams must not leave most of them cut for want of budget.
+        // `limits.max_migrations` bounds what one request can cost.
         let first_prompt = ctx.resume.prompt_now.saturating_sub(ctx.resume.replayed);
         ctx.resume.prompt_before += ctx.resume.prompt_now;
         ctx.resume.replayed = seen.tokens;

@@ -105,7 +105,6 @@ impl Router {
 
     fn migrator(&self) -> Migrator<'_> {
         Migrator {
-            edge: &self.edge,
             metrics: &self.metrics,
         }
     }
@@ -142,7 +141,18 @@ impl ProxyHttp for Router {
             session.req_header().uri.path(),
         );
         ctx.dialect = Dialect::of_path(path);
+        if let Err(e) =
+            request::host_present(session.req_header(), session.as_downstream().is_http2())
+        {
+            return reject(session, ctx, e, true).await;
+        }
         let route = surface::route(method, path, &cfg.passthrough.allow);
+        ctx.route.allow_upgrade = route == Route::Forward
+            && cfg
+                .passthrough
+                .allow
+                .iter()
+                .any(|r| r.upgrade && r.matches(method, path));
         let refused = match route {
             Route::NotFound => Some(ApiError::not_found(format!(
                 "{method} {path} is not served here: kvroute serves the OpenAI inference API"
@@ -183,7 +193,14 @@ impl ProxyHttp for Router {
             .map(|v| v.to_str().ok().and_then(|s| s.trim().parse::<i32>().ok()))
         {
             None => {}
-            Some(Some(p)) => ctx.route.priority = p,
+            // A key's requests go no higher than it may (access control on).
+            Some(Some(p)) => {
+                let key = match (&ctx.quota.caller, &cfg.access) {
+                    (Some(c), Some(acl)) => acl.keys.get(c.index),
+                    _ => None,
+                };
+                ctx.route.priority = key.map_or(p, |k| p.min(k.max_priority));
+            }
             Some(None) => {
                 let err =
                     ApiError::bad_request("invalid_priority", "x-priority must be an integer");
@@ -351,6 +368,11 @@ impl ProxyHttp for Router {
         // Which engine rank serves a request is kvroute's to say, never a client's: a pinned
         // rank bypasses the engine's own balancing.
         upstream.remove_header(DP_RANK_HEADER);
+        // A switched protocol is a tunnel past the path filter and access control: only where
+        // a pass-through rule allows it.
+        if !ctx.route.allow_upgrade {
+            upstream.remove_header(&http::header::UPGRADE);
+        }
         if let Some(path) = &ctx.route.upstream_path {
             let uri = path
                 .parse::<http::Uri>()
@@ -359,6 +381,19 @@ impl ProxyHttp for Router {
         }
         if let Some(r) = ctx.route.dp_rank {
             upstream.insert_header(DP_RANK_HEADER, r.to_string())?;
+        }
+        // The client's key is kvroute's to check, not the engine's to see: an engine behind
+        // access control gets its own key, or none.
+        if ctx.generation.config.access.is_some() {
+            upstream.remove_header(&http::header::AUTHORIZATION);
+            upstream.remove_header("x-api-key");
+        }
+        let backend = ctx
+            .attempts
+            .backend
+            .map(|i| &ctx.generation.fleet.backends()[i]);
+        if let Some(auth) = backend.and_then(|b| b.engine_auth.as_deref()) {
+            upstream.insert_header(http::header::AUTHORIZATION, auth)?;
         }
         Ok(())
     }
@@ -387,6 +422,12 @@ impl ProxyHttp for Router {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if upstream.status == http::StatusCode::SWITCHING_PROTOCOLS && !ctx.route.allow_upgrade {
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(502),
+                "the backend switched protocols on a route not allowed to upgrade",
+            ));
+        }
         self.migrator()
             .check_answer(ctx, upstream.status.as_u16())?;
         ctx.attempts.upstream_responded = true;

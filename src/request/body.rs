@@ -85,15 +85,24 @@ pub(crate) async fn read_body(
             )));
         }
         buf.extend_from_slice(&chunk);
+        // A chunked body past what can be replayed is refused now, not after the rest of it
+        // (or a stall) has been waited for.
+        if declared.is_none() && buf.len() > RETRY_BUFFER_BYTES {
+            return Err(chunked_too_large());
+        }
     }
     // Whether the retry buffer holds the body's tail, known without copying it out (asking
     // Pingora for the buffer copies it): empty or overflowed, Pingora would forward nothing.
     let tail = buffered_from.map_or(0, |from| buf.len() - from);
     if !buf.is_empty() && (tail == 0 || tail > RETRY_BUFFER_BYTES) {
-        return Err(ApiError::length_required(format!(
-            "chunked request bodies over {} KiB are not supported; send Content-Length",
-            RETRY_BUFFER_BYTES / 1024
-        )));
+        return Err(chunked_too_large());
     }
     Ok(buf.freeze())
+}
+
+fn chunked_too_large() -> ApiError {
+    ApiError::length_required(format!(
+        "chunked request bodies over {} KiB are not supported; send Content-Length",
+        RETRY_BUFFER_BYTES / 1024
+    ))
 }

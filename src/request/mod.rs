@@ -111,6 +111,25 @@ impl RequestProfile {
     }
 }
 
+/// An HTTP/1.1 request names its host exactly once (RFC 9112 section 3.2: a server answers
+/// 400 otherwise); HTTP/2 carries `:authority` instead, and HTTP/1.0 may omit it.
+pub fn host_present(req: &pingora::http::RequestHeader, http2: bool) -> Result<(), ApiError> {
+    if http2 || req.version != http::Version::HTTP_11 {
+        return Ok(());
+    }
+    match req.headers.get_all(http::header::HOST).iter().count() {
+        1 => Ok(()),
+        0 => Err(ApiError::bad_request(
+            "missing_host",
+            "an HTTP/1.1 request must carry a Host header",
+        )),
+        _ => Err(ApiError::bad_request(
+            "duplicate_host",
+            "an HTTP/1.1 request must carry one Host header, not several",
+        )),
+    }
+}
+
 /// Output length assumed when the client sets no `max_tokens`.
 const DEFAULT_OUTPUT_TOKENS: u64 = 256;
 

@@ -169,6 +169,7 @@ mod tests {
         let allow = [AllowRule {
             path: "/health".into(),
             methods: vec!["GET".into()],
+            upgrade: false,
         }];
         assert_eq!(route("GET", "/health", &allow), Route::Forward);
         assert_eq!(route("POST", "/health", &allow), Route::NotFound);

@@ -137,24 +137,39 @@ pub fn continuation(endpoint: Endpoint, body: &[u8], seen: &Seen) -> Result<Cont
 }
 
 /// The events that end a stream whose text is whole but whose end was lost: a last chunk with
-/// `finish_reason: "length"` when the output limit was what ended it (`with_finish`), then
+/// `finish_reason: "length"` when the output limit was what ended it (`with_finish`), the
+/// usage chunk when the client asked for one (`usage`: prompt and completion tokens), then
 /// `[DONE]`.
-pub fn final_events(endpoint: Endpoint, seen: &Seen, with_finish: bool) -> Bytes {
+pub fn final_events(
+    endpoint: Endpoint,
+    seen: &Seen,
+    with_finish: bool,
+    usage: Option<(u64, u64)>,
+) -> Bytes {
     let mut out = Vec::new();
+    let object = match endpoint {
+        Endpoint::Completions => "text_completion",
+        _ => "chat.completion.chunk",
+    };
     if with_finish && !seen.finished {
-        let (object, choice) = match endpoint {
-            Endpoint::Completions => (
-                "text_completion",
-                serde_json::json!({"index": 0, "text": "", "finish_reason": "length"}),
-            ),
-            _ => (
-                "chat.completion.chunk",
-                serde_json::json!({"index": 0, "delta": {}, "finish_reason": "length"}),
-            ),
+        let choice = match endpoint {
+            Endpoint::Completions => {
+                serde_json::json!({"index": 0, "text": "", "finish_reason": "length"})
+            }
+            _ => serde_json::json!({"index": 0, "delta": {}, "finish_reason": "length"}),
         };
         let event = serde_json::json!({
             "id": seen.id, "object": object, "created": seen.created, "model": seen.model,
             "choices": [choice],
+        });
+        out.extend_from_slice(format!("data: {event}\n\n").as_bytes());
+    }
+    if let Some((prompt, completion)) = usage {
+        let event = serde_json::json!({
+            "id": seen.id, "object": object, "created": seen.created, "model": seen.model,
+            "choices": [],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion},
         });
         out.extend_from_slice(format!("data: {event}\n\n").as_bytes());
     }
@@ -293,7 +308,7 @@ mod tests {
     fn a_whole_text_ends_with_its_finish_and_done() {
         let mut s = seen(" a b", 2);
         s.id = Some("c1".into());
-        let end = final_events(Endpoint::Chat, &s, true);
+        let end = final_events(Endpoint::Chat, &s, true, None);
         let text = std::str::from_utf8(&end).unwrap();
         let (first, done) = text.split_once("\n\n").unwrap();
         let v: Value = serde_json::from_str(first.strip_prefix("data: ").unwrap()).unwrap();
@@ -302,9 +317,16 @@ mod tests {
         assert_eq!(done, "data: [DONE]\n\n");
         s.finished = true;
         assert_eq!(
-            &final_events(Endpoint::Chat, &s, true)[..],
+            &final_events(Endpoint::Chat, &s, true, None)[..],
             b"data: [DONE]\n\n"
         );
+        let end = final_events(Endpoint::Chat, &s, true, Some((10, 2)));
+        let text = std::str::from_utf8(&end).unwrap();
+        let (first, done) = text.split_once("\n\n").unwrap();
+        let v: Value = serde_json::from_str(first.strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 2);
+        assert_eq!(v["usage"]["total_tokens"], 12);
+        assert_eq!(done, "data: [DONE]\n\n");
     }
 
     #[test]

@@ -1,0 +1,275 @@
+//! What an external probe found at the edge, each fixed: an HTTP/1.1 request without `Host`,
+//! an `Upgrade` that turned a pass-through route into a raw tunnel past the path filter, and
+//! `x-priority` as the client's own choice.
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A raw request to kvroute and the response's status line and head.
+fn raw(kv: &Kvroute, request: &str) -> String {
+    let addr = kv.url("").trim_start_matches("http://").to_string();
+    let mut s = TcpStream::connect(addr.trim_end_matches('/')).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut buf = vec![0u8; 8192];
+    let n = s.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http11_request_needs_one_host() {
+    let sim = Sim::start(&[]);
+    let kv = Kvroute::start(&[sim.addr], "");
+    let body =
+        r#"{"model":"sim-llama-8b","messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#;
+    let post = |host: &str| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\n{host}Content-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let answer = raw(&kv, &post(""));
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("missing_host"), "{answer}");
+    let answer = raw(&kv, &post("Host: a\r\nHost: b\r\n"));
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let answer = raw(&kv, &post("Host: kvroute\r\n"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    // HTTP/1.0 may leave it out.
+    let answer = raw(&kv, &post("").replacen("HTTP/1.1", "HTTP/1.0", 1));
+    assert!(
+        answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"),
+        "{answer}"
+    );
+}
+
+/// A backend that switches to a tunnel when asked to upgrade, and records every request head
+/// and every byte it receives after switching.
+fn upgrading_backend() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let record = record.clone();
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 8192];
+                let n = conn.read(&mut buf).unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let upgrade = head.to_ascii_lowercase().contains("\r\nupgrade: websocket");
+                record.lock().unwrap().push(head);
+                if !upgrade {
+                    let _ = conn.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                    );
+                    return;
+                }
+                let _ = conn.write_all(
+                    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+                );
+                conn.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let tunneled = String::from_utf8_lossy(&buf[..n]).to_string();
+                    record.lock().unwrap().push(format!("TUNNEL {tunneled}"));
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+const WEBSOCKET: &str = "GET /ws HTTP/1.1\r\nHost: kvroute\r\nUpgrade: websocket\r\n\
+    Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+    Sec-WebSocket-Version: 13\r\n\r\n";
+
+/// What reaches the backend after a WebSocket handshake to `/ws` and a request for `/sleep`
+/// written on the same connection.
+fn upgrade_then_smuggle(kv: &Kvroute) -> String {
+    let addr = kv.url("").trim_start_matches("http://").to_string();
+    let mut s = TcpStream::connect(addr.trim_end_matches('/')).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(WEBSOCKET.as_bytes()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).unwrap_or(0);
+    let answer = String::from_utf8_lossy(&buf[..n]).to_string();
+    let _ = s.write_all(b"POST /sleep HTTP/1.1\r\nHost: engine\r\nContent-Length: 0\r\n\r\n");
+    std::thread::sleep(Duration::from_millis(500));
+    answer
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrades_only_where_a_passthrough_rule_allows_them() {
+    let (backend, seen) = upgrading_backend();
+    let conf = |upgrade: bool| {
+        format!(
+            "  health_check:\n    path: /ws\n  telemetry:\n    enabled: false\n  passthrough:\n    allow:\n      - path: /ws\n        methods: [GET]\n        upgrade: {upgrade}\n"
+        )
+    };
+    let kv = Kvroute::start(&[backend], &conf(false));
+    let answer = upgrade_then_smuggle(&kv);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    {
+        let seen = seen.lock().unwrap();
+        let to_ws: Vec<_> = seen.iter().filter(|h| h.starts_with("GET /ws")).collect();
+        assert!(!to_ws.is_empty());
+        assert!(
+            to_ws
+                .iter()
+                .all(|h| !h.to_ascii_lowercase().contains("\r\nupgrade:")),
+            "{to_ws:?}"
+        );
+        assert!(
+            !seen.iter().any(|h| h.contains("/sleep")),
+            "a request for /sleep reached the backend: {seen:?}"
+        );
+    }
+    drop(kv);
+    // Allowed explicitly: the operator's choice, and the tunnel is what they asked for.
+    let kv = Kvroute::start(&[backend], &conf(true));
+    let answer = upgrade_then_smuggle(&kv);
+    assert!(answer.starts_with("HTTP/1.1 101"), "{answer}");
+}
+
+/// A key's requests get at most its `max_priority` in the router queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn priority_is_bounded_by_the_key() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "20"]);
+    let sha = |k: &str| {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(k.as_bytes());
+        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let extra = format!(
+        "  limits:\n    backend_max_inflight: 1\n  access:\n    keys:\n      - sha256: \"{}\"\n        tenant: anyone\n      - sha256: \"{}\"\n        tenant: ops\n        max_priority: 10\n",
+        sha("anyone-key"),
+        sha("ops-key")
+    );
+    let kv = Kvroute::start(&[sim.addr], &extra);
+    let url = kv.url("/v1/chat/completions");
+    let ask = move |key: &'static str, priority: &'static str| {
+        let url = url.clone();
+        async move {
+            client()
+                .post(url)
+                .bearer_auth(key)
+                .header("x-priority", priority)
+                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": key}], "max_tokens": 20}))
+                .send()
+                .await
+        }
+    };
+    // One request holds the backend's only place; two wait in the queue behind it.
+    let busy = tokio::spawn(ask.clone()("ops-key", "0"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let (o1, o2) = (order.clone(), order.clone());
+    let (ask1, ask2) = (ask.clone(), ask.clone());
+    let greedy = tokio::spawn(async move {
+        let r = ask1("anyone-key", "2147483647").await.unwrap();
+        assert_eq!(r.status(), 200);
+        o1.lock().unwrap().push("anyone");
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ops = tokio::spawn(async move {
+        let r = ask2("ops-key", "5").await.unwrap();
+        assert_eq!(r.status(), 200);
+        o2.lock().unwrap().push("ops");
+    });
+    assert_eq!(busy.await.unwrap().unwrap().status(), 200);
+    greedy.await.unwrap();
+    ops.await.unwrap();
+    // The first key's 2147483647 counts as 0; the second's 5 stands, so it goes first.
+    assert_eq!(*order.lock().unwrap(), ["ops", "anyone"]);
+}
+
+/// Behind access control, the client's key stays at the edge; an engine with its own key gets
+/// that one, on requests and on the scrapes of its models and metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clients_key_stays_at_the_edge_and_the_engine_gets_its_own() {
+    let (backend, seen) = upgrading_backend();
+    let dir = std::env::temp_dir().join(format!("kvroute-engine-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key_file = dir.join("engine.key");
+    std::fs::write(&key_file, "engine-secret\n").unwrap();
+    let sha = {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(b"client-key");
+        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let kv = Kvroute::start_with(
+        &[(backend, format!("      api_key_file: \"{}\"\n", key_file.display()))],
+        &format!(
+            "  health_check:\n    path: /ws\n  telemetry:\n    interval_ms: 200\n  access:\n    keys:\n      - sha256: \"{sha}\"\n        tenant: t\n"
+        ),
+    );
+    let r = client()
+        .post(kv.url("/v1/embeddings"))
+        .bearer_auth("client-key")
+        .header("x-api-key", "client-key")
+        .json(&json!({"model": MODEL, "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let seen = seen.lock().unwrap();
+    let head = |prefix: &str| {
+        seen.iter()
+            .find(|h| h.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in {seen:?}"))
+            .to_ascii_lowercase()
+    };
+    let embeddings = head("POST /v1/embeddings");
+    assert!(!embeddings.contains("client-key"), "{embeddings}");
+    assert!(
+        embeddings.contains("authorization: bearer engine-secret"),
+        "{embeddings}"
+    );
+    assert!(head("GET /v1/models").contains("authorization: bearer engine-secret"));
+    assert!(head("GET /metrics").contains("authorization: bearer engine-secret"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A chunked body larger than kvroute can replay is refused with 411 as soon as it passes
+/// that size, not after the client sent (or stalled on) the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_chunked_body_is_refused_at_once() {
+    let sim = Sim::start(&[]);
+    let kv = Kvroute::start(&[sim.addr], "");
+    let addr = kv.url("").trim_start_matches("http://").to_string();
+    let mut s = TcpStream::connect(addr.trim_end_matches('/')).unwrap();
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\n\
+          Transfer-Encoding: chunked\r\n\r\n",
+    )
+    .unwrap();
+    let piece = vec![b' '; 16 * 1024];
+    for _ in 0..5 {
+        write!(s, "{:x}\r\n", piece.len()).unwrap();
+        s.write_all(&piece).unwrap();
+        s.write_all(b"\r\n").unwrap();
+    }
+    // ... and then nothing: the client stalls mid-body.
+    let started = std::time::Instant::now();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).unwrap_or(0);
+    let answer = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(answer.starts_with("HTTP/1.1 411"), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "answered after {:?}",
+        started.elapsed()
+    );
+}
