@@ -1,0 +1,52 @@
+//! The request as the backend gets it: the body's framing, what only kvroute may say (the
+//! engine rank, the engine's key), and what must not pass (a protocol switch, the client's key).
+
+use pingora::http::RequestHeader;
+use pingora::{Error, ErrorType, Result};
+
+use super::ctx::Ctx;
+
+/// vLLM's and SGLang's header pinning a request to one data-parallel rank of the engine.
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// Rewrite the upstream request header of `ctx`'s current attempt.
+pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
+    if let Some(body) = &ctx.route.body {
+        // The body is already here in full: the backend must not wait for a 100-continue
+        // handshake or a chunked stream.
+        upstream.remove_header(&http::header::EXPECT);
+        upstream.remove_header(&http::header::TRANSFER_ENCODING);
+        upstream.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())?;
+    }
+    // Which engine rank serves a request is kvroute's to say, never a client's: a pinned
+    // rank bypasses the engine's own balancing.
+    upstream.remove_header(DP_RANK_HEADER);
+    // A switched protocol is a tunnel past the path filter and access control: only where
+    // a pass-through rule allows it.
+    if !ctx.route.allow_upgrade {
+        upstream.remove_header(&http::header::UPGRADE);
+    }
+    if let Some(path) = &ctx.route.upstream_path {
+        let uri = path
+            .parse::<http::Uri>()
+            .map_err(|e| Error::explain(ErrorType::InternalError, e.to_string()))?;
+        upstream.set_uri(uri);
+    }
+    if let Some(r) = ctx.route.dp_rank {
+        upstream.insert_header(DP_RANK_HEADER, r.to_string())?;
+    }
+    // The client's key is kvroute's to check, not the engine's to see: an engine behind
+    // access control gets its own key, or none.
+    if ctx.generation.config.access.is_some() {
+        upstream.remove_header(&http::header::AUTHORIZATION);
+        upstream.remove_header("x-api-key");
+    }
+    let backend = ctx
+        .attempts
+        .backend
+        .map(|i| &ctx.generation.fleet.backends()[i]);
+    if let Some(auth) = backend.and_then(|b| b.engine_auth.as_deref()) {
+        upstream.insert_header(http::header::AUTHORIZATION, auth)?;
+    }
+    Ok(())
+}
