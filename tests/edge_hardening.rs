@@ -273,3 +273,39 @@ async fn a_large_chunked_body_is_refused_at_once() {
         started.elapsed()
     );
 }
+
+/// A client that stops reading is cut at `timeouts.client_write_ms`, and its place on the
+/// backend is freed while its connection is still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_frees_its_backend() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(&[sim.addr], "  timeouts:\n    client_write_ms: 1000\n");
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "flood"}],
+                      "stream": true, "max_tokens": 1_000_000})
+    .to_string();
+    let addr = kv.url("").trim_start_matches("http://").to_string();
+    let mut s = TcpStream::connect(addr.trim_end_matches('/')).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The client reads nothing from here on, and keeps the connection open.
+    let inflight = || kv.metric_sum("kvroute_backend_inflight_requests", &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while inflight() < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "never dispatched");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while inflight() > 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request still holds its backend while its client reads nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(s);
+}

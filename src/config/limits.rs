@@ -81,6 +81,10 @@ pub struct TimeoutsConfig {
     /// A keep-alive connection may sit idle this long before its next request; that request's
     /// header must then be complete within `client_header_ms` more.
     pub client_idle_ms: u64,
+    /// Longest wait for each write of a response to the client: a client that stops reading
+    /// (an HTTP/2 stream held at a zero window, a full socket) is cut after it, and the
+    /// request's place on its backend freed.
+    pub client_write_ms: u64,
     /// A streamed request whose backend sends nothing for max(this, `first_byte_factor` x the
     /// predicted time to first token) is treated as hung: retried elsewhere (no byte has
     /// reached the client) and counted toward outlier ejection. Also bounds each later read of
@@ -100,6 +104,7 @@ impl Default for TimeoutsConfig {
             client_header_ms: 10_000,
             tls_handshake_ms: 10_000,
             client_idle_ms: 60_000,
+            client_write_ms: 30_000,
             first_byte_floor_ms: 30_000,
             first_byte_factor: 10.0,
         }
@@ -173,6 +178,7 @@ impl TimeoutsConfig {
             ("kvroute.timeouts.client_header_ms", self.client_header_ms),
             ("kvroute.timeouts.tls_handshake_ms", self.tls_handshake_ms),
             ("kvroute.timeouts.client_idle_ms", self.client_idle_ms),
+            ("kvroute.timeouts.client_write_ms", self.client_write_ms),
             (
                 "kvroute.timeouts.first_byte_floor_ms",
                 self.first_byte_floor_ms,

@@ -132,6 +132,9 @@ impl ProxyHttp for Router {
         }
         let generation = ctx.generation.clone();
         let cfg = &generation.config;
+        // A client that stops reading must not hold its backend's place for as long as it
+        // keeps the connection open.
+        session.set_write_timeout(Some(Duration::from_millis(cfg.timeouts.client_write_ms)));
         // The edge's surface first: a route kvroute does not serve is refused whoever asks,
         // and never reaches a backend.
         let (method, path) = (
