@@ -309,3 +309,44 @@ async fn a_client_that_stops_reading_frees_its_backend() {
     }
     drop(s);
 }
+
+/// `/v1/embeddings` and the other pass-through routes with a body are admitted like routed
+/// requests: the key's models and rates, and the body limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_bodies_are_admitted_like_routed_ones() {
+    let sim = Sim::start(&[]);
+    let sha = {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(b"small-key");
+        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let extra = format!(
+        "  limits:\n    max_body_bytes: 100000\n  access:\n    keys:\n      - sha256: \"{sha}\"\n        tenant: small\n        models: [\"{MODEL}\"]\n        requests_per_minute: 2\n"
+    );
+    let kv = Kvroute::start(&[sim.addr], &extra);
+    let embed = |model: &str, input: String| {
+        client()
+            .post(kv.url("/v1/embeddings"))
+            .bearer_auth("small-key")
+            .json(&json!({"model": model, "input": input}))
+            .send()
+    };
+    // Another model than the key's: refused at the edge, never reaching the engine.
+    let r = embed("other-model", "hi".into()).await.unwrap();
+    assert_eq!(r.status(), 403);
+    // Over the body limit: 413.
+    let r = embed(MODEL, "x".repeat(200_000)).await.unwrap();
+    assert_eq!(r.status(), 413);
+    // Two a minute, then 429.
+    for _ in 0..2 {
+        assert_eq!(embed(MODEL, "hi".into()).await.unwrap().status(), 200);
+    }
+    let r = embed(MODEL, "hi".into()).await.unwrap();
+    assert_eq!(r.status(), 429);
+    let reached = sim
+        .requests()
+        .iter()
+        .filter(|e| e["path"] == "/v1/embeddings")
+        .count();
+    assert_eq!(reached, 2, "only the admitted requests reach the engine");
+}

@@ -31,6 +31,7 @@ mod finish;
 mod metrics;
 mod migrate;
 mod models;
+mod passthrough;
 mod placement;
 mod reject;
 mod stored;
@@ -85,6 +86,24 @@ impl Router {
             tokens,
             metrics,
         }
+    }
+
+    /// The request's whole body, within `limits.max_body_bytes` and the body deadlines.
+    async fn read_whole_body(&self, session: &mut Session, ctx: &Ctx) -> Result<Bytes, ApiError> {
+        let cfg = &ctx.generation.config;
+        let timeouts = self
+            .edge
+            .metrics
+            .client_timeouts
+            .with_label_values(&["body"]);
+        read_body(
+            session,
+            cfg.limits.max_body_bytes,
+            Duration::from_millis(cfg.timeouts.client_body_read_ms),
+            Duration::from_millis(cfg.timeouts.client_body_ms),
+            &timeouts,
+        )
+        .await
     }
 
     fn placer(&self) -> Placer<'_> {
@@ -185,6 +204,16 @@ impl ProxyHttp for Router {
             return Ok(false);
         }
         let Route::Inference(endpoint) = route else {
+            if route == Route::Forward && passthrough::has_body(method) {
+                let body = match self.read_whole_body(session, ctx).await {
+                    Ok(b) => b,
+                    Err(e) => return reject(session, ctx, e, true).await,
+                };
+                if let Err(e) = self.placer().admit_passthrough(ctx, body) {
+                    return reject(session, ctx, e, false).await;
+                }
+                return Ok(false);
+            }
             return models::answer_models(session, ctx).await;
         };
         match session
@@ -208,21 +237,7 @@ impl ProxyHttp for Router {
                 return reject(session, ctx, err, true).await;
             }
         }
-        let per_read = Duration::from_millis(cfg.timeouts.client_body_read_ms);
-        let body_timeouts = self
-            .edge
-            .metrics
-            .client_timeouts
-            .with_label_values(&["body"]);
-        let body = match read_body(
-            session,
-            cfg.limits.max_body_bytes,
-            per_read,
-            Duration::from_millis(cfg.timeouts.client_body_ms),
-            &body_timeouts,
-        )
-        .await
-        {
+        let body = match self.read_whole_body(session, ctx).await {
             Ok(b) => b,
             Err(e) => return reject(session, ctx, e, true).await,
         };

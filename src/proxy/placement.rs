@@ -241,6 +241,35 @@ impl Placer<'_> {
         Ok(())
     }
 
+    /// A pass-through request with a body (`/v1/embeddings`, `/v1/messages/count_tokens`, an
+    /// allowed route) is admitted for its caller as a routed one is: the model its body names
+    /// against the key's, and the key's rates (its input estimated from the body's size; no
+    /// output).
+    pub fn admit_passthrough(&self, ctx: &mut Ctx, body: bytes::Bytes) -> Result<(), ApiError> {
+        let cfg = &ctx.generation.config;
+        if let (Some(caller), Some(acl)) = (&ctx.quota.caller, &cfg.access) {
+            if let Some(key) = acl.keys.get(caller.index) {
+                let model = super::passthrough::model_of(&body);
+                // A key held to some models may not reach the engine's default one.
+                access::check_model(key, model.as_deref().unwrap_or(""))?;
+                let tokens = super::passthrough::estimated_tokens(&body);
+                self.edge
+                    .limiter
+                    .admit(caller, key, tokens, Instant::now())
+                    .inspect_err(|_| {
+                        self.edge
+                            .metrics
+                            .rate_limited
+                            .with_label_values(&[&caller.tenant])
+                            .inc();
+                    })?;
+                ctx.quota.charged_tokens = tokens;
+            }
+        }
+        ctx.route.body = Some(body);
+        Ok(())
+    }
+
     /// Every eligible (healthy, untried) backend of the request's model is at its hard cap.
     pub fn saturated(&self, ctx: &Ctx) -> bool {
         let cap = ctx.generation.config.limits.backend_max_inflight;
