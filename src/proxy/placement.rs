@@ -226,7 +226,18 @@ impl Placer<'_> {
             return Ok(());
         };
         access::check_model(key, &p.model)?;
-        let tokens = p.est_prompt_tokens + p.est_output_tokens;
+        ctx.quota.charged_tokens =
+            self.charge_key(caller, key, p.est_prompt_tokens + p.est_output_tokens)?;
+        Ok(())
+    }
+
+    /// The key's rates admit `tokens` more now (429 otherwise, counted): the tokens charged.
+    fn charge_key(
+        &self,
+        caller: &crate::edge::Caller,
+        key: &crate::config::ApiKeyConfig,
+        tokens: u64,
+    ) -> Result<u64, ApiError> {
         self.edge
             .limiter
             .admit(caller, key, tokens, Instant::now())
@@ -237,8 +248,7 @@ impl Placer<'_> {
                     .with_label_values(&[&caller.tenant])
                     .inc();
             })?;
-        ctx.quota.charged_tokens = tokens;
-        Ok(())
+        Ok(tokens)
     }
 
     /// A pass-through request with a body (`/v1/embeddings`, `/v1/messages/count_tokens`, an
@@ -253,17 +263,7 @@ impl Placer<'_> {
                 // A key held to some models may not reach the engine's default one.
                 access::check_model(key, model.as_deref().unwrap_or(""))?;
                 let tokens = super::passthrough::estimated_tokens(&body);
-                self.edge
-                    .limiter
-                    .admit(caller, key, tokens, Instant::now())
-                    .inspect_err(|_| {
-                        self.edge
-                            .metrics
-                            .rate_limited
-                            .with_label_values(&[&caller.tenant])
-                            .inc();
-                    })?;
-                ctx.quota.charged_tokens = tokens;
+                ctx.quota.charged_tokens = self.charge_key(caller, key, tokens)?;
             }
         }
         ctx.route.body = Some(body);
