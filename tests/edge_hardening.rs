@@ -350,3 +350,39 @@ async fn passthrough_bodies_are_admitted_like_routed_ones() {
         .count();
     assert_eq!(reached, 2, "only the admitted requests reach the engine");
 }
+
+/// A key's requests in flight are capped by its `max_concurrent`: one client cannot hold every
+/// backend's places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_requests_in_flight_are_capped() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "20"]);
+    let sha = {
+        use sha2::Digest;
+        let d = sha2::Sha256::digest(b"one-at-a-time");
+        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    let extra = format!(
+        "  access:\n    keys:\n      - sha256: \"{sha}\"\n        tenant: t\n        max_concurrent: 1\n"
+    );
+    let kv = Kvroute::start(&[sim.addr], &extra);
+    let url = kv.url("/v1/chat/completions");
+    let ask = move || {
+        let url = url.clone();
+        async move {
+            client()
+                .post(url)
+                .bearer_auth("one-at-a-time")
+                .json(&json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    let first = tokio::spawn(ask.clone()());
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(ask.clone()().await, 429);
+    assert_eq!(first.await.unwrap(), 200);
+    // The place is free again once the first has ended.
+    assert_eq!(ask().await, 200);
+}

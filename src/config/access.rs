@@ -30,6 +30,9 @@ pub struct ApiKeyConfig {
     /// is lowered to it (default 0: the header can only lower a request's priority).
     #[serde(default)]
     pub max_priority: i32,
+    /// Requests this key may have in flight at once (routed and passed through); more get
+    /// 429. Unset: no cap.
+    pub max_concurrent: Option<u64>,
 }
 
 /// Parse a `sha256:` hex digest from the config.
@@ -70,7 +73,10 @@ impl AccessConfig {
             if k.tenant.is_empty() {
                 return Err(err(format!("kvroute.access.keys[{i}].tenant"), "required"));
             }
-            if k.requests_per_minute == Some(0) || k.tokens_per_minute == Some(0) {
+            if k.requests_per_minute == Some(0)
+                || k.tokens_per_minute == Some(0)
+                || k.max_concurrent == Some(0)
+            {
                 return Err(err(
                     format!("kvroute.access.keys[{i}]"),
                     "rate limits must be positive (leave one out for no limit)",

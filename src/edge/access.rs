@@ -1,12 +1,14 @@
 //! Access control (off unless `kvroute.access` is configured): API keys, stored only as SHA-256
 //! digests and compared in constant time, mapped to tenants; which models a key may use; and per
-//! key request and token rate limits (token buckets refilled per minute). Tokens are charged up
+//! key request and token rate limits (token buckets refilled per minute) and requests in flight.
+//! Tokens are charged up
 //! front from the request's estimate (prompt + `max_tokens`) and settled from the engine's
 //! `usage` once the response is done.
 
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use subtle::ConstantTimeEq;
 
@@ -120,6 +122,19 @@ impl Bucket {
 struct Quota {
     requests: Option<Bucket>,
     tokens: Option<Bucket>,
+    /// Requests in flight, each holding a [`Holding`].
+    inflight: Arc<AtomicU64>,
+}
+
+/// One request in flight for its key (`max_concurrent`): released when dropped, however the
+/// request ends.
+#[derive(Debug)]
+pub struct Holding(Arc<AtomicU64>);
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Per-key rate state. Kept across reloads (keyed by digest), so a reload neither resets nor
@@ -170,6 +185,30 @@ impl Limiter {
         Ok(())
     }
 
+    /// One more request in flight for the key, or 429 when it has `max_concurrent` already.
+    /// `None` when the key has no cap.
+    pub fn enter(&self, caller: &Caller, key: &ApiKeyConfig) -> Result<Option<Holding>, ApiError> {
+        let Some(cap) = key.max_concurrent else {
+            return Ok(None);
+        };
+        let Ok(mut map) = self.0.lock() else {
+            return Ok(None);
+        };
+        let inflight = map.entry(caller.digest).or_default().inflight.clone();
+        drop(map);
+        let held = Holding(inflight);
+        if held.0.fetch_add(1, Ordering::Relaxed) >= cap {
+            return Err(ApiError::rate_limited(
+                format!(
+                    "tenant `{}` has {cap} requests in flight, as many as its key may",
+                    caller.tenant
+                ),
+                1,
+            ));
+        }
+        Ok(Some(held))
+    }
+
     /// The request is done: it used `used` tokens where `charged` were taken up front.
     pub fn settle(&self, caller: &Caller, key: &ApiKeyConfig, charged: u64, used: u64) {
         let (Some(tpm), Ok(mut map)) = (key.tokens_per_minute, self.0.lock()) else {
@@ -212,6 +251,7 @@ mod tests {
                     requests_per_minute: Some(60),
                     tokens_per_minute: Some(6000),
                     max_priority: 0,
+                    max_concurrent: None,
                 },
                 ApiKeyConfig {
                     sha256: hex(&digest(b"beta-key")),
@@ -220,6 +260,7 @@ mod tests {
                     requests_per_minute: None,
                     tokens_per_minute: None,
                     max_priority: 0,
+                    max_concurrent: None,
                 },
             ],
         }

@@ -4,6 +4,7 @@ use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::edge::access::Holding;
 use crate::edge::retry_budget::{Active, Retrying};
 use crate::edge::Caller;
 use crate::error::{ApiError, Dialect};
@@ -162,6 +163,8 @@ pub(super) struct Resume {
 pub(super) struct Quota {
     pub caller: Option<Caller>,
     pub charged_tokens: u64,
+    /// The request's place among its key's `max_concurrent`, held to its end.
+    pub holding: Option<Holding>,
 }
 
 impl Ctx {

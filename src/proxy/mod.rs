@@ -195,6 +195,18 @@ impl ProxyHttp for Router {
                 Ok(c) => ctx.quota.caller = Some(c),
                 Err(e) => return reject(session, ctx, e, true).await,
             }
+            if let (Some(c), Some(key)) = (
+                &ctx.quota.caller,
+                ctx.quota
+                    .caller
+                    .as_ref()
+                    .and_then(|c| acl.keys.get(c.index)),
+            ) {
+                match self.edge.limiter.enter(c, key) {
+                    Ok(h) => ctx.quota.holding = h,
+                    Err(e) => return reject(session, ctx, e, true).await,
+                }
+            }
         }
         if route == Route::Stored {
             let uri = session.req_header().uri.clone();
