@@ -8,15 +8,11 @@ use common::*;
 use serde_json::json;
 use std::time::Duration;
 
-fn hex(d: &[u8; 32]) -> String {
-    d.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_models_and_quotas() {
     let sims = Sim::start_n(1, &["--ttft-ms", "1", "--itl-ms", "0"]);
-    let alpha = hex(&kvroute::digest(b"alpha-secret"));
-    let beta = hex(&kvroute::digest(b"beta-secret"));
+    let alpha = key_sha256(b"alpha-secret");
+    let beta = key_sha256(b"beta-secret");
     let extra = format!(
         "  models: [\"{MODEL}\", \"other-model\"]\n  access:\n    keys:\n\
          \x20     - sha256: \"{alpha}\"\n        tenant: alpha\n        models: [\"{MODEL}\"]\n        requests_per_minute: 3\n\

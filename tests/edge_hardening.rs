@@ -145,11 +145,7 @@ async fn upgrades_only_where_a_passthrough_rule_allows_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn priority_is_bounded_by_the_key() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "20"]);
-    let sha = |k: &str| {
-        use sha2::Digest;
-        let d = sha2::Sha256::digest(k.as_bytes());
-        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    };
+    let sha = |k: &str| key_sha256(k.as_bytes());
     let extra = format!(
         "  limits:\n    backend_max_inflight: 1\n  access:\n    keys:\n      - sha256: \"{}\"\n        tenant: anyone\n      - sha256: \"{}\"\n        tenant: ops\n        max_priority: 10\n",
         sha("anyone-key"),
@@ -202,11 +198,7 @@ async fn the_clients_key_stays_at_the_edge_and_the_engine_gets_its_own() {
     std::fs::create_dir_all(&dir).unwrap();
     let key_file = dir.join("engine.key");
     std::fs::write(&key_file, "engine-secret\n").unwrap();
-    let sha = {
-        use sha2::Digest;
-        let d = sha2::Sha256::digest(b"client-key");
-        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    };
+    let sha = key_sha256(b"client-key");
     let kv = Kvroute::start_with(
         &[(backend, format!("      api_key_file: \"{}\"\n", key_file.display()))],
         &format!(
@@ -315,11 +307,7 @@ async fn a_client_that_stops_reading_frees_its_backend() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_bodies_are_admitted_like_routed_ones() {
     let sim = Sim::start(&[]);
-    let sha = {
-        use sha2::Digest;
-        let d = sha2::Sha256::digest(b"small-key");
-        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    };
+    let sha = key_sha256(b"small-key");
     let extra = format!(
         "  limits:\n    max_body_bytes: 100000\n  access:\n    keys:\n      - sha256: \"{sha}\"\n        tenant: small\n        models: [\"{MODEL}\"]\n        requests_per_minute: 2\n"
     );
@@ -356,11 +344,7 @@ async fn passthrough_bodies_are_admitted_like_routed_ones() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_keys_requests_in_flight_are_capped() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "20"]);
-    let sha = {
-        use sha2::Digest;
-        let d = sha2::Sha256::digest(b"one-at-a-time");
-        d.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    };
+    let sha = key_sha256(b"one-at-a-time");
     let extra = format!(
         "  access:\n    keys:\n      - sha256: \"{sha}\"\n        tenant: t\n        max_concurrent: 1\n"
     );

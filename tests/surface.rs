@@ -7,10 +7,6 @@ mod common;
 use common::*;
 use std::time::Duration;
 
-fn hex(d: &[u8; 32]) -> String {
-    d.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 const ADMIN_PATHS: [&str; 9] = [
     "/reset_prefix_cache",
     "/sleep",
@@ -26,7 +22,7 @@ const ADMIN_PATHS: [&str; 9] = [
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_admin_paths_are_refused_with_and_without_a_key() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
-    let key = hex(&kvroute::digest(b"tenant-secret"));
+    let key = key_sha256(b"tenant-secret");
     let extra = format!(
         "  access:\n    keys:\n      - sha256: \"{key}\"\n        tenant: t\n\
          \x20 passthrough:\n    allow:\n      - path: /health\n        methods: [GET]\n"

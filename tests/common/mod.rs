@@ -110,6 +110,14 @@ impl Drop for Sim {
     }
 }
 
+/// The hex SHA-256 of an API key, as `access.keys[].sha256` takes it.
+pub fn key_sha256(key: &[u8]) -> String {
+    kvroute::digest(key)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// Change a simulated server's faults (`POST /debug/faults`).
 pub fn set_faults(sim: SocketAddr, update: serde_json::Value) {
     let body = update.to_string();
