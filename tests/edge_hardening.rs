@@ -1,6 +1,6 @@
 //! What an external probe found at the edge, each fixed: an HTTP/1.1 request without `Host`,
 //! an `Upgrade` that turned a pass-through route into a raw tunnel past the path filter, and
-//! `x-priority` as the client's own choice.
+//! `x-priority` as the client's own choice; bodies in transit under one memory budget.
 
 mod common;
 
@@ -369,4 +369,94 @@ async fn a_keys_requests_in_flight_are_capped() {
     assert_eq!(first.await.unwrap(), 200);
     // The place is free again once the first has ended.
     assert_eq!(ask().await, 200);
+}
+
+/// Bodies being received share `limits.body_memory_bytes`: while one client stalls before the
+/// end of a large body, another large body is refused at once (503, before it is sent), and
+/// taken again once the first is whole; a body whose parse alone would pass the budget is 413.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_in_transit_share_a_memory_budget() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let kv = Kvroute::start(
+        &[sim.addr],
+        "  limits:\n    max_body_bytes: 700000\n    body_memory_bytes: 1000000\n",
+    );
+    let addr = kv.url("").trim_start_matches("http://").to_string();
+    let addr = addr.trim_end_matches('/').to_string();
+    let chat = |fill: usize| {
+        let body = json!({"model": MODEL, "max_tokens": 1,
+                          "messages": [{"role": "user", "content": "x".repeat(fill)}]})
+        .to_string();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            body.len()
+        );
+        (head, body)
+    };
+    let read_head = |s: &mut TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = vec![0u8; 8192];
+        let n = s.read(&mut buf).unwrap_or(0);
+        String::from_utf8_lossy(&buf[..n]).to_string()
+    };
+    // The first client sends all of a 600 KB body but its last 10 bytes, and stalls.
+    let (head, body) = chat(600_000);
+    let mut stalled = TcpStream::connect(&addr).unwrap();
+    stalled.write_all(head.as_bytes()).unwrap();
+    stalled
+        .write_all(&body.as_bytes()[..body.len() - 10])
+        .unwrap();
+    let held = || kv.metric_sum("kvroute_body_memory_bytes", &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while held() < body.len() as f64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the body was never leased"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A second 600 KB body does not fit beside it: refused on its head alone.
+    let (head2, body2) = chat(600_000);
+    let mut second = TcpStream::connect(&addr).unwrap();
+    second.write_all(head2.as_bytes()).unwrap();
+    let answer = read_head(&mut second);
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("body_memory_exhausted"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after: "),
+        "{answer}"
+    );
+    // A small one still fits.
+    let r = client()
+        .post(kv.url("/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "max_tokens": 1,
+                      "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    // The first body completes and is served; its share is returned.
+    stalled
+        .write_all(&body.as_bytes()[body.len() - 10..])
+        .unwrap();
+    let answer = read_head(&mut stalled);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let mut again = TcpStream::connect(&addr).unwrap();
+    again.write_all(head2.as_bytes()).unwrap();
+    again.write_all(body2.as_bytes()).unwrap();
+    let answer = read_head(&mut again);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(held(), 0.0);
+    // 20,000 one-character messages: 600 KB sent, far more once parsed.
+    let one = json!({"role": "user", "content": "a"});
+    let bomb = json!({"model": MODEL, "max_tokens": 1, "messages": vec![one; 20_000]});
+    let r = client()
+        .post(kv.url("/v1/chat/completions"))
+        .json(&bomb)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    assert!(kv.metric_sum("kvroute_body_memory_refused_total", &[]) >= 1.0);
 }

@@ -9,6 +9,10 @@ use super::error::{err, ConfigError};
 pub struct LimitsConfig {
     /// Largest request body accepted (413 above it).
     pub max_body_bytes: usize,
+    /// Request bodies being received or parsed at once, in bytes of memory (a body's parse
+    /// counts as what it may allocate): past it a body is refused with 503. At least
+    /// `max_body_bytes`.
+    pub body_memory_bytes: usize,
     /// Upstream attempts per request (first try included); only failures before the first
     /// response byte are retried, each on a backend not tried yet.
     pub max_attempts: u32,
@@ -44,6 +48,7 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         LimitsConfig {
             max_body_bytes: 32 * 1024 * 1024,
+            body_memory_bytes: 64 * 1024 * 1024,
             max_attempts: 3,
             max_migrations: 2,
             retry_after_seconds: 1,
@@ -115,6 +120,16 @@ impl LimitsConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes == 0 {
             return Err(err("kvroute.limits.max_body_bytes", "must be positive"));
+        }
+        if self.body_memory_bytes < self.max_body_bytes {
+            return Err(err(
+                "kvroute.limits.body_memory_bytes",
+                format!(
+                    "must be at least limits.max_body_bytes ({}): a body that size could \
+                     never be read",
+                    self.max_body_bytes
+                ),
+            ));
         }
         if self.max_attempts == 0 || self.max_attempts > 16 {
             return Err(err(

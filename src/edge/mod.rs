@@ -4,6 +4,7 @@
 //! request is placed.
 
 pub(crate) mod access;
+pub(crate) mod body_budget;
 mod conn;
 mod h1;
 mod h2;

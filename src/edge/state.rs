@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::access::Limiter;
+use super::body_budget::BodyBudget;
 use super::queue::Admission;
 use super::retry_budget::RetryBudget;
 use super::signals::ConnSignals;
@@ -125,6 +126,8 @@ pub struct EdgeState {
     pub open_connections: AtomicUsize,
     /// Per-key rate limits (kept across reloads).
     pub limiter: Limiter,
+    /// Request bodies being received or parsed (`limits.body_memory_bytes`).
+    pub bodies: Arc<BodyBudget>,
     pub draining: Draining,
     pub metrics: EdgeMetrics,
 }
@@ -137,6 +140,7 @@ impl EdgeState {
             conns: ConnSignals::default(),
             open_connections: AtomicUsize::new(0),
             limiter: Limiter::default(),
+            bodies: Arc::new(BodyBudget::register(r)?),
             draining: Draining::register(r)?,
             metrics: EdgeMetrics::register(r)?,
         })

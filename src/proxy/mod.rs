@@ -13,12 +13,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::TimeoutsConfig;
+use crate::edge::body_budget::{self, BodyLease};
 use crate::edge::{access, EdgeState};
 use crate::error::{ApiError, Dialect};
 use crate::fleet::outlier::Outcome;
 use crate::fleet::Current;
 use crate::placement::PolicyKind;
-use crate::request::body::read_body;
+use crate::request::body::{parse_cost, read_body};
 use crate::request::surface::{self, Route};
 use crate::request::usage::{self, UsageTap};
 use crate::request::{self, PromptText, SessionKeys, TokenEstimator, DEFAULT_BLOCK_BYTES};
@@ -88,22 +89,49 @@ impl Router {
         }
     }
 
-    /// The request's whole body, within `limits.max_body_bytes` and the body deadlines.
-    async fn read_whole_body(&self, session: &mut Session, ctx: &Ctx) -> Result<Bytes, ApiError> {
+    /// The request's whole body, within `limits.max_body_bytes`, the body deadlines and the
+    /// process's body memory (`limits.body_memory_bytes`), with the lease that holds its share
+    /// of that memory: drop it once the body is parsed. `parsed`: the body will be parsed
+    /// whole, and its parse's cost is taken too.
+    async fn read_whole_body(
+        &self,
+        session: &mut Session,
+        ctx: &Ctx,
+        parsed: bool,
+    ) -> Result<(Bytes, BodyLease), ApiError> {
         let cfg = &ctx.generation.config;
+        let capacity = cfg.limits.body_memory_bytes;
         let timeouts = self
             .edge
             .metrics
             .client_timeouts
             .with_label_values(&["body"]);
-        read_body(
+        let mut lease = self.edge.bodies.lease();
+        let body = read_body(
             session,
             cfg.limits.max_body_bytes,
             Duration::from_millis(cfg.timeouts.client_body_read_ms),
             Duration::from_millis(cfg.timeouts.client_body_ms),
             &timeouts,
+            &mut |n| match lease.grow(n, capacity) {
+                true => Ok(()),
+                false => Err(body_budget::spent(cfg.limits.retry_after_seconds)),
+            },
         )
-        .await
+        .await?;
+        let cost = if parsed { parse_cost(&body) } else { 0 };
+        if body.len().saturating_add(cost) > capacity {
+            return Err(ApiError::too_large(format!(
+                "request body of {} bytes would take about {} more to parse, past \
+                 limits.body_memory_bytes ({capacity})",
+                body.len(),
+                cost
+            )));
+        }
+        if !lease.grow(cost, capacity) {
+            return Err(body_budget::spent(cfg.limits.retry_after_seconds));
+        }
+        Ok((body, lease))
     }
 
     fn placer(&self) -> Placer<'_> {
@@ -217,8 +245,8 @@ impl ProxyHttp for Router {
         }
         let Route::Inference(endpoint) = route else {
             if route == Route::Forward && passthrough::has_body(method) {
-                let body = match self.read_whole_body(session, ctx).await {
-                    Ok(b) => b,
+                let body = match self.read_whole_body(session, ctx, false).await {
+                    Ok((b, _lease)) => b,
                     Err(e) => return reject(session, ctx, e, true).await,
                 };
                 if let Err(e) = self.placer().admit_passthrough(ctx, body) {
@@ -249,7 +277,7 @@ impl ProxyHttp for Router {
                 return reject(session, ctx, err, true).await;
             }
         }
-        let body = match self.read_whole_body(session, ctx).await {
+        let (body, lease) = match self.read_whole_body(session, ctx, true).await {
             Ok(b) => b,
             Err(e) => return reject(session, ctx, e, true).await,
         };
@@ -258,7 +286,11 @@ impl ProxyHttp for Router {
             Some(&session.req_header().headers),
         );
         let count = self.tokens.limits(&cfg.routing);
-        match request::profile_with_text(endpoint, &body, keys, DEFAULT_BLOCK_BYTES, count.text()) {
+        let profiled =
+            request::profile_with_text(endpoint, &body, keys, DEFAULT_BLOCK_BYTES, count.text());
+        // Parsed: the body is whole and bounded by admission from here on.
+        drop(lease);
+        match profiled {
             Ok((mut p, text)) => {
                 let body = match (&p.previous_response_id, endpoint) {
                     (Some(prev), _) => match stored::route_continuation(ctx, prev, body) {
