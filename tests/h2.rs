@@ -283,3 +283,81 @@ async fn h2_streams_get_the_same_access_control_and_the_stream_cap_is_advertised
     assert_eq!(status, 401);
     assert_eq!(client.current_max_send_streams(), 7);
 }
+
+/// Streams whose client reads nothing (a zero window) free their backend's places as soon as
+/// the engine has answered them, not at the write timeout: another client is served at once
+/// by a backend "full" of them, and the held streams still get their whole text once read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_held_at_a_zero_window_free_their_backend_when_the_engine_is_done() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "1"]);
+    let k = Kvroute::start(
+        &[sim.addr],
+        "  h2c: true\n  limits:\n    backend_max_inflight: 2\n    queue_timeout_ms: 3000\n",
+    );
+    let tcp = tokio::net::TcpStream::connect(k.addr)
+        .await
+        .expect("connect");
+    let (h2c, mut conn) = h2::client::Builder::new()
+        .initial_window_size(0)
+        .handshake::<_, Bytes>(tcp)
+        .await
+        .expect("h2 handshake");
+    let (open, opened) = tokio::sync::oneshot::channel::<()>();
+    let driver = tokio::spawn(async move {
+        tokio::select! {
+            r = &mut conn => return r,
+            _ = opened => {}
+        }
+        conn.set_initial_window_size(1 << 20).expect("window");
+        conn.await
+    });
+    let mut held = Vec::new();
+    for i in 0..2 {
+        let mut ready = h2c.clone().ready().await.expect("ready");
+        let (response, mut send) = ready.send_request(post(k.addr), false).expect("send");
+        send.send_data(chat(true, 40, &format!("held {i}")), true)
+            .expect("data");
+        let response = response.await.expect("response head");
+        assert_eq!(response.status(), 200);
+        held.push(response.into_body());
+    }
+    // Both streams are open and read nothing; the engine has finished them.
+    let inflight = || k.metric_sum("kvroute_backend_inflight_requests", &[]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while inflight() > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} requests still charged to the backend while their clients read nothing",
+            inflight()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let started = Instant::now();
+    let r = client()
+        .post(k.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(chat(false, 5, "another client"))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // Read at last: every held stream's text is whole.
+    let _ = open.send(());
+    for mut body in held {
+        let mut text = Vec::new();
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.expect("data frame");
+            let _ = body.flow_control().release_capacity(chunk.len());
+            text.extend_from_slice(&chunk);
+        }
+        let text = String::from_utf8_lossy(&text).to_string();
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    drop(h2c);
+    let _ = driver.await;
+}

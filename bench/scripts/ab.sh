@@ -13,6 +13,8 @@
 #
 # Both run with RUST_LOG=warn (no access log) unless AB_RUST_LOG says otherwise:
 # AB_RUST_LOG=info measures them as shipped, writing an access line a request (to a file here).
+# AB_H2C=1 drives them over HTTP/2 with prior knowledge (h2c on, h2load -c32 -m1 for req/s
+# and CPU, and h2load -c1's mean request time in the p50 column).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "$0")/lib.sh"
@@ -20,6 +22,8 @@ cd "$REPO_ROOT"
 OLD=${1:?old kvroute binary}; NEW=${2:?new kvroute binary}
 ROUNDS=${3:-3}; OUT=${4:-bench/runs/ab/ab.txt}
 need_tools "" nginx wrk taskset python3
+H2C=${AB_H2C:-0}
+[ "$H2C" = 1 ] && need_tools "Debian: nghttp2-client" h2load
 start_work ab
 BACKEND=18701
 declare -A PORT=([old]=18710 [new]=18720) PID
@@ -29,6 +33,7 @@ for v in old new; do
     pingora_yaml "$v" 1
     kvroute_yaml "${PORT[$v]}" $((PORT[$v] + 1)) $BACKEND
     echo "  limits: {max_connections: 100000}"
+    [ "$H2C" = 1 ] && echo "  h2c: true"
   } > "$WORK/$v.yaml"
 done
 for size in 1000 100000; do chat_request "$WORK/body$size" $size; done
@@ -39,7 +44,7 @@ SPAWN_LOG=${AB_RUST_LOG:-warn} spawn "$PROXY_CPU" "$WORK/new.err" "$NEW" -c "$WO
 for port in $BACKEND "${PORT[@]}"; do wait_port "$port"; done; sleep 1
 mkdir -p "$(dirname "$OUT")"
 {
-  echo "# bench/scripts/ab.sh $OLD $NEW $ROUNDS"
+  echo "# AB_H2C=$H2C bench/scripts/ab.sh $OLD $NEW $ROUNDS"
   echo "# columns: round body_bytes build req_per_s_c32 p50_c1 cpu_us_per_req_c32"
 } > "$OUT"
 for round in $(seq "$ROUNDS"); do
@@ -50,12 +55,23 @@ for round in $(seq "$ROUNDS"); do
     for v in $order; do
       url="http://127.0.0.1:${PORT[$v]}/v1/chat/completions"
       cpu0=$(cpu_ticks "${PID[$v]}")
-      res=$(taskset -c "$LOAD_CPU" wrk -t1 -c32 -d6s -s "$WORK/body$size.lua" "$url")
+      if [ "$H2C" = 1 ]; then
+        h2() { taskset -c "$LOAD_CPU" h2load -m1 -H 'content-type: application/json' -d "$WORK/body$size.json" "$@" "$url"; }
+        res=$(h2 -c32 -D6)
+        rps=$(awk '/^finished in/{print $4}' <<<"$res")
+        reqs=$(awk '/^requests:/{print $8}' <<<"$res")
+      else
+        res=$(taskset -c "$LOAD_CPU" wrk -t1 -c32 -d6s -s "$WORK/body$size.lua" "$url")
+        rps=$(awk '/Requests\/sec/{print $2}' <<<"$res")
+        reqs=$(awk '/requests in/{print $1}' <<<"$res")
+      fi
       cpu1=$(cpu_ticks "${PID[$v]}")
-      rps=$(awk '/Requests\/sec/{print $2}' <<<"$res")
-      reqs=$(awk '/requests in/{print $1}' <<<"$res")
       cpu_us=$(awk -v t=$((cpu1 - cpu0)) -v n="$reqs" -v hz="$HZ" 'BEGIN{printf "%.1f", (n > 0 ? t / hz / n * 1e6 : 0)}')
-      p50=$(taskset -c "$LOAD_CPU" wrk -t1 -c1 -d4s --latency -s "$WORK/body$size.lua" "$url" | awk '/ 50%/{print $2}')
+      if [ "$H2C" = 1 ]; then
+        p50=$(h2 -c1 -D4 | awk '/^time for request:/{print $6}')
+      else
+        p50=$(taskset -c "$LOAD_CPU" wrk -t1 -c1 -d4s --latency -s "$WORK/body$size.lua" "$url" | awk '/ 50%/{print $2}')
+      fi
       echo "$round $size $v $rps $p50 $cpu_us" | tee -a "$OUT"
     done
   done

@@ -9,7 +9,11 @@
 #   kvroute's peak RSS (VmHWM) above idle;
 # - body memory: 8 connections each declare a 30 MB chat body and stall 10 bytes before its
 #   end, held 5 s; kvroute's RSS above idle at its peak, and how each was answered;
-# - smuggling: CL.TE, an obfuscated Transfer-Encoding, duplicate Content-Length, no Host.
+# - smuggling: CL.TE, an obfuscated Transfer-Encoding, duplicate Content-Length, no Host;
+# - slow readers: other clients (ShareGPT chat, CONVERSATIONS closed-loop conversations, for
+#   LOAD_S seconds) alone, then beside `kvbench probe slow-readers` (10 h2c connections x 128
+#   zero-window streams, each a real streamed chat request, replaced as soon as it ends); the
+#   other clients' success rate and TTFT p50/p99 in both runs.
 # Writes OUT/README.md (the table) and OUT/*.json (each probe's answers).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -20,6 +24,8 @@ need_tools "Debian: python3, curl" python3 curl
 KVROUTE=${1:-$(release_bin kvroute)}
 KVBENCH=${KVBENCH:-$(release_bin kvbench)}
 OUT=${2:-bench/runs/edge}
+LOAD_S=${LOAD_S:-40}
+CONVERSATIONS=${CONVERSATIONS:-8}
 BASE_PORT=${BASE_PORT:-19300}
 LISTEN=$((BASE_PORT + 80)); ADMIN=$((BASE_PORT + 90))
 PROBE="python3 bench/scripts/edge_probe.py"
@@ -33,7 +39,7 @@ done
 {
   pingora_yaml kv 2
   kvroute_yaml "$LISTEN" "$ADMIN" "$BASE_PORT" $((BASE_PORT + 1)) $((BASE_PORT + 2))
-  printf '  health_check:\n    interval_ms: 500\n'
+  printf '  h2c: true\n  health_check:\n    interval_ms: 500\n'
 } > "$OUT/kvroute.yaml"
 spawn "" "$WORK/kvroute.err" "$KVROUTE" -c "$OUT/kvroute.yaml"; KV_PID=$SPAWNED
 wait_http 100 "http://127.0.0.1:$ADMIN/readyz" || die "kvroute never ready: $(cat "$WORK/kvroute.err")"
@@ -66,6 +72,43 @@ $PROBE smuggle "$LISTEN" > "$OUT/smuggle.json"
 SMUGGLE=$(python3 -c 'import json,sys; a=json.load(open(sys.argv[1]))["answers"]; print("; ".join(f"{k}: {v}" for k,v in a.items()))' "$OUT/smuggle.json")
 kill -0 "$KV_PID" || die "kvroute died: $(tail -5 "$WORK/kvroute.err")"
 
+# Slow readers: the other clients alone, then beside the attack (started 5 s before them).
+others() {
+  "$KVBENCH" replay --target "http://127.0.0.1:$LISTEN" --workload sharegpt \
+    --file bench/data/sharegpt_demo.jsonl --conversations "$CONVERSATIONS" \
+    --duration-s "$LOAD_S" --grace-s 20 --out "$OUT/$1" --label "$1" > "$WORK/$1.log" 2>&1 \
+    || die "replay $1 failed: $(tail -5 "$WORK/$1.log")"
+}
+others calm
+"$KVBENCH" probe slow-readers --target "127.0.0.1:$LISTEN" --conns 10 --streams 128 \
+  --duration-s $((LOAD_S + 30)) > "$OUT/slow-readers.json" 2> "$WORK/probe.err" &
+ATTACK_PID=$!
+sleep 5
+others attacked
+ATTACK_RSS=$(rss "$KV_PID" VmRSS)
+wait "$ATTACK_PID" || die "the probe failed: $(cat "$WORK/probe.err")"
+kill -0 "$KV_PID" || die "kvroute died under the slow readers: $(tail -5 "$WORK/kvroute.err")"
+SLOW=$(python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = []
+for run in ("calm", "attacked"):
+    s = json.load(open(f"{out}/{run}/report.json"))["summary"]
+    ok = s["requests"] - s["errors"] - s["timeouts"]
+    rows.append((run, s["requests"], ok, s["ttft_p50_ms"], s["ttft_p99_ms"]))
+calm_p99 = rows[0][4]
+for run, n, ok, p50, p99 in rows:
+    if p99 is None:
+        print(f"| other clients, {run} | {ok}/{n} succeeded | no TTFT (nothing succeeded) |")
+        continue
+    print(f"| other clients, {run} | {ok}/{n} succeeded | TTFT p50 {p50:.0f} ms, p99 {p99:.0f} ms "
+          f"({p99 / calm_p99:.2f}x calm) |")
+a = json.load(open(f"{out}/slow-readers.json"))
+ends = ", ".join(f"{n} {k}" for k, n in a["outcomes"].items())
+print(f"| the attack: {a['conns']} x {a['streams']} zero-window streams | {a['opened']} opened: {ends} | |")
+PY
+)
+
 {
   echo "# Edge check"
   echo
@@ -76,5 +119,11 @@ kill -0 "$KV_PID" || die "kvroute died: $(tail -5 "$WORK/kvroute.err")"
   echo "| 8 x 30 MB bodies stalled 10 bytes short, 5 s | $ANSWERS | ${STALLED_MIB} MiB at peak |"
   echo "| 29 MB body of 10^6 tiny messages | $BOMB | ${BOMB_MIB} MiB peak (VmHWM) |"
   echo "| smuggling | $SMUGGLE | |"
+  echo
+  echo "Slow readers (kvroute RSS at the end of the attacked run: $(( (ATTACK_RSS - IDLE) / 1024 )) MiB above idle):"
+  echo
+  echo "| run | answered | latency |"
+  echo "|---|---|---|"
+  echo "$SLOW"
 } > "$OUT/README.md"
 cat "$OUT/README.md"

@@ -19,6 +19,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod compare;
 mod demo;
+mod probe;
 mod promote;
 mod replay;
 mod report;
@@ -44,6 +45,8 @@ enum Command {
     /// Copy a run's summary (README, results without records, configs, embedded charts) from
     /// bench/runs/ into the committed bench/results/.
     Promote(promote::PromoteArgs),
+    /// Attack probes on a proxy's edge (slow readers).
+    Probe(probe::ProbeArgs),
     /// Analyse kept records of compare runs: medians, quantiles, tail, turns, burst, concurrency.
     Report(report::ReportArgs),
     /// Run kvroute (same as the `kvroute` binary) with a config file.
@@ -84,6 +87,7 @@ fn main() -> ExitCode {
             Command::Compare(args) => compare::run(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Report(args) => report::run(args),
+            Command::Probe(args) => probe::run(args).await,
             Command::Promote(args) => promote::run(args),
             Command::Proxy { .. } => Ok(()),
         };

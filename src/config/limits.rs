@@ -13,6 +13,14 @@ pub struct LimitsConfig {
     /// counts as what it may allocate): past it a body is refused with 503. At least
     /// `max_body_bytes`.
     pub body_memory_bytes: usize,
+    /// Response bytes read ahead of the client on one plaintext engine connection, so that an
+    /// engine's finished response frees its backend's place however slowly the client reads
+    /// (0: off; Pingora then reads the engine only as fast as the client takes it).
+    pub upstream_read_ahead_bytes: usize,
+    /// Response bytes read ahead on all engine connections together.
+    pub read_ahead_memory_bytes: usize,
+    /// Read ahead for HTTP/1.1 clients too, not only HTTP/2 ones.
+    pub read_ahead_http1: bool,
     /// Upstream attempts per request (first try included); only failures before the first
     /// response byte are retried, each on a backend not tried yet.
     pub max_attempts: u32,
@@ -49,6 +57,9 @@ impl Default for LimitsConfig {
         LimitsConfig {
             max_body_bytes: 32 * 1024 * 1024,
             body_memory_bytes: 64 * 1024 * 1024,
+            upstream_read_ahead_bytes: 256 * 1024,
+            read_ahead_memory_bytes: 64 * 1024 * 1024,
+            read_ahead_http1: false,
             max_attempts: 3,
             max_migrations: 2,
             retry_after_seconds: 1,

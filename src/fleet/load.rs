@@ -181,7 +181,7 @@ mod tests {
         drop(_c);
         // Two in flight: the third gets the first slot to free up.
         assert!(near(wait(&f), 5.0), "{}", wait(&f));
-        let mut a = _a;
+        let a = _a;
         a.first_byte();
         // Answered: only its decode is left.
         assert!(near(wait(&f), 3.0), "{}", wait(&f));

@@ -61,6 +61,7 @@ pub struct FleetMetrics {
     engine: Vec<(GaugeVec, Pick)>,
     index_blocks: IntGauge,
     index_bytes: IntGauge,
+    read_ahead: IntGauge,
 }
 
 impl FleetMetrics {
@@ -136,6 +137,12 @@ impl FleetMetrics {
                 "kvroute_index_bytes",
                 "Heap bytes held by the prefix index.",
             )?,
+            read_ahead: int_gauge(
+                r,
+                "kvroute_upstream_read_ahead_bytes",
+                "Engine response bytes read ahead of their clients and not yet sent on \
+                 (limits.read_ahead_memory_bytes bounds them).",
+            )?,
         })
     }
 
@@ -206,5 +213,6 @@ impl FleetMetrics {
         let (blocks, bytes) = fleet.index_size();
         self.index_blocks.set(blocks as i64);
         self.index_bytes.set(bytes as i64);
+        self.read_ahead.set(super::read_ahead::buffered() as i64);
     }
 }

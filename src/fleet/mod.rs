@@ -14,6 +14,7 @@ mod load;
 mod metrics;
 pub mod models;
 pub(crate) mod outlier;
+pub mod read_ahead;
 mod roster;
 mod scrape;
 pub(crate) mod telemetry;

@@ -17,6 +17,7 @@ use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
 use super::models::{ModelEntry, PoolCache, ANY_MODEL};
 use super::outlier::{self, Outcome};
+use super::read_ahead::{self, ReadAhead};
 use super::telemetry::{EngineStats, LoraInfo};
 use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
@@ -60,6 +61,7 @@ pub struct Fleet {
     /// far below it, so a slot is expected to free up sooner than `max_tokens` says.
     pub(super) typical_output: AtomicU64,
     pools: PoolCache,
+    read_ahead: Option<Arc<ReadAhead>>,
 }
 
 /// A backend as parsed before anything is changed: address, DCGM exporter, Pingora's
@@ -308,7 +310,17 @@ impl Fleet {
             pools: PoolCache::default(),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
+            read_ahead: read_ahead::connector(read_ahead::Limits {
+                per_connection: cfg.limits.upstream_read_ahead_bytes,
+                total: cfg.limits.read_ahead_memory_bytes,
+                connect_timeout: Duration::from_millis(cfg.timeouts.connect_ms),
+            }),
         })
+    }
+
+    /// The connector for this fleet's plaintext engines (`None`: read-ahead is off).
+    pub fn read_ahead(&self) -> Option<Arc<ReadAhead>> {
+        self.read_ahead.clone()
     }
 
     pub fn load_balancer(&self) -> Arc<LoadBalancer<RoundRobin>> {
@@ -685,7 +697,7 @@ mod tests {
     #[test]
     fn charges_are_released_however_requests_end() {
         let f = fleet();
-        let mut g = f.charge(0, 1000, None, Expected::default());
+        let g = f.charge(0, 1000, None, Expected::default());
         assert_eq!(
             (f.backends()[0].inflight(), f.backends()[0].queued_prefill()),
             (1, 1000)
@@ -720,7 +732,7 @@ mod tests {
         let b = &f.backends()[0];
         assert_eq!((b.inflight(), b.queued_prefill(), b.decoding()), (0, 0, 0));
         assert_eq!(b.rank_prefill(3), 0);
-        let mut answered = f.charge(0, 200, Some(1), Expected::default());
+        let answered = f.charge(0, 200, Some(1), Expected::default());
         answered.first_byte();
         assert_eq!(f.backends()[0].rank_prefill(1), 0);
     }

@@ -124,6 +124,8 @@ pub(super) struct Charge {
     /// The part of `est_ttft_s` that was the adapter's, when the chosen backend had to load
     /// it: the first byte then shows how long the load took.
     pub adapter_load_s: Option<f64>,
+    /// When the engine's response was complete, set by the read-ahead connection.
+    pub engine_done: Option<Arc<std::sync::OnceLock<Instant>>>,
 }
 
 /// What the response showed.

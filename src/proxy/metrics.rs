@@ -36,6 +36,7 @@ pub struct ProxyMetrics {
     pub(super) exact_tokenize_seconds: Histogram,
     pub(super) exact_replies: IntCounterVec,
     pub(super) cached_by_index: IntCounterVec,
+    pub(super) client_drain: HistogramVec,
 }
 
 impl ProxyMetrics {
@@ -187,6 +188,14 @@ impl ProxyMetrics {
                 r,
                 "kvroute_exact_tokenize_seconds",
                 "How long a request waited for its prompt to be tokenized for the exact index.",
+            )?,
+            client_drain: seconds_vec(
+                r,
+                "kvroute_client_drain_seconds",
+                "Time from the engine's last response byte to the client's, for responses read \
+                 ahead (limits.upstream_read_ahead_bytes): how long clients hold a response the \
+                 engine has finished.",
+                &[],
             )?,
             exact_replies: counter_vec(
                 r,

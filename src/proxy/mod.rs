@@ -12,27 +12,27 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::TimeoutsConfig;
-use crate::edge::body_budget::{self, BodyLease};
 use crate::edge::{access, EdgeState};
 use crate::error::{ApiError, Dialect};
 use crate::fleet::outlier::Outcome;
 use crate::fleet::Current;
 use crate::placement::PolicyKind;
-use crate::request::body::{parse_cost, read_body};
 use crate::request::surface::{self, Route};
 use crate::request::usage::{self, UsageTap};
 use crate::request::{self, PromptText, SessionKeys, TokenEstimator, DEFAULT_BLOCK_BYTES};
 
 pub mod access_log;
 mod ctx;
+mod engine_done;
 mod exact;
 mod failures;
 mod finish;
+mod intake;
 mod metrics;
 mod migrate;
 mod models;
 mod passthrough;
+mod peer;
 mod placement;
 mod reject;
 mod stored;
@@ -48,20 +48,6 @@ use reject::reject;
 
 /// Request header carrying a queue priority (integer, higher first, default 0).
 pub const PRIORITY_HEADER: &str = "x-priority";
-
-/// How long a read from the backend may take. A streamed request's backend owes a first byte
-/// by max(floor, factor x predicted TTFT): a hung engine is caught in seconds, not after
-/// `upstream_read_ms`. A non-streamed answer's first byte comes only after the whole
-/// generation, which kvroute does not predict, so it keeps `upstream_read_ms`.
-fn read_timeout(ctx: &Ctx, t: &TimeoutsConfig) -> Duration {
-    let read = Duration::from_millis(t.upstream_read_ms);
-    if !ctx.route.profile.as_ref().is_some_and(|p| p.stream) {
-        return read;
-    }
-    let predicted =
-        Duration::from_secs_f64((ctx.charge.est_ttft_s * t.first_byte_factor).clamp(0.0, 1e6));
-    read.min(Duration::from_millis(t.first_byte_floor_ms).max(predicted))
-}
 
 /// kvroute's `ProxyHttp`: each phase hands its work to the type that owns it.
 pub struct Router {
@@ -87,51 +73,6 @@ impl Router {
             tokens,
             metrics,
         }
-    }
-
-    /// The request's whole body, within `limits.max_body_bytes`, the body deadlines and the
-    /// process's body memory (`limits.body_memory_bytes`), with the lease that holds its share
-    /// of that memory: drop it once the body is parsed. `parsed`: the body will be parsed
-    /// whole, and its parse's cost is taken too.
-    async fn read_whole_body(
-        &self,
-        session: &mut Session,
-        ctx: &Ctx,
-        parsed: bool,
-    ) -> Result<(Bytes, BodyLease), ApiError> {
-        let cfg = &ctx.generation.config;
-        let capacity = cfg.limits.body_memory_bytes;
-        let timeouts = self
-            .edge
-            .metrics
-            .client_timeouts
-            .with_label_values(&["body"]);
-        let mut lease = self.edge.bodies.lease();
-        let body = read_body(
-            session,
-            cfg.limits.max_body_bytes,
-            Duration::from_millis(cfg.timeouts.client_body_read_ms),
-            Duration::from_millis(cfg.timeouts.client_body_ms),
-            &timeouts,
-            &mut |n| match lease.grow(n, capacity) {
-                true => Ok(()),
-                false => Err(body_budget::spent(cfg.limits.retry_after_seconds)),
-            },
-        )
-        .await?;
-        let cost = if parsed { parse_cost(&body) } else { 0 };
-        if body.len().saturating_add(cost) > capacity {
-            return Err(ApiError::too_large(format!(
-                "request body of {} bytes would take about {} more to parse, past \
-                 limits.body_memory_bytes ({capacity})",
-                body.len(),
-                cost
-            )));
-        }
-        if !lease.grow(cost, capacity) {
-            return Err(body_budget::spent(cfg.limits.retry_after_seconds));
-        }
-        Ok((body, lease))
     }
 
     fn placer(&self) -> Placer<'_> {
@@ -245,7 +186,7 @@ impl ProxyHttp for Router {
         }
         let Route::Inference(endpoint) = route else {
             if route == Route::Forward && passthrough::has_body(method) {
-                let body = match self.read_whole_body(session, ctx, false).await {
+                let body = match intake::read_whole_body(&self.edge, session, ctx, false).await {
                     Ok((b, _lease)) => b,
                     Err(e) => return reject(session, ctx, e, true).await,
                 };
@@ -277,7 +218,7 @@ impl ProxyHttp for Router {
                 return reject(session, ctx, err, true).await;
             }
         }
-        let (body, lease) = match self.read_whole_body(session, ctx, true).await {
+        let (body, lease) = match intake::read_whole_body(&self.edge, session, ctx, true).await {
             Ok(b) => b,
             Err(e) => return reject(session, ctx, e, true).await,
         };
@@ -346,7 +287,7 @@ impl ProxyHttp for Router {
         }
     }
 
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         let generation = ctx.generation.clone();
         let (fleet, cfg) = (&generation.fleet, &generation.config);
         ctx.attempts.count += 1;
@@ -403,13 +344,21 @@ impl ProxyHttp for Router {
             }
         };
         ctx.attempts.backend = Some(idx);
-        let mut peer = fleet.backends()[idx].peer();
-        let t = &cfg.timeouts;
-        peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
-        peer.options.read_timeout = Some(read_timeout(ctx, t));
-        peer.options.write_timeout = Some(Duration::from_millis(t.upstream_read_ms));
-        peer.options.idle_timeout = Some(Duration::from_secs(60));
+        let peer = peer::for_attempt(fleet, idx, cfg, session, ctx);
         Ok(Box::new(peer))
+    }
+
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        _reused: bool,
+        peer: &HttpPeer,
+        _fd: std::os::unix::io::RawFd,
+        _digest: Option<&pingora::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        engine_done::arm(&self.edge, peer, ctx);
+        Ok(())
     }
 
     async fn upstream_request_filter(
@@ -497,7 +446,7 @@ impl ProxyHttp for Router {
     ) -> Result<Option<Duration>> {
         if ctx.tap.first_byte.is_none() && body.as_ref().is_some_and(|b| !b.is_empty()) {
             ctx.tap.first_byte = Some(Instant::now());
-            if let Some(g) = ctx.charge.guard.as_mut() {
+            if let Some(g) = ctx.charge.guard.as_ref() {
                 g.first_byte();
             }
         }
@@ -624,6 +573,7 @@ impl ProxyHttp for Router {
                 }
             }
         }
+        engine_done::settle(&self.metrics, ctx);
         finish::end_request(&self.edge, &self.tokens, &self.metrics, session, e, ctx);
     }
 }

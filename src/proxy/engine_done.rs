@@ -1,0 +1,44 @@
+//! A request's charge on its backend ends when the engine's response is complete, not when its
+//! client has read it: the read-ahead connection ([`crate::fleet::read_ahead`]) says when.
+
+use pingora::prelude::HttpPeer;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use super::ctx::Ctx;
+use super::metrics::ProxyMetrics;
+use crate::edge::EdgeState;
+use crate::fleet::read_ahead;
+
+/// Arm the response to the request about to be written to `peer`: once complete, its charge
+/// is released and the router queue's best waiter may go. Nothing for a connection that does
+/// not read ahead (TLS engines, read-ahead off).
+pub(super) fn arm(edge: &Arc<EdgeState>, peer: &HttpPeer, ctx: &mut Ctx) {
+    let Some(guard) = &ctx.charge.guard else {
+        return;
+    };
+    if peer.options.custom_l4.is_none() {
+        return;
+    }
+    let release = guard.releaser();
+    let edge = Arc::clone(edge);
+    let done = Arc::new(OnceLock::new());
+    ctx.charge.engine_done = Some(Arc::clone(&done));
+    read_ahead::arm(Box::new(move || {
+        let _ = done.set(Instant::now());
+        if release() {
+            edge.queue.wake_one();
+        }
+    }));
+}
+
+/// At the request's end: forget an arming no connection took, and say how long the client
+/// took past the engine's end.
+pub(super) fn settle(m: &ProxyMetrics, ctx: &mut Ctx) {
+    read_ahead::disarm();
+    if let Some(at) = ctx.charge.engine_done.take().and_then(|d| d.get().copied()) {
+        m.client_drain
+            .with_label_values::<&str>(&[])
+            .observe(at.elapsed().as_secs_f64());
+    }
+}
