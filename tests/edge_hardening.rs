@@ -460,3 +460,61 @@ async fn bodies_in_transit_share_a_memory_budget() {
     assert_eq!(r.status(), 413);
     assert!(kv.metric_sum("kvroute_body_memory_refused_total", &[]) >= 1.0);
 }
+
+/// A backend that answers every request 200 with a head naming its software and address.
+fn chatty_backend() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 8192];
+                let _ = conn.read(&mut buf);
+                let _ = conn.write_all(
+                    b"HTTP/1.1 200 OK\r\nServer: llama.cpp b4500\r\nX-Powered-By: engine\r\n\
+                      X-Engine-Addr: 10.0.0.7:8080\r\nContent-Type: text/plain\r\n\
+                      Content-Length: 2\r\nConnection: close\r\n\r\nok",
+                );
+            });
+        }
+    });
+    addr
+}
+
+/// What names the engine's software is not shown to clients; `response_headers.strip` says
+/// what else stays behind (a prefix with `*`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_headers_on_the_strip_list_stay_behind() {
+    let backend = chatty_backend();
+    let conf = |strip: &str| {
+        format!(
+            "  telemetry:\n    enabled: false\n  passthrough:\n    allow:\n      - path: /info\n{strip}"
+        )
+    };
+    let head = |kv: &Kvroute| {
+        raw(
+            kv,
+            "GET /info HTTP/1.1\r\nHost: kvroute\r\nConnection: close\r\n\r\n",
+        )
+        .to_ascii_lowercase()
+    };
+    let kv = Kvroute::start(&[backend], &conf(""));
+    let answer = head(&kv);
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    assert!(!answer.contains("\r\nserver:"), "{answer}");
+    assert!(!answer.contains("\r\nx-powered-by:"), "{answer}");
+    assert!(
+        answer.contains("\r\nx-engine-addr: 10.0.0.7:8080"),
+        "{answer}"
+    );
+    drop(kv);
+    let kv = Kvroute::start(
+        &[backend],
+        &conf("  response_headers:\n    strip: [\"X-Engine-*\"]\n"),
+    );
+    let answer = head(&kv);
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    assert!(!answer.contains("\r\nx-engine-addr:"), "{answer}");
+    // The list replaces the default.
+    assert!(answer.contains("\r\nserver: llama.cpp"), "{answer}");
+}

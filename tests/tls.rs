@@ -591,3 +591,45 @@ async fn a_backend_behind_tls_is_verified_against_its_ca() {
     assert!(r.status().is_server_error(), "{}", r.status());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A TLS handshake with kvroute offering only `groups` (TLS 1.3) or, when given, only the TLS
+/// 1.2 suites `tls12_ciphers`: whether it completes.
+fn handshake_with(tls: SocketAddr, groups: &str, tls12_ciphers: Option<&str>) -> bool {
+    let mut c = openssl::ssl::SslConnector::builder(openssl::ssl::SslMethod::tls()).expect("c");
+    c.set_verify(openssl::ssl::SslVerifyMode::NONE);
+    c.set_groups_list(groups).expect("groups");
+    if let Some(ciphers) = tls12_ciphers {
+        c.set_max_proto_version(Some(openssl::ssl::SslVersion::TLS1_2))
+            .expect("tls 1.2");
+        c.set_cipher_list(ciphers).expect("ciphers");
+    }
+    let tcp = TcpStream::connect(tls).expect("connect");
+    c.build().connect("localhost", tcp).is_ok()
+}
+
+/// Mozilla's intermediate key exchange groups only (no X448, no secp521r1) and no finite-field
+/// DHE suites, which OpenSSL's defaults and Mozilla's own list would offer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_intermediate_groups_and_no_dhe_are_offered() {
+    let ca = Ca::new("kvroute test CA");
+    let dir = temp_dir("groups");
+    ca.write_rsa_server(&dir, 21);
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let (_k, tls) = start_tls(&sim, &dir, "", "");
+    for ok in ["X25519", "P-256", "P-384"] {
+        assert!(handshake_with(tls, ok, None), "{ok} refused");
+    }
+    for refused in ["X448", "P-521", "ffdhe2048"] {
+        assert!(!handshake_with(tls, refused, None), "{refused} accepted");
+    }
+    assert!(handshake_with(
+        tls,
+        "X25519",
+        Some("ECDHE-RSA-AES128-GCM-SHA256")
+    ));
+    assert!(
+        !handshake_with(tls, "X25519:ffdhe2048", Some("DHE-RSA-AES128-GCM-SHA256")),
+        "a DHE suite was negotiated"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

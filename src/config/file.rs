@@ -11,6 +11,7 @@ use std::path::Path;
 use super::access::AccessConfig;
 use super::backend::{self, BackendConfig};
 use super::error::{err, parse_addr, ConfigError};
+use super::headers::ResponseHeadersConfig;
 use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 use super::kv_events::KvEventsConfig;
 use super::limits::{LimitsConfig, TimeoutsConfig};
@@ -60,6 +61,9 @@ pub struct Config {
     /// Routes forwarded besides the inference API; everything else is 404.
     #[serde(default)]
     pub passthrough: PassthroughConfig,
+    /// What of an engine's response head never reaches clients.
+    #[serde(default)]
+    pub response_headers: ResponseHeadersConfig,
     /// The access log's format.
     #[serde(default)]
     pub log: LogConfig,
@@ -93,7 +97,7 @@ impl Config {
             .kvroute
             .ok_or_else(|| err("kvroute", "missing section"))?;
         // The path names the offending key (`kvroute.routing.policy`), not just the section.
-        let cfg: Config = serde_path_to_error::deserialize(section).map_err(|e| {
+        let mut cfg: Config = serde_path_to_error::deserialize(section).map_err(|e| {
             let path = e.path().to_string();
             let key = if path == "." {
                 "kvroute".to_string()
@@ -102,6 +106,7 @@ impl Config {
             };
             err(key, e.into_inner().to_string())
         })?;
+        cfg.response_headers.normalize();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -126,6 +131,7 @@ impl Config {
         }
         self.outlier.validate()?;
         self.passthrough.validate()?;
+        self.response_headers.validate()?;
         if let Some(k) = &self.kv_events {
             k.validate()?;
         }

@@ -6,6 +6,7 @@ mod access;
 mod backend;
 mod error;
 mod file;
+mod headers;
 mod health;
 mod kv_events;
 mod limits;
@@ -21,6 +22,7 @@ pub use backend::{
 };
 pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
+pub use headers::ResponseHeadersConfig;
 pub use health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
 pub use kv_events::{
     BackendKvEvents, KvEventsConfig, ModelTokenizer, TokenizerFiles, MAX_DP_RANKS,

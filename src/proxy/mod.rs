@@ -394,6 +394,7 @@ impl ProxyHttp for Router {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        upstream_request::strip_response(upstream, ctx);
         if upstream.status == http::StatusCode::SWITCHING_PROTOCOLS && !ctx.route.allow_upgrade {
             return Err(Error::explain(
                 ErrorType::HTTPStatus(502),

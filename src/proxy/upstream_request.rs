@@ -1,7 +1,8 @@
 //! The request as the backend gets it: the body's framing, what only kvroute may say (the
-//! engine rank, the engine's key), and what must not pass (a protocol switch, the client's key).
+//! engine rank, the engine's key), and what must not pass (a protocol switch, the client's key);
+//! and what of the backend's response head stays behind (`response_headers.strip`).
 
-use pingora::http::RequestHeader;
+use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::{Error, ErrorType, Result};
 
 use super::ctx::Ctx;
@@ -49,4 +50,18 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
         upstream.insert_header(http::header::AUTHORIZATION, auth)?;
     }
     Ok(())
+}
+
+/// Remove from the backend's response head what `response_headers.strip` names.
+pub(super) fn strip_response(upstream: &mut ResponseHeader, ctx: &Ctx) {
+    let strip = &ctx.generation.config.response_headers;
+    let gone: Vec<http::HeaderName> = upstream
+        .headers
+        .keys()
+        .filter(|n| strip.strips(n.as_str()))
+        .cloned()
+        .collect();
+    for name in gone {
+        upstream.remove_header(&name);
+    }
 }

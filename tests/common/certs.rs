@@ -77,7 +77,18 @@ impl Ca {
 
     /// A certificate signed by this CA, valid from `from` to `until` seconds relative to now.
     pub fn issue(&self, role: Role, serial: u32, from: i64, until: i64) -> (X509, PKey<Private>) {
-        let key = key();
+        self.issue_for(key(), role, serial, from, until)
+    }
+
+    /// [`Ca::issue`] for a key of the caller's (an RSA one, say).
+    pub fn issue_for(
+        &self,
+        key: PKey<Private>,
+        role: Role,
+        serial: u32,
+        from: i64,
+        until: i64,
+    ) -> (X509, PKey<Private>) {
         let mut b = X509::builder().expect("builder");
         b.set_version(2).expect("v3");
         let sn = Asn1Integer::from_bn(&BigNum::from_u32(serial).expect("bn")).expect("serial");
@@ -123,6 +134,16 @@ impl Ca {
         until: i64,
     ) -> (PathBuf, PathBuf) {
         let (cert, key) = self.issue(Role::Server, serial, from, until);
+        let mut chain = cert.to_pem().expect("pem");
+        chain.extend(self.pem());
+        write_pair(dir, &chain, &key)
+    }
+
+    /// [`Ca::write_server`] with an RSA key: the key type TLS 1.2's DHE suites need.
+    pub fn write_rsa_server(&self, dir: &Path, serial: u32) -> (PathBuf, PathBuf) {
+        let rsa = openssl::rsa::Rsa::generate(2048).expect("rsa key");
+        let key = PKey::from_rsa(rsa).expect("pkey");
+        let (cert, key) = self.issue_for(key, Role::Server, serial, -60, 86_000);
         let mut chain = cert.to_pem().expect("pem");
         chain.extend(self.pem());
         write_pair(dir, &chain, &key)
