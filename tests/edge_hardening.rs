@@ -518,3 +518,54 @@ async fn response_headers_on_the_strip_list_stay_behind() {
     // The list replaces the default.
     assert!(answer.contains("\r\nserver: llama.cpp"), "{answer}");
 }
+
+/// A pass-through request with a body waits for a place like a routed one: with every
+/// backend at `backend_max_inflight`, an embeddings call waits in the router queue (503 at its
+/// deadline) instead of going to the engine past the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_bodies_wait_for_a_place_like_routed_ones() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "40"]);
+    let kv = Kvroute::start(
+        &[sim.addr],
+        "  limits:\n    backend_max_inflight: 1\n    queue_timeout_ms: 500\n",
+    );
+    let url = kv.url("/v1/chat/completions");
+    let long = tokio::spawn(async move {
+        client()
+            .post(url)
+            .json(&json!({"model": MODEL, "stream": true, "max_tokens": 100,
+                          "messages": [{"role": "user", "content": "hold the place"}]}))
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap()
+    });
+    let inflight = || kv.metric_sum("kvroute_backend_inflight_requests", &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while inflight() < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "never dispatched");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let embed = || {
+        client()
+            .post(kv.url("/v1/embeddings"))
+            .json(&json!({"model": MODEL, "input": "wait for a place"}))
+            .send()
+    };
+    let r = embed().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.text().await.unwrap().contains("fleet_saturated"));
+    let reached = |sim: &Sim| {
+        sim.requests()
+            .iter()
+            .filter(|e| e["path"] == "/v1/embeddings")
+            .count()
+    };
+    assert_eq!(reached(&sim), 0, "the engine got a request past the cap");
+    long.await.unwrap();
+    let r = embed().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(reached(&sim), 1);
+}

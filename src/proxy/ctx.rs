@@ -170,6 +170,13 @@ pub(super) struct Quota {
 }
 
 impl Ctx {
+    /// Whether the request is held to `limits.backend_max_inflight` and waits in the router
+    /// queue when every backend is at it: a routed request, or a pass-through one with a body
+    /// (admitted like a routed one). Reads (`/v1/models`, stored responses) are not.
+    pub(super) fn under_caps(&self) -> bool {
+        self.route.body.is_some()
+    }
+
     pub(super) fn new(generation: Arc<Generation>, active: Active) -> Ctx {
         Ctx {
             start: Instant::now(),

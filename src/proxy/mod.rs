@@ -295,7 +295,7 @@ impl ProxyHttp for Router {
         // Placement and the hard cap (and bounded_hash's bound) race with concurrent requests:
         // a charge that finds its backend full since the decision places again (or queues).
         let idx = loop {
-            if ctx.route.profile.is_some() {
+            if ctx.under_caps() {
                 if let Err(err) = placer.queue_for_capacity(ctx).await {
                     ctx.error = Some(err.clone());
                     return Err(err.into_pingora());
@@ -309,7 +309,7 @@ impl ProxyHttp for Router {
                     .observe(placing.elapsed().as_secs_f64());
             }
             let Some((idx, decision)) = placed else {
-                if ctx.route.profile.is_some() && placer.saturated(ctx) {
+                if ctx.under_caps() && placer.saturated(ctx) {
                     continue;
                 }
                 let tried = ctx.attempts.tried.len();

@@ -59,9 +59,13 @@ impl Placer<'_> {
             .filter(|_| cfg.routing.policy == PolicyKind::BoundedHash)
             .and_then(|d| d.bound);
         let cap = (cfg.limits.backend_max_inflight, bound);
-        match decision {
-            Some(_) => fleet.try_charge(idx, prefill, rank, cap, expected),
-            None => Some(fleet.charge(idx, prefill, rank, expected)),
+        // A request pinned to the backend that stored its response goes there or nowhere:
+        // capping it would only place it on the same backend again.
+        let capped = decision.is_some() || (ctx.under_caps() && ctx.route.pinned.is_none());
+        if capped {
+            fleet.try_charge(idx, prefill, rank, cap, expected)
+        } else {
+            Some(fleet.charge(idx, prefill, rank, expected))
         }
     }
 
