@@ -259,8 +259,10 @@ impl ApiError {
         dialect: Dialect,
         body_len: usize,
     ) -> pingora::Result<ResponseHeader> {
-        let mut h = ResponseHeader::build(self.status_in(dialect), Some(4))?;
+        let mut h = ResponseHeader::build(self.status_in(dialect), Some(5))?;
         h.insert_header("content-type", "application/json")?;
+        // A browser shown an error must not sniff it into something it would run.
+        h.insert_header("x-content-type-options", "nosniff")?;
         h.insert_header("content-length", body_len.to_string())?;
         if let Some(secs) = self.retry_after {
             h.insert_header("retry-after", secs.to_string())?;

@@ -38,6 +38,13 @@ async fn an_http11_request_needs_one_host() {
     let answer = raw(&kv, &post(""));
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("missing_host"), "{answer}");
+    // kvroute's own answers tell browsers not to sniff them.
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("\r\nx-content-type-options: nosniff\r\n"),
+        "{answer}"
+    );
     let answer = raw(&kv, &post("Host: a\r\nHost: b\r\n"));
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     let answer = raw(&kv, &post("Host: kvroute\r\n"));

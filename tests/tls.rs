@@ -593,8 +593,8 @@ async fn a_backend_behind_tls_is_verified_against_its_ca() {
 }
 
 /// A TLS handshake with kvroute offering only `groups` (TLS 1.3) or, when given, only the TLS
-/// 1.2 suites `tls12_ciphers`: whether it completes.
-fn handshake_with(tls: SocketAddr, groups: &str, tls12_ciphers: Option<&str>) -> bool {
+/// 1.2 suites `tls12_ciphers` (in the client's order): the suite negotiated, if it completes.
+fn negotiate(tls: SocketAddr, groups: &str, tls12_ciphers: Option<&str>) -> Option<String> {
     let mut c = openssl::ssl::SslConnector::builder(openssl::ssl::SslMethod::tls()).expect("c");
     c.set_verify(openssl::ssl::SslVerifyMode::NONE);
     c.set_groups_list(groups).expect("groups");
@@ -604,11 +604,17 @@ fn handshake_with(tls: SocketAddr, groups: &str, tls12_ciphers: Option<&str>) ->
         c.set_cipher_list(ciphers).expect("ciphers");
     }
     let tcp = TcpStream::connect(tls).expect("connect");
-    c.build().connect("localhost", tcp).is_ok()
+    let s = c.build().connect("localhost", tcp).ok()?;
+    s.ssl().current_cipher().map(|c| c.name().to_string())
 }
 
-/// Mozilla's intermediate key exchange groups only (no X448, no secp521r1) and no finite-field
-/// DHE suites, which OpenSSL's defaults and Mozilla's own list would offer.
+fn handshake_with(tls: SocketAddr, groups: &str, tls12_ciphers: Option<&str>) -> bool {
+    negotiate(tls, groups, tls12_ciphers).is_some()
+}
+
+/// Mozilla's intermediate key exchange groups only (no X448, no secp521r1), no finite-field
+/// DHE suites, which OpenSSL's defaults and Mozilla's own list would offer, and the server's
+/// order of suites.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_intermediate_groups_and_no_dhe_are_offered() {
     let ca = Ca::new("kvroute test CA");
@@ -631,5 +637,12 @@ async fn only_intermediate_groups_and_no_dhe_are_offered() {
         !handshake_with(tls, "X25519:ffdhe2048", Some("DHE-RSA-AES128-GCM-SHA256")),
         "a DHE suite was negotiated"
     );
+    // The server's order, not the client's: AES-128-GCM comes first in kvroute's list.
+    let chosen = negotiate(
+        tls,
+        "X25519",
+        Some("ECDHE-RSA-CHACHA20-POLY1305:ECDHE-RSA-AES128-GCM-SHA256"),
+    );
+    assert_eq!(chosen.as_deref(), Some("ECDHE-RSA-AES128-GCM-SHA256"));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -13,13 +13,16 @@
 # - slow readers: other clients (ShareGPT chat, CONVERSATIONS closed-loop conversations, for
 #   LOAD_S seconds) alone, then beside `kvbench probe slow-readers` (10 h2c connections x 128
 #   zero-window streams, each a real streamed chat request, replaced as soon as it ends); the
-#   other clients' success rate and TTFT p50/p99 in both runs.
+#   other clients' success rate and TTFT p50/p99 in both runs;
+# - TLS (when testssl.sh is installed; Debian: testssl.sh): a full testssl.sh scan of the TLS
+#   listener, serving a throwaway self-signed P-256 certificate; its findings above LOW, the
+#   server's apart from the certificate's own (cert_*: self-signed, short-lived, no OCSP/CRL).
 # Writes OUT/README.md (the table) and OUT/*.json (each probe's answers).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 . "$(dirname "$0")/lib.sh"
 cd "$REPO_ROOT"
-need_tools "Debian: python3, curl" python3 curl
+need_tools "Debian: python3, curl, openssl" python3 curl openssl
 
 KVROUTE=${1:-$(release_bin kvroute)}
 KVBENCH=${KVBENCH:-$(release_bin kvbench)}
@@ -27,10 +30,12 @@ OUT=${2:-bench/runs/edge}
 LOAD_S=${LOAD_S:-40}
 CONVERSATIONS=${CONVERSATIONS:-8}
 BASE_PORT=${BASE_PORT:-19300}
-LISTEN=$((BASE_PORT + 80)); ADMIN=$((BASE_PORT + 90))
+LISTEN=$((BASE_PORT + 80)); ADMIN=$((BASE_PORT + 90)); TLS=$((BASE_PORT + 43))
 PROBE="python3 bench/scripts/edge_probe.py"
 rm -rf "$OUT" && mkdir -p "$OUT"
 start_work edge
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 30 -subj /CN=localhost \
+  -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout "$WORK/key.pem" -out "$WORK/cert.pem" 2>/dev/null
 
 spawn "" "$WORK/sim.err" "$KVBENCH" sim --servers 3 --base-port "$BASE_PORT" --profile h100-llama8b
 for p in "$BASE_PORT" $((BASE_PORT + 1)) $((BASE_PORT + 2)); do
@@ -40,6 +45,7 @@ done
   pingora_yaml kv 2
   kvroute_yaml "$LISTEN" "$ADMIN" "$BASE_PORT" $((BASE_PORT + 1)) $((BASE_PORT + 2))
   printf '  h2c: true\n  health_check:\n    interval_ms: 500\n'
+  printf '  tls:\n    listen: "127.0.0.1:%s"\n    cert: %s/cert.pem\n    key: %s/key.pem\n' "$TLS" "$WORK" "$WORK"
 } > "$OUT/kvroute.yaml"
 spawn "" "$WORK/kvroute.err" "$KVROUTE" -c "$OUT/kvroute.yaml"; KV_PID=$SPAWNED
 wait_http 100 "http://127.0.0.1:$ADMIN/readyz" || die "kvroute never ready: $(cat "$WORK/kvroute.err")"
@@ -109,6 +115,21 @@ print(f"| the attack: {a['conns']} x {a['streams']} zero-window streams | {a['op
 PY
 )
 
+# TLS: testssl.sh's findings above LOW.
+TLS_SCAN="not run (testssl.sh not installed)"
+if command -v testssl >/dev/null; then
+  testssl --quiet --color 0 --warnings off --jsonfile "$OUT/testssl.json" --ip one \
+    "127.0.0.1:$TLS" > "$WORK/testssl.txt" 2>&1 || true
+  TLS_SCAN=$(python3 - "$OUT/testssl.json" <<'PY'
+import json, sys
+above = [f for f in json.load(open(sys.argv[1])) if f["severity"] in ("MEDIUM", "HIGH", "CRITICAL")]
+server = [f"{f['severity']} {f['id']}: {f['finding']}" for f in above if not f["id"].startswith("cert_")]
+cert = [f"{f['severity']} {f['id']}" for f in above if f["id"].startswith("cert_")]
+print(f"server: {'; '.join(server) or 'nothing above LOW'}; the throwaway certificate's own: {', '.join(cert) or 'none'}")
+PY
+)
+fi
+
 {
   echo "# Edge check"
   echo
@@ -119,6 +140,7 @@ PY
   echo "| 8 x 30 MB bodies stalled 10 bytes short, 5 s | $ANSWERS | ${STALLED_MIB} MiB at peak |"
   echo "| 29 MB body of 10^6 tiny messages | $BOMB | ${BOMB_MIB} MiB peak (VmHWM) |"
   echo "| smuggling | $SMUGGLE | |"
+  echo "| testssl.sh, full scan | $TLS_SCAN | |"
   echo
   echo "Slow readers (kvroute RSS at the end of the attacked run: $(( (ATTACK_RSS - IDLE) / 1024 )) MiB above idle):"
   echo
