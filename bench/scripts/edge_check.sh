@@ -10,6 +10,8 @@
 # - body memory: 8 connections each declare a 30 MB chat body and stall 10 bytes before its
 #   end, held 5 s; kvroute's RSS above idle at its peak, and how each was answered;
 # - smuggling: CL.TE, an obfuscated Transfer-Encoding, duplicate Content-Length, no Host;
+# - HTTP/2 floods (h2c): rapid reset, a CONTINUATION flood, a SETTINGS flood; how each
+#   connection ended;
 # - slow readers: other clients (ShareGPT chat, CONVERSATIONS closed-loop conversations, for
 #   LOAD_S seconds) alone, then beside `kvbench probe slow-readers` (10 h2c connections x 128
 #   zero-window streams, each a real streamed chat request, replaced as soon as it ends); the
@@ -76,6 +78,8 @@ ANSWERS=$(python3 -c 'import json,sys,collections; a=json.load(open(sys.argv[1])
 
 $PROBE smuggle "$LISTEN" > "$OUT/smuggle.json"
 SMUGGLE=$(python3 -c 'import json,sys; a=json.load(open(sys.argv[1]))["answers"]; print("; ".join(f"{k}: {v}" for k,v in a.items()))' "$OUT/smuggle.json")
+$PROBE h2-floods "$LISTEN" > "$OUT/h2-floods.json"
+FLOODS=$(python3 -c 'import json,sys; a=json.load(open(sys.argv[1]))["answers"]; print("; ".join(f"{k}: {v}" for k,v in a.items()))' "$OUT/h2-floods.json")
 kill -0 "$KV_PID" || die "kvroute died: $(tail -5 "$WORK/kvroute.err")"
 
 # Slow readers: the other clients alone, then beside the attack (started 5 s before them).
@@ -140,6 +144,7 @@ fi
   echo "| 8 x 30 MB bodies stalled 10 bytes short, 5 s | $ANSWERS | ${STALLED_MIB} MiB at peak |"
   echo "| 29 MB body of 10^6 tiny messages | $BOMB | ${BOMB_MIB} MiB peak (VmHWM) |"
   echo "| smuggling | $SMUGGLE | |"
+  echo "| HTTP/2 floods | $FLOODS | |"
   echo "| testssl.sh, full scan | $TLS_SCAN | |"
   echo
   echo "Slow readers (kvroute RSS at the end of the attacked run: $(( (ATTACK_RSS - IDLE) / 1024 )) MiB above idle):"
