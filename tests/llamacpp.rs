@@ -309,8 +309,15 @@ async fn agent_apis_on_a_real_llama_server_reuse_its_cache_and_are_accounted() {
     engine_prompt += done["input_tokens"].as_u64().unwrap();
     engine_cached += cached;
 
-    // kvroute's counters are the engine's usage, summed as chat's are.
-    let text = k.metrics_when("kvroute_requests_total", &[("code", "200")], 4.0);
+    // kvroute's counters are the engine's usage, summed as chat's are. A request is counted
+    // at its end, its tokens just after: wait for the tokens, then compare exactly.
+    k.metrics_when("kvroute_requests_total", &[("code", "200")], 4.0);
+    k.metrics_when("kvroute_prompt_tokens_total", &[], engine_prompt as f64);
+    let text = k.metrics_when(
+        "kvroute_cached_prompt_tokens_total",
+        &[],
+        engine_cached as f64,
+    );
     assert_eq!(
         common::metric_sum(&text, "kvroute_prompt_tokens_total", &[]),
         engine_prompt as f64
