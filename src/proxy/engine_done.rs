@@ -35,8 +35,12 @@ pub(super) fn arm(edge: &Arc<EdgeState>, peer: &HttpPeer, ctx: &mut Ctx) {
 /// At the request's end: forget an arming no connection took, and say how long the client
 /// took past the engine's end.
 pub(super) fn settle(m: &ProxyMetrics, ctx: &mut Ctx) {
+    // Only a request that was armed has anything to forget: the others skip the lock.
+    let Some(done) = ctx.charge.engine_done.take() else {
+        return;
+    };
     read_ahead::disarm();
-    if let Some(at) = ctx.charge.engine_done.take().and_then(|d| d.get().copied()) {
+    if let Some(at) = done.get().copied() {
         m.client_drain
             .with_label_values::<&str>(&[])
             .observe(at.elapsed().as_secs_f64());

@@ -32,14 +32,9 @@ pub use socket::ReadAhead;
 /// What runs once an armed response is complete.
 pub type OnComplete = Box<dyn FnOnce() + Send>;
 
-/// A request about to be written, whose response is to be followed.
-pub(crate) struct Armed {
-    pub on_complete: OnComplete,
-}
-
 /// Armed requests not yet written, by the task that will write them.
-fn pending() -> &'static Mutex<HashMap<tokio::task::Id, Armed>> {
-    static PENDING: OnceLock<Mutex<HashMap<tokio::task::Id, Armed>>> = OnceLock::new();
+fn pending() -> &'static Mutex<HashMap<tokio::task::Id, OnComplete>> {
+    static PENDING: OnceLock<Mutex<HashMap<tokio::task::Id, OnComplete>>> = OnceLock::new();
     PENDING.get_or_init(Default::default)
 }
 
@@ -50,7 +45,7 @@ pub fn arm(on_complete: OnComplete) {
         return;
     };
     if let Ok(mut p) = pending().lock() {
-        p.insert(task, Armed { on_complete });
+        p.insert(task, on_complete);
     }
 }
 
@@ -63,7 +58,7 @@ pub fn disarm() {
 }
 
 /// What this task armed, taken by the connection its request is being written to.
-pub(crate) fn take_armed() -> Option<Armed> {
+pub(crate) fn take_armed() -> Option<OnComplete> {
     let task = tokio::task::try_id()?;
     pending().lock().ok()?.remove(&task)
 }

@@ -359,7 +359,7 @@ impl AsyncWrite for Socket {
             b.complete = false;
             b.following = Some(Following {
                 framing: Framing::new(data.starts_with(b"HEAD ")),
-                on_complete: take_armed().map(|a| a.on_complete),
+                on_complete: take_armed(),
             });
         }
         Pin::new(this.wr()?).poll_write(cx, data)
