@@ -378,6 +378,56 @@ async fn a_keys_requests_in_flight_are_capped() {
     assert_eq!(ask().await, 200);
 }
 
+/// A key's `max_concurrent` holds while its bodies are still arriving: a client cannot take
+/// more of the body memory than its key's places by sending bodies slowly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_bodies_in_transit_count_toward_its_cap() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let sha = key_sha256(b"slow-sender");
+    let extra = format!(
+        "  access:\n    keys:\n      - sha256: \"{sha}\"\n        tenant: t\n        max_concurrent: 1\n"
+    );
+    let kv = Kvroute::start(&[sim.addr], &extra);
+    let addr = kv
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let body = json!({"model": MODEL, "max_tokens": 1,
+                      "messages": [{"role": "user", "content": "slowly"}]})
+    .to_string();
+    let mut slow = TcpStream::connect(&addr).unwrap();
+    slow.write_all(
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: kvroute\r\nAuthorization: Bearer slow-sender\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+            body.len(),
+            &body[..body.len() - 5]
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    let second = client()
+        .post(kv.url("/v1/chat/completions"))
+        .bearer_auth("slow-sender")
+        .body(body.clone())
+        .header("content-type", "application/json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(second.status(), 429, "the body in transit held no place");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    slow.write_all(&body.as_bytes()[body.len() - 5..]).unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = slow.read(&mut buf).unwrap_or(0);
+    let answer = String::from_utf8_lossy(&buf[..n]).to_string();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
+
 /// Bodies being received share `limits.body_memory_bytes`: while one client stalls before the
 /// end of a large body, another large body is refused at once (503, before it is sent), and
 /// taken again once the first is whole; a body whose parse alone would pass the budget is 413.

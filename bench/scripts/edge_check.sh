@@ -16,9 +16,12 @@
 #   LOAD_S seconds) alone, then beside `kvbench probe slow-readers` (10 h2c connections x 128
 #   zero-window streams, each a real streamed chat request, replaced as soon as it ends); the
 #   other clients' success rate and TTFT p50/p99 in both runs;
-# - TLS (when testssl.sh is installed; Debian: testssl.sh): a full testssl.sh scan of the TLS
-#   listener, serving a throwaway self-signed P-256 certificate; its findings above LOW, the
-#   server's apart from the certificate's own (cert_*: self-signed, short-lived, no OCSP/CRL).
+# - TLS: the listener serves a throwaway P-256 certificate from a throwaway CA, with an OCSP
+#   response from that CA stapled; a full testssl.sh scan (when installed; Debian: testssl.sh),
+#   its findings above LOW, the server's apart from the certificate's own (cert_*: untrusted,
+#   short-lived, no CRL); sslyze (when SSLYZE names it or it is on PATH; from PyPI:
+#   `python3 -m venv V && V/bin/pip install sslyze`), trusting the throwaway CA: compliance
+#   with Mozilla's intermediate profile, the OCSP staple, TLS 1.2 session resumption.
 # Writes OUT/README.md (the table) and OUT/*.json (each probe's answers).
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -36,8 +39,20 @@ LISTEN=$((BASE_PORT + 80)); ADMIN=$((BASE_PORT + 90)); TLS=$((BASE_PORT + 43))
 PROBE="python3 bench/scripts/edge_probe.py"
 rm -rf "$OUT" && mkdir -p "$OUT"
 start_work edge
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 30 -subj /CN=localhost \
-  -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout "$WORK/key.pem" -out "$WORK/cert.pem" 2>/dev/null
+# A CA, a leaf it signs and that CA's OCSP answer about the leaf ("good" for a day).
+EC=(-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes)
+openssl req -x509 "${EC[@]}" -days 30 -subj "/CN=kvroute edge check CA" \
+  -addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign,cRLSign \
+  -keyout "$WORK/ca.key" -out "$WORK/ca.pem" 2>/dev/null
+openssl req "${EC[@]}" -subj /CN=localhost -keyout "$WORK/key.pem" -out "$WORK/leaf.csr" 2>/dev/null
+printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' > "$WORK/leaf.ext"
+openssl x509 -req -in "$WORK/leaf.csr" -CA "$WORK/ca.pem" -CAkey "$WORK/ca.key" -set_serial 1000 \
+  -days 30 -extfile "$WORK/leaf.ext" -out "$WORK/leaf.pem" 2>/dev/null
+cat "$WORK/leaf.pem" "$WORK/ca.pem" > "$WORK/cert.pem"
+printf 'V\t301231235959Z\t\t03E8\tunknown\t/CN=localhost\n' > "$WORK/index.txt"
+openssl ocsp -no_nonce -issuer "$WORK/ca.pem" -cert "$WORK/leaf.pem" -reqout "$WORK/ocsp.req" 2>/dev/null
+openssl ocsp -index "$WORK/index.txt" -rsigner "$WORK/ca.pem" -rkey "$WORK/ca.key" -CA "$WORK/ca.pem" \
+  -reqin "$WORK/ocsp.req" -respout "$WORK/ocsp.der" -ndays 1 >/dev/null 2>&1
 
 spawn "" "$WORK/sim.err" "$KVBENCH" sim --servers 3 --base-port "$BASE_PORT" --profile h100-llama8b
 for p in "$BASE_PORT" $((BASE_PORT + 1)) $((BASE_PORT + 2)); do
@@ -48,6 +63,7 @@ done
   kvroute_yaml "$LISTEN" "$ADMIN" "$BASE_PORT" $((BASE_PORT + 1)) $((BASE_PORT + 2))
   printf '  h2c: true\n  health_check:\n    interval_ms: 500\n'
   printf '  tls:\n    listen: "127.0.0.1:%s"\n    cert: %s/cert.pem\n    key: %s/key.pem\n' "$TLS" "$WORK" "$WORK"
+  printf '    ocsp_response: %s/ocsp.der\n' "$WORK"
 } > "$OUT/kvroute.yaml"
 spawn "" "$WORK/kvroute.err" "$KVROUTE" -c "$OUT/kvroute.yaml"; KV_PID=$SPAWNED
 wait_http 100 "http://127.0.0.1:$ADMIN/readyz" || die "kvroute never ready: $(cat "$WORK/kvroute.err")"
@@ -134,6 +150,29 @@ PY
 )
 fi
 
+# TLS: sslyze, trusting the throwaway CA.
+SSLYZE=${SSLYZE:-$(command -v sslyze || true)}
+SSLYZE_SCAN="not run (sslyze not installed)"
+if [ -n "$SSLYZE" ]; then
+  "$SSLYZE" --mozilla_config=intermediate --certinfo_ca_file "$WORK/ca.pem" --resum \
+    --json_out "$OUT/sslyze.json" "127.0.0.1:$TLS" > "$WORK/sslyze.txt" 2>&1 || true
+  SSLYZE_SCAN=$(python3 - "$OUT/sslyze.json" "$WORK/sslyze.txt" <<'PY'
+import json, sys
+scan = json.load(open(sys.argv[1]))["server_scan_results"][0]["scan_result"]
+text = open(sys.argv[2]).read()
+tail = text.split("COMPLIANCE AGAINST", 1)[-1]
+verdict = [l.strip() for l in tail.splitlines() if "127.0.0.1" in l or l.strip().startswith("*")]
+cert = scan["certificate_info"]["result"]["certificate_deployments"][0]
+ocsp = cert["ocsp_response"]
+staple = f"OCSP staple {ocsp['response_status']} {ocsp.get('certificate_status', '')}, trusted {cert['ocsp_response_is_trusted']}" if ocsp else "no OCSP staple"
+resum = scan["session_resumption"]["result"] or {}
+tickets = resum.get("tls_ticket_resumption_result", "?")
+ids = f"{resum.get('session_id_successful_resumptions_count', '?')}/{resum.get('session_id_attempted_resumptions_count', '?')}"
+print(f"Mozilla intermediate: {' '.join(verdict) or 'no verdict'}; {staple}; TLS 1.2 resumption by ticket {tickets}, by session id {ids}")
+PY
+)
+fi
+
 {
   echo "# Edge check"
   echo
@@ -146,6 +185,7 @@ fi
   echo "| smuggling | $SMUGGLE | |"
   echo "| HTTP/2 floods | $FLOODS | |"
   echo "| testssl.sh, full scan | $TLS_SCAN | |"
+  echo "| sslyze | $SSLYZE_SCAN | |"
   echo
   echo "Slow readers (kvroute RSS at the end of the attacked run: $(( (ATTACK_RSS - IDLE) / 1024 )) MiB above idle):"
   echo

@@ -20,6 +20,18 @@ pub struct TlsConfig {
     /// certificate (mTLS).
     #[serde(default)]
     pub client_ca: Option<PathBuf>,
+    /// DER OCSP response for the leaf certificate, stapled to handshakes of clients that ask.
+    /// Fetched by the operator (`openssl ocsp`, a timer unit) and re-read on every reload.
+    #[serde(default)]
+    pub ocsp_response: Option<PathBuf>,
+    /// Session ticket keys (and the TLS 1.2 session cache) are replaced this often, so a key
+    /// taken from memory later cannot decrypt older sessions (forward secrecy).
+    #[serde(default = "default_ticket_key_rotation")]
+    pub ticket_key_rotation_seconds: u64,
+}
+
+fn default_ticket_key_rotation() -> u64 {
+    3600
 }
 
 impl TlsConfig {
@@ -29,6 +41,7 @@ impl TlsConfig {
             ("kvroute.tls.cert", Some(&self.cert)),
             ("kvroute.tls.key", Some(&self.key)),
             ("kvroute.tls.client_ca", self.client_ca.as_ref()),
+            ("kvroute.tls.ocsp_response", self.ocsp_response.as_ref()),
         ];
         for (key, path) in files {
             if let Some(p) = path {
@@ -41,6 +54,12 @@ impl TlsConfig {
                     ));
                 }
             }
+        }
+        if self.ticket_key_rotation_seconds == 0 {
+            return Err(err(
+                "kvroute.tls.ticket_key_rotation_seconds",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }

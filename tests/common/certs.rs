@@ -124,6 +124,86 @@ impl Ca {
         self.cert.to_pem().expect("pem")
     }
 
+    /// An OCSP response signed by this CA about `leaf`, saying good or revoked and valid for
+    /// `minutes`, written to `dir/<name>` (DER), as `openssl ocsp` makes them: the operator's
+    /// tool, and the binding cannot build responses.
+    pub fn write_ocsp_response(
+        &self,
+        dir: &Path,
+        name: &str,
+        leaf: &X509,
+        revoked: bool,
+        minutes: u32,
+    ) -> PathBuf {
+        let ca_pem = dir.join("ocsp-ca.pem");
+        let ca_key = dir.join("ocsp-ca.key");
+        let leaf_pem = dir.join("ocsp-leaf.pem");
+        let index = dir.join("ocsp-index.txt");
+        let request = dir.join("ocsp-request.der");
+        std::fs::write(&ca_pem, self.pem()).expect("write");
+        std::fs::write(&ca_key, self.key.private_key_to_pem_pkcs8().expect("key")).expect("w");
+        std::fs::write(&leaf_pem, leaf.to_pem().expect("pem")).expect("write");
+        let serial = leaf
+            .serial_number()
+            .to_bn()
+            .expect("bn")
+            .to_hex_str()
+            .expect("hex")
+            .to_string();
+        let serial = if serial.len() % 2 == 1 {
+            format!("0{serial}")
+        } else {
+            serial
+        };
+        // The CA database `openssl ca` keeps: status, expiry, revocation time, serial, file,
+        // subject.
+        let line = match revoked {
+            false => format!("V\t301231235959Z\t\t{serial}\tunknown\t/CN=127.0.0.1\n"),
+            true => format!("R\t301231235959Z\t240101000000Z\t{serial}\tunknown\t/CN=127.0.0.1\n"),
+        };
+        std::fs::write(&index, line).expect("write index");
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .arg("ocsp")
+                .args(args)
+                .output()
+                .expect("run openssl ocsp (the openssl package)");
+            assert!(
+                out.status.success(),
+                "openssl ocsp {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let p = |p: &Path| p.display().to_string();
+        run(&[
+            "-no_nonce",
+            "-issuer",
+            &p(&ca_pem),
+            "-cert",
+            &p(&leaf_pem),
+            "-reqout",
+            &p(&request),
+        ]);
+        let response = dir.join(name);
+        run(&[
+            "-index",
+            &p(&index),
+            "-rsigner",
+            &p(&ca_pem),
+            "-rkey",
+            &p(&ca_key),
+            "-CA",
+            &p(&ca_pem),
+            "-reqin",
+            &p(&request),
+            "-respout",
+            &p(&response),
+            "-nmin",
+            &minutes.to_string(),
+        ]);
+        response
+    }
+
     /// Write a server certificate (the chain: leaf, then this CA) and its key into `dir` as
     /// `cert.pem` and `key.pem`, replacing what is there; returns their paths.
     pub fn write_server(
