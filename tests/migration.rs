@@ -217,6 +217,22 @@ async fn migrations_are_limited_and_unfit_streams_end_with_an_error() {
     assert_eq!(s.dones(), 0);
     assert_eq!(migrations(&kv, "migrated"), 2.0);
     assert_eq!(migrations(&kv, "limit"), 1.0);
+    // Each continuation is built from the client's body and the whole text so far: the second
+    // replays " tok0 … tok5", 15 bytes more than the first's " tok0 tok1 tok2", not the first
+    // continuation's body with the text appended again.
+    let mut lengths: Vec<u64> = sims
+        .iter()
+        .flat_map(|s| s.requests())
+        .filter(|e| e["path"] == "/v1/chat/completions")
+        .filter_map(|e| e["body_len"].as_u64())
+        .collect();
+    lengths.sort_unstable();
+    assert_eq!(lengths.len(), 3, "{lengths:?}");
+    assert_eq!(
+        lengths[2] - lengths[1],
+        " tok3 tok4 tok5".len() as u64,
+        "{lengths:?}"
+    );
     assert_eq!(kv.metric_sum("kvroute_cut_streams_total", &[]), 1.0);
     // Token log probabilities another engine did not sample cannot be continued.
     let mut body = chat(20);
@@ -263,4 +279,162 @@ async fn an_engine_refusing_continuations_is_not_asked_again() {
     let per_backend: Vec<f64> = sims.iter().map(refused).collect();
     assert!(per_backend.iter().all(|&n| n <= 1.0), "{per_backend:?}");
     assert!(per_backend.iter().sum::<f64>() >= 1.0, "{per_backend:?}");
+}
+
+/// A Messages or Responses stream's events (`event:` then `data:`), as (type, JSON) pairs.
+async fn typed_events(kv: &Kvroute, path: &str, body: Value) -> Vec<(String, Value)> {
+    let r = client()
+        .post(kv.url(path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let raw = tokio::time::timeout(Duration::from_secs(20), r.text())
+        .await
+        .expect("the stream hung")
+        .expect("the stream broke instead of ending");
+    raw.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let kind = e
+                .lines()
+                .find_map(|l| l.strip_prefix("event: "))
+                .unwrap_or("")
+                .to_string();
+            let data = e
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .unwrap_or("");
+            (kind, serde_json::from_str(data).unwrap_or(Value::Null))
+        })
+        .collect()
+}
+
+fn count(events: &[(String, Value)], kind: &str) -> usize {
+    events.iter().filter(|(k, _)| k == kind).count()
+}
+
+/// Anthropic's Messages streams go on elsewhere too, as one message: one opening, the text of
+/// an unbroken reply, one end, and output usage counting both engines' tokens. A message whose
+/// tool call was cut cannot be continued and ends with an error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_stream_goes_on_elsewhere_as_one_message() {
+    let sims = Sim::start_n(2, &FAST);
+    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+    for s in &sims {
+        set_faults(s.addr, json!({"cut_after_tokens": 5}));
+    }
+    let body = json!({"model": MODEL, "max_tokens": 8, "stream": true,
+                      "messages": [{"role": "user", "content": "hello"}]});
+    let events = typed_events(&kv, "/v1/messages", body).await;
+    let text: String = events
+        .iter()
+        .filter(|(k, _)| k == "content_block_delta")
+        .filter_map(|(_, v)| v["delta"]["text"].as_str())
+        .collect();
+    assert_eq!(text, whole(8), "{events:?}");
+    for (kind, n) in [
+        ("message_start", 1),
+        ("content_block_start", 1),
+        ("content_block_stop", 1),
+        ("message_delta", 1),
+        ("message_stop", 1),
+        ("error", 0),
+    ] {
+        assert_eq!(count(&events, kind), n, "{kind}: {events:?}");
+    }
+    let end = &events.iter().find(|(k, _)| k == "message_delta").unwrap().1;
+    assert_eq!(end["usage"]["output_tokens"], 8, "{end}");
+    assert_eq!(migrations(&kv, "migrated"), 1.0);
+
+    // A forced tool call, cut inside its arguments.
+    let body = json!({"model": MODEL, "max_tokens": 30, "stream": true,
+                      "messages": [{"role": "user", "content": "weather?"}],
+                      "tools": [{"name": "get_weather", "description": "d",
+                                 "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+                      "tool_choice": {"type": "tool", "name": "get_weather"}});
+    let events = typed_events(&kv, "/v1/messages", body).await;
+    assert_eq!(count(&events, "message_stop"), 0, "{events:?}");
+    assert!(
+        events
+            .iter()
+            .any(|(k, v)| k == "error" || v.get("error").is_some()),
+        "{events:?}"
+    );
+    assert_eq!(migrations(&kv, "unfit_tool_call"), 1.0);
+}
+
+/// A Responses stream goes on elsewhere as chat (the Responses API cannot ask for the rest of
+/// an answer), and its client reads one response: one `response.created`, the text of an
+/// unbroken reply, `sequence_number`s without a gap, and `response.completed` with that text and
+/// usage counting both engines' tokens. A function call cut mid-arguments is not continued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_stream_goes_on_elsewhere_as_one_response() {
+    let sims = Sim::start_n(2, &FAST);
+    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+    for s in &sims {
+        set_faults(s.addr, json!({"cut_after_tokens": 5}));
+    }
+    let body = json!({"model": MODEL, "input": "hello", "max_output_tokens": 8,
+                      "stream": true, "store": false});
+    let events = typed_events(&kv, "/v1/responses", body).await;
+    let text: String = events
+        .iter()
+        .filter(|(k, _)| k == "response.output_text.delta")
+        .filter_map(|(_, v)| v["delta"].as_str())
+        .collect();
+    assert_eq!(text, whole(8), "{events:?}");
+    // The simulator stops at the output limit, as it always does: the continuation's
+    // `finish_reason: "length"` ends the response as OpenAI's API ends one at
+    // `max_output_tokens`.
+    for (kind, n) in [
+        ("response.created", 1),
+        ("response.output_text.done", 1),
+        ("response.incomplete", 1),
+        ("response.completed", 0),
+        ("error", 0),
+    ] {
+        assert_eq!(count(&events, kind), n, "{kind}: {events:?}");
+    }
+    let numbers: Vec<u64> = events
+        .iter()
+        .filter_map(|(_, v)| v["sequence_number"].as_u64())
+        .collect();
+    let expected: Vec<u64> = (0..numbers.len() as u64).collect();
+    assert_eq!(numbers, expected);
+    let created = &events[0].1["response"];
+    let done = &events
+        .iter()
+        .find(|(k, _)| k == "response.incomplete")
+        .unwrap()
+        .1["response"];
+    assert_eq!(done["id"], created["id"]);
+    assert_eq!(done["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(done["output"][0]["content"][0]["text"], whole(8));
+    assert_eq!(done["usage"]["output_tokens"], 8, "{done}");
+    assert_eq!(migrations(&kv, "migrated"), 1.0);
+    let paths: Vec<String> = sims
+        .iter()
+        .flat_map(|s| s.requests())
+        .filter_map(|e| e["path"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        paths.contains(&"/v1/responses".to_string())
+            && paths.contains(&"/v1/chat/completions".to_string()),
+        "{paths:?}"
+    );
+
+    let body = json!({"model": MODEL, "input": "weather?", "max_output_tokens": 30,
+                      "stream": true, "store": false,
+                      "tools": [{"type": "function", "name": "get_weather", "description": "d",
+                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+                      "tool_choice": {"type": "function", "name": "get_weather"}});
+    let events = typed_events(&kv, "/v1/responses", body).await;
+    assert_eq!(
+        count(&events, "response.completed") + count(&events, "response.incomplete"),
+        0,
+        "{events:?}"
+    );
+    assert_eq!(migrations(&kv, "unfit_tool_call"), 1.0);
 }

@@ -139,8 +139,12 @@ pub(super) struct ResponseTap {
 /// A stream that may go on elsewhere if its backend fails (see `super::migrate`).
 #[derive(Default)]
 pub(super) struct Resume {
-    /// What the client has been sent (chat and completions streams, migrations allowed).
+    /// What the client has been sent (streams of the APIs continued, migrations allowed).
     pub transcript: Option<Transcript>,
+    /// The body as the client sent it: every continuation is built from it and the whole
+    /// text so far, not from the last continuation (whose prompt holds part of the text and
+    /// whose limits were already reduced).
+    pub original: Option<bytes::Bytes>,
     /// The running attempt continues the stream: its events are rewritten by this.
     pub splice: Option<Splice>,
     pub migrations: u32,

@@ -135,8 +135,9 @@ impl ProxyMetrics {
                 "Streams whose backend failed after the response started, by what followed: \
                  migrated (continued on another backend), finished (the text was already whole: \
                  the stream was ended), limit (limits.max_migrations reached), disabled \
-                 (limits.max_migrations is 0), unfit_* (a request \
-                 another engine cannot continue faithfully).",
+                 (limits.max_migrations is 0), not_streamed (a whole body was being sent: \
+                 its client has part of it), unfit_* (a request another engine cannot \
+                 continue faithfully).",
                 &["outcome"],
             )?,
             migration_gap: seconds_vec(
@@ -228,7 +229,7 @@ impl ProxyMetrics {
                 }
             }
         }
-        for outcome in ["migrated", "finished", "limit", "disabled"] {
+        for outcome in ["migrated", "finished", "limit", "disabled", "not_streamed"] {
             m.migrations.with_label_values(&[outcome]);
         }
         for unfit in Unfit::ALL {

@@ -31,9 +31,9 @@ impl Migrator<'_> {
         };
         if p.stream
             && ctx.generation.config.limits.max_migrations > 0
-            && matches!(p.endpoint, Endpoint::Chat | Endpoint::Completions)
+            && resume::continues(p.endpoint)
         {
-            ctx.resume.transcript = Some(Transcript::new());
+            ctx.resume.transcript = Some(Transcript::new(p.endpoint));
             ctx.resume.prompt_now = p.est_prompt_tokens;
         }
     }
@@ -64,7 +64,7 @@ impl Migrator<'_> {
     /// What goes to the client: a continuation's events rewritten to the stream's identity,
     /// then recorded. An engine's error event is taken out and fails the attempt.
     pub fn on_body(&self, ctx: &mut Ctx, body: &mut Option<Bytes>) -> Result<()> {
-        if let Some(s) = &ctx.resume.splice {
+        if let Some(s) = ctx.resume.splice.as_mut() {
             s.filter(body);
         }
         let Some(t) = ctx.resume.transcript.as_mut() else {
@@ -122,8 +122,10 @@ impl Migrator<'_> {
 
     fn decide(&self, ctx: &mut Ctx) -> &'static str {
         let limits = &ctx.generation.config.limits;
+        // A whole body cut after its head and part of it reached the client: it cannot be
+        // sent again, and there is no stream to go on with.
         let Some(p) = ctx.route.profile.as_ref().filter(|p| p.stream) else {
-            return "unfit_api";
+            return "not_streamed";
         };
         let endpoint = p.endpoint;
         let Some(t) = ctx.resume.transcript.as_ref() else {
@@ -137,20 +139,27 @@ impl Migrator<'_> {
         // The usage the client asked for, if the end is all that is left to send: every
         // attempt's prompt (estimated: the failed engines never reported theirs) and the
         // tokens the client has.
-        let usage = (p.include_usage && !ctx.route.strip_usage).then(|| {
+        // Messages and Responses streams always end with their usage.
+        let with_usage = (p.include_usage && !ctx.route.strip_usage)
+            || matches!(endpoint, Endpoint::Messages | Endpoint::Responses);
+        let usage = with_usage.then(|| {
             (
                 ctx.resume.prompt_before + ctx.resume.prompt_now,
                 seen.tokens,
             )
         });
-        if seen.finished {
+        // A Messages text block closed: the engine had ended its text, only the end is lost.
+        if seen.finished || seen.closing > 0 {
             ctx.resume.ending = Some(resume::final_events(endpoint, seen, false, usage));
             return "finished";
         }
         if ctx.resume.migrations >= limits.max_migrations {
             return "limit";
         }
-        let body = ctx.route.body.as_deref().unwrap_or_default();
+        if ctx.resume.original.is_none() {
+            ctx.resume.original = ctx.route.body.clone();
+        }
+        let body = ctx.resume.original.as_deref().unwrap_or_default();
         let next = match resume::continuation(endpoint, body, seen) {
             Ok(Continuation::Body(b)) => b,
             Ok(Continuation::Complete) => {
@@ -167,10 +176,13 @@ impl Migrator<'_> {
         ctx.resume.prompt_before += ctx.resume.prompt_now;
         ctx.resume.replayed = seen.tokens;
         ctx.resume.prompt_now = first_prompt + seen.tokens;
-        ctx.resume.splice = Some(Splice::new(seen, ctx.resume.prompt_before));
+        ctx.resume.splice = Some(Splice::new(endpoint, seen, ctx.resume.prompt_before));
         ctx.resume.migrations += 1;
         ctx.resume.cut_at = ctx.resume.last_sent;
         ctx.route.body = Some(next);
+        if let Some(path) = resume::continuation_path(endpoint) {
+            ctx.route.upstream_path = Some(path.to_owned());
+        }
         // The engines' token ids were for the prompt without the text so far.
         ctx.route.exact = None;
         if let Some(p) = ctx.route.profile.as_mut() {

@@ -415,7 +415,10 @@ impl ProxyHttp for Router {
                 .headers
                 .get(http::header::CONTENT_TYPE)
                 .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-            ctx.tap.stamp = stored::stamper(ctx, stream);
+            // A continuation in chat has no ids of its own to stamp: its events take the
+            // stamped ones the client has.
+            let translated = ctx.resume.splice.as_ref().is_some_and(|s| s.speaks_chat());
+            ctx.tap.stamp = stored::stamper(ctx, stream).filter(|_| !translated);
             if ctx.tap.stamp.is_some() {
                 // Stamped ids are longer than the engine's.
                 upstream.remove_header(&http::header::CONTENT_LENGTH);
@@ -423,8 +426,12 @@ impl ProxyHttp for Router {
         }
         if let (Some(p), 200) = (&ctx.route.profile, upstream.status.as_u16()) {
             let collect_reply = ctx.generation.config.routing.policy == PolicyKind::KvAware;
+            let api = match &ctx.resume.splice {
+                Some(s) if s.speaks_chat() => request::Endpoint::Chat,
+                _ => p.endpoint,
+            };
             let mut tap =
-                UsageTap::new(p.stream, ctx.route.strip_usage, collect_reply).speaking(p.endpoint);
+                UsageTap::new(p.stream, ctx.route.strip_usage, collect_reply).speaking(api);
             if let (Some(_), Some(t)) = (&ctx.resume.splice, &ctx.resume.transcript) {
                 tap.replying_after(&t.seen().text);
             }

@@ -8,12 +8,30 @@
 //! assistant message last, no generation prompt; llama.cpp continues a final assistant message
 //! by itself), completions by appending the text to the prompt. What cannot be continued that
 //! way is refused with a reason ([`Unfit`]), and the stream ends with an error event as before.
+//! Anthropic's Messages streams are continued the same way, in their own events (`messages`).
 
+mod messages;
+mod responses;
 mod splice;
 mod transcript;
 
 pub use splice::Splice;
 pub use transcript::{Seen, Transcript};
+
+/// Text kept to replay; a longer stream is not continued (its replay would be a prompt of its
+/// own size anyway).
+const MAX_TEXT_BYTES: usize = 4 << 20;
+
+/// Whether streams of `endpoint` can be continued (every API kvroute routes can).
+pub fn continues(endpoint: Endpoint) -> bool {
+    Endpoint::ALL.contains(&endpoint)
+}
+
+/// Where a continuation of `endpoint` is sent, when not where the request went: a Responses
+/// stream goes on as chat (`responses`).
+pub fn continuation_path(endpoint: Endpoint) -> Option<&'static str> {
+    (endpoint == Endpoint::Responses).then_some(responses::CONTINUATION_PATH)
+}
 
 use bytes::Bytes;
 use serde_json::{Map, Value};
@@ -24,8 +42,12 @@ use super::Endpoint;
 /// `kvroute_migrations_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unfit {
-    /// The API's continuation is not implemented (Responses and Messages streams).
+    /// The API's continuation is not implemented (none is left; kept for the metric's
+    /// label set).
     Api,
+    /// A Responses request continuing a stored response: its history is on the engine that
+    /// stored it, not in the body.
+    History,
     /// Several choices (`n`, `best_of`, a list of prompts): one text cannot stand for them.
     Choices,
     /// Log probabilities of tokens the new engine did not sample.
@@ -52,6 +74,7 @@ impl Unfit {
     pub fn as_str(self) -> &'static str {
         match self {
             Unfit::Api => "unfit_api",
+            Unfit::History => "unfit_history",
             Unfit::Choices => "unfit_choices",
             Unfit::Logprobs => "unfit_logprobs",
             Unfit::Guided => "unfit_guided",
@@ -64,8 +87,9 @@ impl Unfit {
         }
     }
 
-    pub const ALL: [Unfit; 10] = [
+    pub const ALL: [Unfit; 11] = [
         Unfit::Api,
+        Unfit::History,
         Unfit::Choices,
         Unfit::Logprobs,
         Unfit::Guided,
@@ -109,13 +133,27 @@ pub fn continuation(endpoint: Endpoint, body: &[u8], seen: &Seen) -> Result<Cont
     if let Some(u) = seen.unfit {
         return Err(u);
     }
-    if !matches!(endpoint, Endpoint::Chat | Endpoint::Completions) {
+    if !continues(endpoint) {
         return Err(Unfit::Api);
     }
     let Ok(Value::Object(mut v)) = serde_json::from_slice::<Value>(body) else {
         return Err(Unfit::Body);
     };
-    check_fit(&v)?;
+    if endpoint == Endpoint::Responses {
+        let remaining = match v.get("max_output_tokens").and_then(Value::as_u64) {
+            Some(n) if n <= seen.tokens => return Ok(Continuation::Complete),
+            Some(n) => Some(n - seen.tokens),
+            None => None,
+        };
+        let chat = responses::continuation(v, &seen.text, remaining)?;
+        return serde_json::to_vec(&chat)
+            .map(|b| Continuation::Body(b.into()))
+            .map_err(|_| Unfit::Body);
+    }
+    match endpoint {
+        Endpoint::Messages => messages::check_fit(&v)?,
+        _ => check_fit(&v)?,
+    }
     for field in LIMITS {
         if let Some(n) = v.get(field).and_then(Value::as_u64) {
             if n <= seen.tokens {
@@ -129,6 +167,7 @@ pub fn continuation(endpoint: Endpoint, body: &[u8], seen: &Seen) -> Result<Cont
     }
     match endpoint {
         Endpoint::Chat => continue_chat(&mut v, &seen.text)?,
+        Endpoint::Messages => messages::continue_messages(&mut v, &seen.text)?,
         _ => continue_prompt(&mut v, &seen.text)?,
     }
     serde_json::to_vec(&v)
@@ -139,13 +178,24 @@ pub fn continuation(endpoint: Endpoint, body: &[u8], seen: &Seen) -> Result<Cont
 /// The events that end a stream whose text is whole but whose end was lost: a last chunk with
 /// `finish_reason: "length"` when the output limit was what ended it (`with_finish`), the
 /// usage chunk when the client asked for one (`usage`: prompt and completion tokens), then
-/// `[DONE]`.
+/// `[DONE]`. Messages and Responses streams end in their own events, always with usage.
 pub fn final_events(
     endpoint: Endpoint,
     seen: &Seen,
     with_finish: bool,
     usage: Option<(u64, u64)>,
 ) -> Bytes {
+    match endpoint {
+        Endpoint::Messages => {
+            let usage = usage.unwrap_or((0, seen.tokens));
+            return messages::final_events(seen, with_finish, usage).into();
+        }
+        Endpoint::Responses => {
+            let usage = usage.unwrap_or((0, seen.tokens));
+            return responses::final_events(seen, with_finish, usage).into();
+        }
+        _ => {}
+    }
     let mut out = Vec::new();
     let object = match endpoint {
         Endpoint::Completions => "text_completion",
@@ -296,6 +346,17 @@ mod tests {
     }
 
     #[test]
+    fn messages_go_on_from_a_final_assistant_message() {
+        let body = br#"{"model":"m","max_tokens":10,"stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+        let v = body_of(continuation(Endpoint::Messages, body, &seen(" tok0", 1)).unwrap());
+        assert_eq!(v["messages"][1]["role"], "assistant");
+        assert_eq!(v["messages"][1]["content"], " tok0");
+        assert_eq!(v["max_tokens"], 9);
+        // Anthropic's API continues a final assistant message by itself.
+        assert!(v.get("continue_final_message").is_none());
+    }
+
+    #[test]
     fn a_reached_limit_needs_no_continuation() {
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_completion_tokens":3}"#;
         assert_eq!(
@@ -366,10 +427,10 @@ mod tests {
                 "{body}"
             );
         }
-        let body = br#"{"model":"m","input":"hi"}"#;
+        let body = br#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}],"output_format":{"type":"json_schema"}}"#;
         assert_eq!(
-            continuation(Endpoint::Responses, body, &seen("x", 1)),
-            Err(Unfit::Api)
+            continuation(Endpoint::Messages, body, &seen("x", 1)),
+            Err(Unfit::Guided)
         );
         let mut tool = seen("x", 1);
         tool.unfit = Some(Unfit::ToolCall);

@@ -1,18 +1,21 @@
 //! A continuation's events, rewritten to read as the stream the client already has: the first
 //! stream's `id`, `created` and `model`, no second opening (chat's role-only first chunk), and
 //! `usage` that counts both engines' work (the replayed text is the continuation's prompt, and
-//! the tokens sent before the cut are output).
+//! the tokens sent before the cut are output). Messages events keep their own shape
+//! (`messages::rewrite`).
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde_json::Value;
 
-use super::Seen;
+use super::{messages, responses, Seen};
 use crate::request::reply::Usage;
 use crate::request::usage::{event_data, split_events};
+use crate::request::Endpoint;
 
 /// Rewrites the events of one continuation.
 #[derive(Debug, Clone)]
 pub struct Splice {
+    mode: Mode,
     id: Option<String>,
     created: Option<u64>,
     model: Option<String>,
@@ -21,10 +24,27 @@ pub struct Splice {
     completion_before: u64,
 }
 
+/// The continuation's events: OpenAI's chunks, Messages' events, or chat chunks that become a
+/// Responses stream's.
+#[derive(Debug, Clone)]
+enum Mode {
+    Chunks,
+    Messages,
+    Responses(Box<responses::Translator>),
+}
+
 impl Splice {
     /// `prompt_before`: the prompt tokens of the attempts before this one.
-    pub fn new(seen: &Seen, prompt_before: u64) -> Splice {
+    pub fn new(endpoint: Endpoint, seen: &Seen, prompt_before: u64) -> Splice {
+        let mode = match endpoint {
+            Endpoint::Messages => Mode::Messages,
+            Endpoint::Responses => {
+                Mode::Responses(Box::new(responses::Translator::new(seen, prompt_before)))
+            }
+            _ => Mode::Chunks,
+        };
         Splice {
+            mode,
             id: seen.id.clone(),
             created: seen.created,
             model: seen.model.clone(),
@@ -43,8 +63,18 @@ impl Splice {
         }
     }
 
+    /// The continuation speaks chat whatever the client's API (Responses goes on as chat).
+    pub fn speaks_chat(&self) -> bool {
+        matches!(self.mode, Mode::Responses(_))
+    }
+
     /// Rewrite `body` (whole events) in place.
-    pub fn filter(&self, body: &mut Option<Bytes>) {
+    pub fn filter(&mut self, body: &mut Option<Bytes>) {
+        if let Mode::Responses(t) = &mut self.mode {
+            t.filter(body);
+            return;
+        }
+        let messages = matches!(self.mode, Mode::Messages);
         let Some(b) = body.as_ref() else {
             return;
         };
@@ -58,11 +88,19 @@ impl Splice {
                 out.extend_from_slice(event);
                 continue;
             };
-            if v.contains_key("error") || !self.rewrite(&mut v) {
-                if v.contains_key("error") {
-                    out.extend_from_slice(event);
-                }
+            if v.contains_key("error") {
+                out.extend_from_slice(event);
                 continue;
+            }
+            let keep = match messages {
+                true => messages::rewrite(&mut v, self.prompt_before, self.completion_before),
+                false => self.rewrite(&mut v),
+            };
+            if !keep {
+                continue;
+            }
+            if let Some(kind) = v.get("type").and_then(Value::as_str).filter(|_| messages) {
+                out.put_slice(format!("event: {kind}\n").as_bytes());
             }
             out.put_slice(b"data: ");
             if serde_json::to_writer((&mut out).writer(), &v).is_err() {
@@ -129,10 +167,10 @@ mod tests {
             tokens: 2,
             ..Seen::default()
         };
-        Splice::new(&seen, 50)
+        Splice::new(Endpoint::Chat, &seen, 50)
     }
 
-    fn run(s: &Splice, text: &str) -> Vec<Value> {
+    fn run(s: &mut Splice, text: &str) -> Vec<Value> {
         let mut body = Some(Bytes::copy_from_slice(text.as_bytes()));
         s.filter(&mut body);
         let out = String::from_utf8(body.unwrap().to_vec()).unwrap();
@@ -148,7 +186,7 @@ mod tests {
     #[test]
     fn continuation_events_take_the_first_streams_identity() {
         let events = run(
-            &splice(),
+            &mut splice(),
             concat!(
                 "data: {\"id\":\"chatcmpl-2\",\"created\":200,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n",
                 "data: {\"id\":\"chatcmpl-2\",\"created\":200,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" c\"},\"finish_reason\":null}]}\n\n",
@@ -178,7 +216,7 @@ mod tests {
 
     #[test]
     fn error_events_pass_for_the_transcript_to_catch() {
-        let events = run(&splice(), "data: {\"error\":{\"message\":\"x\"}}\n\n");
+        let events = run(&mut splice(), "data: {\"error\":{\"message\":\"x\"}}\n\n");
         assert_eq!(events[0]["error"]["message"], "x");
     }
 }

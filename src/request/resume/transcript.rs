@@ -8,12 +8,9 @@ use serde::Deserialize;
 use std::borrow::Cow;
 use std::collections::VecDeque;
 
-use super::Unfit;
+use super::{messages, responses, Unfit, MAX_TEXT_BYTES};
 use crate::request::usage::{event_data, split_events};
-
-/// Text kept to replay; a longer stream is not continued (its replay would be a prompt of its
-/// own size anyway).
-const MAX_TEXT_BYTES: usize = 4 << 20;
+use crate::request::Endpoint;
 
 /// What the client has of the stream.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -26,8 +23,17 @@ pub struct Seen {
     pub text: String,
     /// Events that carried text: one token each, as vLLM, SGLang and llama.cpp stream.
     pub tokens: u64,
-    /// A `finish_reason` was sent: the text is whole.
+    /// A `finish_reason` (Messages: a `message_delta`) was sent: the text is whole.
     pub finished: bool,
+    /// How far the stream's closing events went, so that what ends it sends the rest:
+    /// Messages 1 once its text block closed; Responses 1, 2, 3 once `output_text.done`,
+    /// `content_part.done`, `output_item.done` were sent. Past 0 the engine had ended its text.
+    pub closing: u8,
+    /// Responses: the response object `response.created` announced, the message item's id,
+    /// and the next `sequence_number`.
+    pub opening: Option<serde_json::Value>,
+    pub item_id: Option<String>,
+    pub sequence: u64,
     pub unfit: Option<Unfit>,
 }
 
@@ -71,9 +77,11 @@ struct Delta<'a> {
     reasoning: Option<Cow<'a, str>>,
 }
 
-/// The record of one stream (chat or completions).
+/// The record of one stream (chat, completions or Messages).
 #[derive(Debug, Default)]
 pub struct Transcript {
+    /// The stream's events: OpenAI's chunks (`None`), or Messages' or Responses' own.
+    events: Option<Endpoint>,
     seen: Seen,
     /// Body bytes recorded as sent, and the record after each recent chunk: the proxy filters
     /// a few chunks before it writes them, and a failure in between loses those, so the record
@@ -88,6 +96,8 @@ struct Checkpoint {
     text_len: usize,
     tokens: u64,
     finished: bool,
+    closing: u8,
+    sequence: u64,
 }
 
 /// Chunks remembered for `settle`: more than the proxy ever holds filtered and unwritten
@@ -95,8 +105,13 @@ struct Checkpoint {
 const CHECKPOINTS: usize = 16;
 
 impl Transcript {
-    pub fn new() -> Transcript {
-        let mut t = Transcript::default();
+    /// The record of a stream of `endpoint` (one that [`super::continues`]).
+    pub fn new(endpoint: Endpoint) -> Transcript {
+        let mut t = Transcript {
+            events: matches!(endpoint, Endpoint::Messages | Endpoint::Responses)
+                .then_some(endpoint),
+            ..Transcript::default()
+        };
         t.checkpoint();
         t
     }
@@ -114,6 +129,8 @@ impl Transcript {
             text_len: self.seen.text.len(),
             tokens: self.seen.tokens,
             finished: self.seen.finished,
+            closing: self.seen.closing,
+            sequence: self.seen.sequence,
         });
     }
 
@@ -135,6 +152,8 @@ impl Transcript {
                 self.seen.text.truncate(c.text_len);
                 self.seen.tokens = c.tokens;
                 self.seen.finished = c.finished;
+                self.seen.closing = c.closing;
+                self.seen.sequence = c.sequence;
             }
             // Further back than kept: what the client has is not known.
             None => {
@@ -152,15 +171,21 @@ impl Transcript {
             return Ok(());
         };
         let before = (self.seen.text.len(), self.seen.tokens, self.seen.finished);
-        let unfit = self.seen.unfit;
+        let (unfit, closing, sequence) = (self.seen.unfit, self.seen.closing, self.seen.sequence);
         for event in split_events(b) {
             let Some(json) = event_data(event) else {
                 continue;
             };
-            if let Err(message) = self.event(json) {
+            let observed = match self.events {
+                Some(Endpoint::Messages) => messages::observe(&mut self.seen, json),
+                Some(_) => responses::observe(&mut self.seen, json),
+                None => self.event(json),
+            };
+            if let Err(message) = observed {
                 (self.seen.text, self.seen.tokens, self.seen.finished) =
                     (self.seen.text[..before.0].to_string(), before.1, before.2);
-                self.seen.unfit = unfit;
+                (self.seen.unfit, self.seen.closing, self.seen.sequence) =
+                    (unfit, closing, sequence);
                 *body = None;
                 return Err(message);
             }
@@ -241,7 +266,7 @@ mod tests {
 
     #[test]
     fn records_identity_text_and_tokens() {
-        let mut t = Transcript::new();
+        let mut t = Transcript::new(Endpoint::Chat);
         feed(&mut t, ROLE).unwrap();
         feed(&mut t, &(token(" a") + &token(" b"))).unwrap();
         let s = t.seen();
@@ -256,7 +281,7 @@ mod tests {
 
     #[test]
     fn completions_text_counts_too() {
-        let mut t = Transcript::new();
+        let mut t = Transcript::new(Endpoint::Chat);
         feed(
             &mut t,
             "data: {\"id\":\"cmpl-1\",\"choices\":[{\"index\":0,\"text\":\" x\"}]}\n\n",
@@ -267,7 +292,7 @@ mod tests {
 
     #[test]
     fn an_engine_error_event_is_taken_and_nothing_of_its_chunk_recorded() {
-        let mut t = Transcript::new();
+        let mut t = Transcript::new(Endpoint::Chat);
         feed(&mut t, &token(" a")).unwrap();
         let err = feed(
             &mut t,
@@ -280,7 +305,7 @@ mod tests {
 
     #[test]
     fn settles_back_to_what_was_written() {
-        let mut t = Transcript::new();
+        let mut t = Transcript::new(Endpoint::Chat);
         let (a, b) = (token(" a"), token(" b"));
         feed(&mut t, &a).unwrap();
         feed(&mut t, &b).unwrap();
@@ -311,11 +336,11 @@ mod tests {
                 Unfit::Choices,
             ),
         ] {
-            let mut t = Transcript::new();
+            let mut t = Transcript::new(Endpoint::Chat);
             feed(&mut t, &format!("data: {event}\n\n")).unwrap();
             assert_eq!(t.seen().unfit, Some(why), "{event}");
         }
-        let mut t = Transcript::new();
+        let mut t = Transcript::new(Endpoint::Chat);
         feed(&mut t, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\",\"tool_calls\":null,\"reasoning_content\":null}}]}\n\n").unwrap();
         assert_eq!(t.seen().unfit, None);
     }

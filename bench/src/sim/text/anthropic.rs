@@ -47,6 +47,17 @@ pub fn parse(body: &[u8], generation: bool) -> Result<SimRequest, ApiError> {
         push_message(m, i, &mut messages)?;
     }
     let mut chat = Map::new();
+    // A final assistant message is the reply's start, which the model goes on from
+    // (Anthropic's prefill): rendered unclosed, as chat's `continue_final_message`.
+    if list
+        .last()
+        .and_then(|m| m.get("role"))
+        .and_then(Value::as_str)
+        == Some("assistant")
+    {
+        chat.insert("continue_final_message".into(), Value::Bool(true));
+        chat.insert("add_generation_prompt".into(), Value::Bool(false));
+    }
     chat.insert("messages".into(), Value::Array(messages));
     for field in ["model", "stream"] {
         if let Some(x) = v.get(field) {
