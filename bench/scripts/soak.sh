@@ -8,7 +8,9 @@
 # (KILL_EVERY_S=0: no kills), and freezing one (SIGSTOP, then SIGCONT FREEZE_S seconds later)
 # at FREEZE_AT_S (FREEZE_S=0: no freeze). Every reply's text is checked against the
 # simulator's deterministic one (`replay --check-text`): a stream continued on another backend
-# must read as an unbroken one.
+# must read as an unbroken one. API=chat|responses|messages|mixed picks the API the replay
+# speaks (mixed: each conversation Responses or Messages); CUT_RATE drops that fraction of the
+# simulators' streams once mid-response (a lost connection, the engine alive).
 #
 # Reports requests sent and failed, the in-flight count on each backend just before it was
 # killed, streams migrated and their gaps, and kvroute's RSS at start and end. Writes
@@ -26,6 +28,8 @@ FREEZE_AT_S=${FREEZE_AT_S:-90}
 FREEZE_S=${FREEZE_S:-60}
 # Server 3 is killed at 240 s and 480 s only: its freeze (90-150 s) never meets a kill.
 FREEZE_IDX=${FREEZE_IDX:-3}
+API=${API:-chat}
+CUT_RATE=${CUT_RATE:-0}
 BASE_PORT=${BASE_PORT:-19100}
 N=4
 BIN=${CARGO_TARGET_DIR:-target}/release
@@ -38,6 +42,7 @@ RUN=$(mktemp -d)
 declare -a SIM_PIDS
 start_sim() {
   "$BIN/kvbench" sim --servers 1 --base-port $((BASE_PORT + $1)) --profile h100-llama8b \
+    --cut-rate "$CUT_RATE" \
     >> "$RUN/sim$1.log" 2>&1 &
   SIM_PIDS[$1]=$!
 }
@@ -60,6 +65,7 @@ RSS_START=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
 
 "$BIN/kvbench" replay --target "http://$LISTEN" --workload mooncake --trace-speedup "$SPEEDUP" \
   --duration-s "$DURATION_S" --grace-s 120 --out "$OUT/replay" --label soak --check-text \
+  --api "$API" \
   > "$RUN/replay.log" 2>&1 &
 REPLAY_PID=$!
 
@@ -110,9 +116,9 @@ wait "$REPLAY_PID"
 RSS_END=$(ps -o rss= -p "$KV_PID" | tr -d ' ')
 curl -fs "http://$ADMIN/metrics" > "$OUT/metrics.txt"
 
-python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" "$KILL_EVERY_S" "$FREEZE" <<'PY'
+python3 - "$OUT" "$RSS_START" "$RSS_END" "$DURATION_S" "$SPEEDUP" "$KILLS" "$KILL_EVERY_S" "$FREEZE" "$API" "$CUT_RATE" <<'PY'
 import json, sys
-out, rss0, rss1, dur, speedup, kills, every, freeze = sys.argv[1:9]
+out, rss0, rss1, dur, speedup, kills, every, freeze, api, cut_rate = sys.argv[1:11]
 r = json.load(open(f"{out}/replay/report.json"))
 s = r["summary"]
 def metric(name):
@@ -146,6 +152,14 @@ def gap_quantiles(cause, qs=(0.5, 0.99)):
         out_q.append("<= " + ("inf" if le == "+Inf" else f"{float(le) * 1000:.0f} ms"))
     return f"{int(total)} ({', '.join(out_q)})"
 gaps = {c: gap_quantiles(c) for c in ("connection", "silent", "engine_error")}
+outcomes = {}
+for line in open(f"{out}/metrics.txt"):
+    if line.startswith("kvroute_migrations_total{"):
+        label = line.split('outcome="', 1)[1].split('"', 1)[0]
+        n = float(line.rsplit(" ", 1)[1])
+        if n:
+            outcomes[label] = outcomes.get(label, 0) + int(n)
+outcomes = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) or "none"
 failed_attempts = metric("kvroute_upstream_failures_total")
 retried = metric('kvroute_retries_total{outcome="retried"}')
 ejections = metric("kvroute_outlier_ejections_total")
@@ -158,8 +172,9 @@ text = f"""# Soak run
 
 `bench/scripts/soak.sh` (DURATION_S={dur}, SPEEDUP={speedup}, KILL_EVERY_S={every}): the Mooncake trace at {speedup}x
 through kvroute (kv_aware) to 4 simulated H100 servers, one killed (kill -9) and restarted
-(2 s later) every {every} s in turn (0: none); {freeze}. Every reply's text checked against
-the simulator's (`replay --check-text`).
+(2 s later) every {every} s in turn (0: none); {freeze}; API {api}; a fraction {cut_rate} of the
+streams dropped once mid-response (CUT_RATE). Every reply's text checked against the
+simulator's (`replay --check-text`).
 
 | requests sent | failed (errors + timeouts) | of which text mangled | in flight on killed backends | streams migrated | cut, not migrated | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | cache hit | kvroute RSS start / end |
 |---|---|---|---|---|---|---|---|---|---|---|
@@ -169,6 +184,8 @@ Migrated streams' gaps (last event before the failure to the first of the contin
 kvroute's `kvroute_migration_gap_seconds`: count and the bucket bounds of p50, p99), by how
 the backend failed: connection closed {gaps['connection']}; silent past the read deadline
 {gaps['silent']}; engine error event {gaps['engine_error']}.
+
+Every migration decision (`kvroute_migrations_total` by outcome): {outcomes}.
 
 Kills (time, backend, requests in flight on it just before):
 

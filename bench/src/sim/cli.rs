@@ -60,6 +60,10 @@ pub struct SimArgs {
     /// Fraction of POST requests never answered.
     #[arg(long, default_value_t = 0.0)]
     pub hang_rate: f64,
+    /// Fraction of streams whose connection is dropped once mid-response, after a
+    /// pseudo-random number of tokens.
+    #[arg(long, default_value_t = 0.0)]
+    pub cut_rate: f64,
     /// After start, /health and POSTs answer 503 for this many model milliseconds.
     #[arg(long, default_value_t = 0.0)]
     pub slow_start_ms: f64,
@@ -154,6 +158,7 @@ impl SimArgs {
         }
         check_rate("--fail-rate", self.fail_rate).map_err(SimError::new)?;
         check_rate("--hang-rate", self.hang_rate).map_err(SimError::new)?;
+        check_rate("--cut-rate", self.cut_rate).map_err(SimError::new)?;
         if self.kv_tokens.is_some_and(|t| t < 16) {
             return Err(SimError::new("--kv-tokens must be at least 16 (one block)"));
         }
@@ -196,6 +201,7 @@ impl SimArgs {
             faults: Faults {
                 fail_rate: self.fail_rate,
                 hang_rate: self.hang_rate,
+                cut_rate: self.cut_rate,
                 ..Faults::default()
             },
             // Each server's own, set below.

@@ -26,6 +26,9 @@ pub struct Faults {
     /// While set, a chat request with `continue_final_message` is refused with 400, as by an
     /// engine that does not know the option.
     pub refuse_continuation: bool,
+    /// Fraction of streams whose connection is dropped once, after a pseudo-random number of
+    /// their tokens (at least one), as a connection lost mid-response.
+    pub cut_rate: f64,
 }
 
 /// What a stream does at one of its tokens.
@@ -36,6 +39,16 @@ pub enum StreamFault {
 }
 
 impl Faults {
+    /// Where `cut_rate` drops stream `seq` of `server`, a stream of `n` tokens: after token
+    /// 1 to n-1, or not at all.
+    pub fn cut_point(&self, seq: u64, server: usize, n: u64) -> Option<u64> {
+        if n < 2 || !hits(self.cut_rate, seq, server, CUT_SALT) {
+            return None;
+        }
+        let seed = CUT_SALT.rotate_left(7) ^ server as u64;
+        Some(1 + xxh3_64_with_seed(&seq.to_le_bytes(), seed) % (n - 1))
+    }
+
     /// The fault, if any, for a stream about to send its token `i` (counted from its start).
     pub fn at_token(&self, i: u64) -> Option<StreamFault> {
         if self.cut_after_tokens > 0 && i >= self.cut_after_tokens {
@@ -68,11 +81,16 @@ pub struct FaultUpdate {
     pub cut_after_tokens: Option<u64>,
     pub error_after_tokens: Option<u64>,
     pub refuse_continuation: Option<bool>,
+    pub cut_rate: Option<f64>,
 }
 
 impl FaultUpdate {
     pub fn validate(&self) -> Result<(), ApiError> {
-        for (name, rate) in [("fail_rate", self.fail_rate), ("hang_rate", self.hang_rate)] {
+        for (name, rate) in [
+            ("fail_rate", self.fail_rate),
+            ("hang_rate", self.hang_rate),
+            ("cut_rate", self.cut_rate),
+        ] {
             if let Some(rate) = rate {
                 check_rate(name, rate).map_err(ApiError::bad_request)?;
             }
@@ -95,6 +113,9 @@ impl Faults {
         }
         if let Some(v) = update.unhealthy {
             self.unhealthy = v;
+        }
+        if let Some(v) = update.cut_rate {
+            self.cut_rate = v;
         }
         if let Some(v) = update.cut_after_tokens {
             self.cut_after_tokens = v;
@@ -119,6 +140,7 @@ pub fn check_rate(name: &str, rate: f64) -> Result<(), String> {
 /// Salts keep the fail and hang draws of one request independent.
 pub const FAIL_SALT: u64 = 0x6661_696c;
 pub const HANG_SALT: u64 = 0x6861_6e67;
+pub const CUT_SALT: u64 = 0x6375_7421;
 
 /// True for about `rate` of all sequence numbers.
 pub fn hits(rate: f64, seq: u64, server: usize, salt: u64) -> bool {
@@ -150,6 +172,20 @@ mod tests {
 
     #[test]
     fn hit_fraction_tracks_rate() {
+        let cuts = Faults {
+            cut_rate: 0.2,
+            ..Faults::default()
+        };
+        let points: Vec<u64> = (0..10_000)
+            .filter_map(|s| cuts.cut_point(s, 2, 40))
+            .collect();
+        assert!((1_800..2_200).contains(&points.len()), "{}", points.len());
+        assert!(points.iter().all(|p| (1..40).contains(p)));
+        assert_eq!(
+            cuts.cut_point(7, 2, 1),
+            None,
+            "a one-token stream has no middle"
+        );
         let n = (0..10_000).filter(|&s| hits(0.3, s, 1, FAIL_SALT)).count();
         assert!((2_700..3_300).contains(&n), "{n}");
         assert!((0..1000).all(|s| !hits(0.0, s, 0, FAIL_SALT)));

@@ -30,7 +30,7 @@ use crate::sim::config::Engine;
 use crate::sim::engine::scheduler::NewRequest;
 use crate::sim::engine::task::Progress;
 use crate::sim::error::ApiError;
-use crate::sim::faults::stream_fault;
+use crate::sim::faults::{stream_fault, StreamFault};
 use crate::sim::text::generate::{
     continued_text, reply_hashes, reply_hashes_and_tokens, token_text, Reply,
 };
@@ -99,7 +99,9 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     usage.completion_tokens = n;
     let llamacpp = s.config.engine == Engine::Llamacpp;
     if a.req.stream {
+        let cut_at = s.faults().cut_point(a.seq, s.index, n);
         let stream = EngineStream {
+            cut_at,
             watcher,
             writer: StreamWriter::new(answer),
             first,
@@ -186,6 +188,8 @@ struct EngineStream {
     writer: StreamWriter,
     /// The reply's first token (a continuation starts past 0).
     first: u64,
+    /// Where `cut_rate` drops this stream, if it does.
+    cut_at: Option<u64>,
     usage: Option<Usage>,
     /// The prompt's usage; its cached tokens are the engine's, known at the first token.
     start: Usage,
@@ -198,7 +202,8 @@ impl EngineStream {
     async fn next_event(&mut self) -> Option<Result<Bytes, std::io::Error>> {
         let w = &mut self.watcher;
         if w.sent < w.n {
-            if let Some(fault) = w.s.faults().at_token(w.sent) {
+            let cut = (self.cut_at == Some(w.sent)).then_some(StreamFault::Cut);
+            if let Some(fault) = w.s.faults().at_token(w.sent).or(cut) {
                 self.usage = None;
                 self.done = true;
                 w.n = w.sent;

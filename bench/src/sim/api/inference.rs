@@ -25,7 +25,7 @@ use crate::sim::config::Engine;
 use crate::sim::engine::kvcache::BLOCK_TOKENS;
 use crate::sim::engine::lora::AdapterUse;
 use crate::sim::engine::stats::Gauge;
-use crate::sim::faults::stream_fault;
+use crate::sim::faults::{stream_fault, StreamFault};
 use crate::sim::text::generate::{continued_text, reply_hashes, token_text, Reply, Schedule};
 use crate::sim::text::openai::Endpoint;
 
@@ -152,7 +152,9 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
             .or_else(|| (first > 0).then(|| reply_text.clone())),
     };
     if stream {
+        let cut_at = gen.state.faults().cut_point(a.seq, gen.state.index, n);
         let stream = TokenStream {
+            cut_at,
             gen,
             writer: StreamWriter::new(answer),
             first,
@@ -273,6 +275,8 @@ struct TokenStream {
     writer: StreamWriter,
     /// The reply's first token (a continuation starts past 0).
     first: u64,
+    /// Where `cut_rate` drops this stream, if it does.
+    cut_at: Option<u64>,
     next: u64,
     n: u64,
     usage: Option<Usage>,
@@ -285,7 +289,8 @@ impl TokenStream {
     async fn next_event(&mut self) -> Option<Result<Bytes, std::io::Error>> {
         if self.next < self.n {
             let i = self.next;
-            if let Some(fault) = self.gen.state.faults().at_token(i) {
+            let cut = (self.cut_at == Some(i)).then_some(StreamFault::Cut);
+            if let Some(fault) = self.gen.state.faults().at_token(i).or(cut) {
                 self.next = self.n;
                 self.usage = None;
                 self.done = true;
