@@ -438,3 +438,119 @@ async fn a_responses_stream_goes_on_elsewhere_as_one_response() {
     );
     assert_eq!(migrations(&kv, "unfit_tool_call"), 1.0);
 }
+
+/// A hung engine (SIGSTOP: its connections stay open, nothing comes) is found down by the health
+/// check, and the requests silent on it are cut then, not at their read deadlines (30 s and
+/// more): a stream goes on elsewhere, a whole-body request is sent again elsewhere. On plain
+/// engine connections and on read-ahead ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_on_a_hung_engine_go_on_elsewhere_once_it_is_found_down() {
+    for read_ahead in [false, true] {
+        let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "20"]);
+        let kv = Kvroute::start(
+            &[sims[0].addr, sims[1].addr],
+            &format!(
+                "  health_check:\n    interval_ms: 200\n    timeout_ms: 300\n  outlier:\n    enabled: false\n  limits:\n    read_ahead_http1: {read_ahead}\n"
+            ),
+        );
+        // A stream, its engine frozen after a few tokens.
+        let mut r = client()
+            .post(kv.url("/v1/chat/completions"))
+            .json(&chat(60))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let served_by = r.headers()["x-kvbench-addr"].to_str().unwrap().to_string();
+        let mut raw = String::new();
+        while !raw.contains("tok5\"") {
+            let chunk = r.chunk().await.unwrap().expect("stream ended early");
+            raw.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        let hung = sims
+            .iter()
+            .position(|s| s.addr.to_string() == served_by)
+            .expect("served by a sim");
+        sims[hung].freeze();
+        let rest = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut rest = String::new();
+            while let Some(chunk) = r.chunk().await.expect("the stream broke") {
+                rest.push_str(&String::from_utf8_lossy(&chunk));
+            }
+            rest
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the stream waited for its read deadline (read_ahead_http1: {read_ahead}): {}",
+                kv.log()
+            )
+        });
+        let s = Stream::parse(&(raw + &rest));
+        assert_eq!(s.error(), None, "{:?}", s.events);
+        assert_eq!(s.text(), whole(60));
+        assert_eq!(s.dones(), 1);
+        assert_eq!(migrations(&kv, "migrated"), 1.0);
+        assert_eq!(
+            kv.metric_sum(
+                "kvroute_migration_gap_seconds_count",
+                &[("cause", "backend_down")]
+            ),
+            1.0,
+            "{}",
+            kv.log()
+        );
+        drop(sims);
+    }
+}
+
+/// A whole-body request whose engine hangs while generating is sent again, whole, to the other
+/// backend as soon as the health check finds its engine down, and its client gets one answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_body_request_on_a_hung_engine_is_sent_again_elsewhere() {
+    let sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "20"]);
+    let kv = Kvroute::start(
+        &[sims[0].addr, sims[1].addr],
+        "  health_check:\n    interval_ms: 200\n    timeout_ms: 300\n  outlier:\n    enabled: false\n",
+    );
+    let body = chat_body(
+        MODEL,
+        json!([{"role": "user", "content": "hello"}]),
+        false,
+        100,
+    );
+    let url = kv.url("/v1/chat/completions");
+    let sent = tokio::spawn(async move {
+        let r = client().post(url).json(&body).send().await.unwrap();
+        (r.status(), r.json::<Value>().await.expect("a JSON answer"))
+    });
+    // 100 tokens take 2 s: freeze whichever engine took it, well before it answers.
+    let hung = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Some(i) = sims.iter().position(|s| !s.requests().is_empty()) {
+                break i;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("no engine received the request");
+    sims[hung].freeze();
+    let (status, answer) = tokio::time::timeout(Duration::from_secs(12), sent)
+        .await
+        .expect("the request waited for its read deadline")
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["message"]["content"], whole(100));
+    assert_eq!(answer["usage"]["completion_tokens"], 100);
+    assert_eq!(
+        kv.metric_sum(
+            "kvroute_upstream_failures_total",
+            &[("kind", "backend_down")]
+        ),
+        1.0,
+        "{}",
+        kv.log()
+    );
+    assert_eq!(sims[1 - hung].requests().len(), 1);
+}

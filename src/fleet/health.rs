@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::error::FleetError;
+use super::in_flight::InFlight;
 use super::upstream::{http_peer, probe_session, UpstreamTls};
 use crate::config::HealthCheckConfig;
 
@@ -37,6 +38,7 @@ pub(super) struct TlsTargets(pub(super) Arc<ArcSwap<HashMap<SocketAddr, Arc<Upst
 pub(super) struct FleetHealthCheck {
     cfg: HealthCheckConfig,
     targets: TlsTargets,
+    in_flight: Arc<InFlight>,
 }
 
 impl FleetHealthCheck {
@@ -70,7 +72,19 @@ impl HealthCheck for FleetHealthCheck {
             ));
         };
         let tls = self.targets.0.load().get(&addr).cloned();
-        let status = self.get(addr, tls.as_deref()).await?;
+        // The whole check, connect and answer, within two timeouts: an engine dripping its
+        // answer a byte at a time is as down as a silent one, and Pingora waits for every
+        // backend's check before it starts the next round.
+        let bound = Duration::from_millis(self.cfg.timeout_ms.saturating_mul(2));
+        let status = match tokio::time::timeout(bound, self.get(addr, tls.as_deref())).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return pingora::Error::e_explain(
+                    pingora::ErrorType::ReadTimedout,
+                    format!("no whole answer within {} ms", bound.as_millis()),
+                )
+            }
+        };
         if (200..300).contains(&status) {
             Ok(())
         } else {
@@ -78,6 +92,25 @@ impl HealthCheck for FleetHealthCheck {
                 pingora::ErrorType::CustomCode("non 2xx code", status),
                 "during http healthcheck",
             )
+        }
+    }
+
+    /// A backend found down: the requests silent on it for as long as the check waited are
+    /// cut now, to go on elsewhere, rather than each at its own read deadline.
+    async fn health_status_change(&self, target: &Backend, healthy: bool) {
+        let Some(addr) = target.addr.as_inet().copied() else {
+            return;
+        };
+        if healthy {
+            return;
+        }
+        let silent_for = Duration::from_millis(self.cfg.timeout_ms);
+        let cut = self.in_flight.cut_silent(addr, silent_for);
+        if cut > 0 {
+            log::warn!(
+                "backend {addr} is down: cut {cut} request(s) silent on it for {} ms or more; they go on elsewhere",
+                self.cfg.timeout_ms
+            );
         }
     }
 
@@ -93,6 +126,7 @@ impl HealthCheck for FleetHealthCheck {
 pub(super) fn health_check(
     cfg: &HealthCheckConfig,
     targets: TlsTargets,
+    in_flight: Arc<InFlight>,
 ) -> Result<Box<FleetHealthCheck>, FleetError> {
     // The path must make a request line: checked here, at start and on reload.
     RequestHeader::build("GET", cfg.path.as_bytes(), None)
@@ -100,5 +134,6 @@ pub(super) fn health_check(
     Ok(Box::new(FleetHealthCheck {
         cfg: cfg.clone(),
         targets,
+        in_flight,
     }))
 }

@@ -8,6 +8,7 @@ mod charge;
 mod error;
 mod generation;
 mod health;
+pub mod in_flight;
 pub mod kv_events;
 pub(crate) mod learn;
 mod load;

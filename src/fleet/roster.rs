@@ -15,6 +15,7 @@ use super::adapters::{AdapterSlot, Reported};
 use super::backend::{median_learned_rate, since_epoch_ms, BackendState, Live};
 use super::error::FleetError;
 use super::health::{health_check, Membership, TlsTargets};
+use super::in_flight::InFlight;
 use super::models::{ModelEntry, PoolCache, ANY_MODEL};
 use super::outlier::{self, Outcome};
 use super::read_ahead::{self, ReadAhead};
@@ -43,6 +44,8 @@ pub(super) struct Shared {
     /// Bumped whenever an engine lists other models: model pools are rebuilt.
     models_version: AtomicU64,
     pub(super) beliefs: Mutex<Beliefs>,
+    /// Requests waiting on each backend, cut when its health check finds it down.
+    in_flight: Arc<InFlight>,
 }
 
 pub struct Fleet {
@@ -133,9 +136,14 @@ impl Fleet {
     pub fn new(cfg: &Config) -> Result<Fleet, FleetError> {
         let membership = Membership::default();
         let tls_targets = TlsTargets::default();
+        let in_flight = Arc::new(InFlight::default());
         let mut lb =
             LoadBalancer::<RoundRobin>::from_backends(Backends::new(Box::new(membership.clone())));
-        lb.set_health_check(health_check(&cfg.health_check, tls_targets.clone())?);
+        lb.set_health_check(health_check(
+            &cfg.health_check,
+            tls_targets.clone(),
+            Arc::clone(&in_flight),
+        )?);
         lb.health_check_frequency = Some(Duration::from_millis(cfg.health_check.interval_ms));
         lb.parallel_health_check = true;
         let shared = Arc::new(Shared {
@@ -143,6 +151,7 @@ impl Fleet {
             membership,
             tls_targets,
             models_version: AtomicU64::new(0),
+            in_flight,
             beliefs: Mutex::new(Beliefs {
                 index: PrefixIndex::new(&[]),
                 exact: vec![ExactIndex::default()],
@@ -316,6 +325,11 @@ impl Fleet {
                 connect_timeout: Duration::from_millis(cfg.timeouts.connect_ms),
             }),
         })
+    }
+
+    /// The requests waiting on each backend's engine connections.
+    pub fn in_flight(&self) -> &Arc<InFlight> {
+        &self.shared.in_flight
     }
 
     /// The connector for this fleet's plaintext engines (`None`: read-ahead is off).

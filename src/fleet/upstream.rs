@@ -57,10 +57,12 @@ pub(super) async fn probe_session(peer: &HttpPeer) -> pingora::Result<HttpSessio
     })?;
     // As Pingora's connector sets it on its own connections; a probe that cannot is no worse.
     let _ = tcp.set_nodelay(true);
-    Ok(HttpSession::new_with_options(
-        Box::new(Stream::from(tcp)),
-        peer,
-    ))
+    let mut session = HttpSession::new_with_options(Box::new(Stream::from(tcp)), peer);
+    // Pingora's connector sets these on the sessions it makes; `new_with_options` does not, and
+    // without them a check of a hung engine (its socket open, nothing read) never ends.
+    session.read_timeout = peer.options.read_timeout;
+    session.write_timeout = peer.options.write_timeout;
+    Ok(session)
 }
 
 /// Hand a finished session back for reuse: TLS sessions go to the connector's idle pool (a

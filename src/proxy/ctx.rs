@@ -9,6 +9,7 @@ use crate::edge::retry_budget::{Active, Retrying};
 use crate::edge::Caller;
 use crate::error::{ApiError, Dialect};
 use crate::fleet::adapters::AdapterHold;
+use crate::fleet::in_flight::Watch;
 use crate::fleet::kv_events::ExactBlocks;
 use crate::fleet::{Generation, InflightGuard};
 use crate::placement::Pool;
@@ -106,6 +107,8 @@ pub(super) struct Attempts {
     /// The last failed attempt timed out (504 rather than 502 if nothing else answers).
     pub timed_out: bool,
     pub upstream_responded: bool,
+    /// The current attempt's registration with the fleet's in-flight requests.
+    pub watch: Option<Watch>,
 }
 
 /// The request's charge on its backend and what placement predicted for it.

@@ -8,28 +8,30 @@ use std::time::Instant;
 use super::ctx::Ctx;
 use super::metrics::ProxyMetrics;
 use crate::edge::EdgeState;
-use crate::fleet::read_ahead;
+use crate::fleet::read_ahead::{self, Link};
 
 /// Arm the response to the request about to be written to `peer`: once complete, its charge
 /// is released and the router queue's best waiter may go. Nothing for a connection that does
-/// not read ahead (TLS engines, read-ahead off).
-pub(super) fn arm(edge: &Arc<EdgeState>, peer: &HttpPeer, ctx: &mut Ctx) {
-    let Some(guard) = &ctx.charge.guard else {
-        return;
-    };
-    if peer.options.custom_l4.is_none() {
-        return;
-    }
+/// not read ahead (TLS engines, read-ahead off). The link to the connection it will be
+/// written to, if armed.
+pub(super) fn arm(edge: &Arc<EdgeState>, peer: &HttpPeer, ctx: &mut Ctx) -> Option<Arc<Link>> {
+    let guard = ctx.charge.guard.as_ref()?;
+    peer.options.custom_l4.as_ref()?;
     let release = guard.releaser();
     let edge = Arc::clone(edge);
     let done = Arc::new(OnceLock::new());
     ctx.charge.engine_done = Some(Arc::clone(&done));
-    read_ahead::arm(Box::new(move || {
-        let _ = done.set(Instant::now());
-        if release() {
-            edge.queue.wake_one();
-        }
-    }));
+    let link = Arc::new(Link::default());
+    read_ahead::arm(
+        Box::new(move || {
+            let _ = done.set(Instant::now());
+            if release() {
+                edge.queue.wake_one();
+            }
+        }),
+        Arc::clone(&link),
+    );
+    Some(link)
 }
 
 /// At the request's end: forget an arming no connection took, and say how long the client

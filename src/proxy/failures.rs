@@ -21,6 +21,9 @@ pub(super) enum FailureKind {
     /// The engine refused a stream's continuation (an option it does not know): nothing
     /// against its health.
     RefusedContinuation,
+    /// kvroute cut the connection: the health check found the backend down while the request
+    /// sat silent on it.
+    BackendDown,
 }
 
 impl FailureKind {
@@ -29,6 +32,7 @@ impl FailureKind {
             FailureKind::Connect => "connect",
             FailureKind::Io => "io",
             FailureKind::RefusedContinuation => "refused_continuation",
+            FailureKind::BackendDown => "backend_down",
         }
     }
 }
@@ -138,9 +142,9 @@ impl FailurePolicy<'_> {
         let decision = if ctx.attempts.count >= max_attempts {
             RetryDecision::AttemptsExhausted
         } else if ctx.attempts.retrying.is_some() || kind != FailureKind::Io {
-            // A refused or failed connect never reached the backend, and a refused continuation
-            // was not started: retrying adds no work anywhere, so it needs no budget (attempts
-            // still bound it).
+            // A refused or failed connect never reached the backend, a refused continuation
+            // was not started, and a hung backend's work is lost with it: retrying adds no
+            // work anywhere, so it needs no budget (attempts still bound it).
             RetryDecision::Retried
         } else {
             match self.edge.retry_budget.try_retry(ratio, min) {

@@ -1,5 +1,6 @@
 //! Migration: a stream whose backend fails after the response started (the connection reset or
-//! closed, an engine error event, silence past the read deadline) goes on on another backend,
+//! closed, an engine error event, silence past the read deadline, silence on a backend the
+//! health check found down) goes on on another backend,
 //! from where its client is. The request layer says what the client has and how to ask for
 //! the rest ([`crate::request::resume`]); this decides whether to, and wires it into the
 //! attempt loop.
@@ -102,6 +103,7 @@ impl Migrator<'_> {
     ) -> bool {
         failures.cut(ctx);
         ctx.resume.cause = match e.etype() {
+            _ if super::hung::was_cut(ctx) => "backend_down",
             ErrorType::ReadTimedout => "silent",
             ErrorType::HTTPStatus(_) => "engine_error",
             _ => "connection",

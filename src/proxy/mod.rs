@@ -27,6 +27,7 @@ mod engine_done;
 mod exact;
 mod failures;
 mod finish;
+mod hung;
 mod intake;
 mod metrics;
 mod migrate;
@@ -353,11 +354,12 @@ impl ProxyHttp for Router {
         _session: &mut Session,
         _reused: bool,
         peer: &HttpPeer,
-        _fd: std::os::unix::io::RawFd,
-        _digest: Option<&pingora::protocols::Digest>,
+        fd: std::os::unix::io::RawFd,
+        digest: Option<&pingora::protocols::Digest>,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        engine_done::arm(&self.edge, peer, ctx);
+        let link = engine_done::arm(&self.edge, peer, ctx);
+        hung::watch(ctx, fd, digest, link);
         Ok(())
     }
 
@@ -394,6 +396,7 @@ impl ProxyHttp for Router {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        hung::progress(ctx, false);
         upstream_request::strip_response(upstream, ctx);
         if upstream.status == http::StatusCode::SWITCHING_PROTOCOLS && !ctx.route.allow_upgrade {
             return Err(Error::explain(
@@ -443,6 +446,17 @@ impl ProxyHttp for Router {
             }
         }
         Ok(())
+    }
+
+    fn upstream_response_body_filter(
+        &self,
+        _session: &mut Session,
+        _body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Duration>> {
+        hung::progress(ctx, end_of_stream);
+        Ok(None)
     }
 
     fn response_body_filter(
@@ -517,14 +531,16 @@ impl ProxyHttp for Router {
         // the backend); one that timed out was open and unanswered: the backend is hung, and
         // the retry goes elsewhere. Once the client's stream has started, it is continued
         // elsewhere from where the client is, if it can be.
+        let cut = hung::was_cut(ctx);
         let retry = if !ctx.attempts.upstream_responded || session.response_written().is_none() {
             let kind = match e.etype() {
                 ErrorType::HTTPStatus(400 | 422) if ctx.resume.splice.is_some() => {
                     FailureKind::RefusedContinuation
                 }
+                _ if cut => FailureKind::BackendDown,
                 _ => FailureKind::Io,
             };
-            let stale = client_reused && !ctx.attempts.timed_out;
+            let stale = client_reused && !ctx.attempts.timed_out && !cut;
             self.failures().after_failure(ctx, kind, stale).retries()
         } else {
             let written = session.body_bytes_sent() as u64;

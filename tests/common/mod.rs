@@ -96,6 +96,11 @@ impl Sim {
         let _ = self.child.wait();
     }
 
+    /// Stop the simulator's process (SIGSTOP): a hung engine, its connections open.
+    pub fn freeze(&self) {
+        signal(self.child.id(), "STOP");
+    }
+
     /// Requests this server has received (`GET /debug/requests`).
     pub fn requests(&self) -> Vec<serde_json::Value> {
         let (status, body) = http_get(self.addr, "/debug/requests");

@@ -45,7 +45,13 @@ pub(super) fn typed(v: &Value, start: &mut Option<Usage>) -> Option<Event> {
             text(v.get("delta"))
         }
         "response.output_item.added" => tool_call(&v["item"], "function_call", "call_id"),
-        "response.completed" => {
+        // OpenAI's API (and vLLM's) ends a response at `max_output_tokens` as incomplete; the
+        // replay asks for exactly that many tokens, so it is the reply's end, not a failure.
+        // Any other reason (a content filter) is one.
+        "response.completed" | "response.incomplete"
+            if kind == "response.completed"
+                || v["response"]["incomplete_details"]["reason"] == "max_output_tokens" =>
+        {
             let usage = &v["response"]["usage"];
             let id = v["response"]["id"].as_str().map(str::to_owned);
             let usage = Usage {
@@ -136,6 +142,18 @@ mod tests {
                 Event::Error("busy".into()),
             ]
         );
+    }
+
+    #[test]
+    fn a_response_ended_at_its_output_limit_is_whole_and_any_other_incomplete_is_not() {
+        let at_limit = "event: response.incomplete\ndata: {\"type\":\"response.incomplete\",\"response\":{\"id\":\"resp_1\",\"incomplete_details\":{\"reason\":\"max_output_tokens\"},\"usage\":{\"input_tokens\":5,\"output_tokens\":3}}}\n\n";
+        let ev = SseParser::new().push(at_limit.as_bytes());
+        assert!(
+            matches!(&ev[0], Event::Final(u, Some(id)) if id == "resp_1" && u.completion_tokens == 3)
+        );
+        let filtered = "event: response.incomplete\ndata: {\"type\":\"response.incomplete\",\"response\":{\"incomplete_details\":{\"reason\":\"content_filter\"}}}\n\n";
+        let ev = SseParser::new().push(filtered.as_bytes());
+        assert!(matches!(&ev[0], Event::Error(_)), "{ev:?}");
     }
 
     #[test]

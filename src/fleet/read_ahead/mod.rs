@@ -32,20 +32,45 @@ pub use socket::ReadAhead;
 /// What runs once an armed response is complete.
 pub type OnComplete = Box<dyn FnOnce() + Send>;
 
+/// What a request arms: the hook for its response's end, and the link through which it can
+/// cut its connection.
+pub(crate) struct Armed {
+    on_complete: OnComplete,
+    link: Arc<Link>,
+}
+
+/// The read-ahead connection an armed request was written to, once it is: the request can cut
+/// it (the engine is found hung), which its reader sees as the engine closing it.
+#[derive(Default)]
+pub struct Link(Mutex<std::sync::Weak<socket::Shared>>);
+
+impl Link {
+    /// Cut the connection, if the request was written to one still open: `true` if it was.
+    pub fn cut(&self) -> bool {
+        let shared = self.0.lock().unwrap_or_else(|p| p.into_inner()).upgrade();
+        shared.is_some_and(|s| s.abort())
+    }
+
+    fn attach(&self, shared: &Arc<socket::Shared>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(shared);
+    }
+}
+
 /// Armed requests not yet written, by the task that will write them.
-fn pending() -> &'static Mutex<HashMap<tokio::task::Id, OnComplete>> {
-    static PENDING: OnceLock<Mutex<HashMap<tokio::task::Id, OnComplete>>> = OnceLock::new();
+fn pending() -> &'static Mutex<HashMap<tokio::task::Id, Armed>> {
+    static PENDING: OnceLock<Mutex<HashMap<tokio::task::Id, Armed>>> = OnceLock::new();
     PENDING.get_or_init(Default::default)
 }
 
 /// Follow the response to the request this task writes next: `on_complete` runs once the
-/// engine has sent all of it. Replaces what this task armed before.
-pub fn arm(on_complete: OnComplete) {
+/// engine has sent all of it, and `link` is attached to its connection. Replaces what this
+/// task armed before.
+pub fn arm(on_complete: OnComplete, link: Arc<Link>) {
     let Some(task) = tokio::task::try_id() else {
         return;
     };
     if let Ok(mut p) = pending().lock() {
-        p.insert(task, on_complete);
+        p.insert(task, Armed { on_complete, link });
     }
 }
 
@@ -58,7 +83,7 @@ pub fn disarm() {
 }
 
 /// What this task armed, taken by the connection its request is being written to.
-pub(crate) fn take_armed() -> Option<OnComplete> {
+pub(crate) fn take_armed() -> Option<Armed> {
     let task = tokio::task::try_id()?;
     pending().lock().ok()?.remove(&task)
 }

@@ -164,7 +164,7 @@ impl Buffered {
 }
 
 #[derive(Default)]
-struct Shared {
+pub(super) struct Shared {
     state: Mutex<Buffered>,
     /// Wakes the pump: room in the buffer, or the connection dropped.
     wake: Notify,
@@ -174,6 +174,30 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, Buffered> {
         // A panic elsewhere while holding it leaves plain data, still consistent.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Cut the connection while its request runs, as if the engine had reset it: its reader
+    /// gets an error, the pump stops and the connection is not kept. `false` if it was already
+    /// done with (closed, failed or at its end).
+    pub(super) fn abort(&self) -> bool {
+        let mut b = self.lock();
+        if b.closed || b.eof || b.error.is_some() {
+            return false;
+        }
+        b.error = Some(io::Error::new(
+            io::ErrorKind::ConnectionAborted,
+            "cut by kvroute: the engine was found down",
+        ));
+        b.closed = true;
+        BUFFERED.fetch_sub(b.data.len(), Ordering::Relaxed);
+        b.data = BytesMut::new();
+        let reader = b.reader.take();
+        drop(b);
+        self.wake.notify_one();
+        if let Some(w) = reader {
+            w.wake();
+        }
+        true
     }
 
     /// Nothing will use the connection again: the pump stops and what it buffered goes.
@@ -357,9 +381,13 @@ impl AsyncWrite for Socket {
             this.started = true;
             let mut b = this.shared.lock();
             b.complete = false;
+            let on_complete = take_armed().map(|armed| {
+                armed.link.attach(&this.shared);
+                armed.on_complete
+            });
             b.following = Some(Following {
                 framing: Framing::new(data.starts_with(b"HEAD ")),
-                on_complete: take_armed(),
+                on_complete,
             });
         }
         Pin::new(this.wr()?).poll_write(cx, data)
