@@ -151,7 +151,7 @@ def gap_quantiles(cause, qs=(0.5, 0.99)):
         le = next(le for le in order if buckets[le] >= q * total)
         out_q.append("<= " + ("inf" if le == "+Inf" else f"{float(le) * 1000:.0f} ms"))
     return f"{int(total)} ({', '.join(out_q)})"
-gaps = {c: gap_quantiles(c) for c in ("connection", "silent", "engine_error")}
+gaps = {c: gap_quantiles(c) for c in ("connection", "silent", "engine_error", "backend_down")}
 outcomes = {}
 for line in open(f"{out}/metrics.txt"):
     if line.startswith("kvroute_migrations_total{"):
@@ -183,7 +183,8 @@ simulator's (`replay --check-text`).
 Migrated streams' gaps (last event before the failure to the first of the continuation,
 kvroute's `kvroute_migration_gap_seconds`: count and the bucket bounds of p50, p99), by how
 the backend failed: connection closed {gaps['connection']}; silent past the read deadline
-{gaps['silent']}; engine error event {gaps['engine_error']}.
+{gaps['silent']}; engine error event {gaps['engine_error']}; cut while silent on a backend the
+health check found down {gaps['backend_down']}.
 
 Every migration decision (`kvroute_migrations_total` by outcome): {outcomes}.
 

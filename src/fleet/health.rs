@@ -39,9 +39,54 @@ pub(super) struct FleetHealthCheck {
     cfg: HealthCheckConfig,
     targets: TlsTargets,
     in_flight: Arc<InFlight>,
+    /// Backends found down: each further failed check cuts what has gone silent on them since
+    /// (a request sent there just before the check found it down).
+    down: std::sync::Mutex<std::collections::HashSet<SocketAddr>>,
 }
 
 impl FleetHealthCheck {
+    fn cut_silent(&self, addr: SocketAddr) {
+        let silent_for = Duration::from_millis(self.cfg.timeout_ms);
+        let cut = self.in_flight.cut_silent(addr, silent_for);
+        if cut > 0 {
+            log::warn!(
+                "backend {addr} is down: cut {cut} request(s) silent on it for {} ms or more; they go on elsewhere",
+                self.cfg.timeout_ms
+            );
+        }
+    }
+
+    fn is_down(&self, addr: SocketAddr) -> bool {
+        self.down.lock().is_ok_and(|d| d.contains(&addr))
+    }
+}
+
+impl FleetHealthCheck {
+    async fn probe(&self, addr: SocketAddr) -> pingora::Result<()> {
+        let tls = self.targets.0.load().get(&addr).cloned();
+        // The whole check, connect and answer, within two timeouts: an engine dripping its
+        // answer a byte at a time is as down as a silent one, and Pingora waits for every
+        // backend's check before it starts the next round.
+        let bound = Duration::from_millis(self.cfg.timeout_ms.saturating_mul(2));
+        let status = match tokio::time::timeout(bound, self.get(addr, tls.as_deref())).await {
+            Ok(r) => r?,
+            Err(_) => {
+                return pingora::Error::e_explain(
+                    pingora::ErrorType::ReadTimedout,
+                    format!("no whole answer within {} ms", bound.as_millis()),
+                )
+            }
+        };
+        if (200..300).contains(&status) {
+            Ok(())
+        } else {
+            pingora::Error::e_explain(
+                pingora::ErrorType::CustomCode("non 2xx code", status),
+                "during http healthcheck",
+            )
+        }
+    }
+
     async fn get(&self, addr: SocketAddr, tls: Option<&UpstreamTls>) -> pingora::Result<u16> {
         let mut peer = http_peer(addr, tls);
         let timeout = Some(Duration::from_millis(self.cfg.timeout_ms));
@@ -71,28 +116,11 @@ impl HealthCheck for FleetHealthCheck {
                 "health check of a backend that is not an IP address",
             ));
         };
-        let tls = self.targets.0.load().get(&addr).cloned();
-        // The whole check, connect and answer, within two timeouts: an engine dripping its
-        // answer a byte at a time is as down as a silent one, and Pingora waits for every
-        // backend's check before it starts the next round.
-        let bound = Duration::from_millis(self.cfg.timeout_ms.saturating_mul(2));
-        let status = match tokio::time::timeout(bound, self.get(addr, tls.as_deref())).await {
-            Ok(r) => r?,
-            Err(_) => {
-                return pingora::Error::e_explain(
-                    pingora::ErrorType::ReadTimedout,
-                    format!("no whole answer within {} ms", bound.as_millis()),
-                )
-            }
-        };
-        if (200..300).contains(&status) {
-            Ok(())
-        } else {
-            pingora::Error::e_explain(
-                pingora::ErrorType::CustomCode("non 2xx code", status),
-                "during http healthcheck",
-            )
+        let result = self.probe(addr).await;
+        if result.is_err() && self.is_down(addr) {
+            self.cut_silent(addr);
         }
+        result
     }
 
     /// A backend found down: the requests silent on it for as long as the check waited are
@@ -101,16 +129,15 @@ impl HealthCheck for FleetHealthCheck {
         let Some(addr) = target.addr.as_inet().copied() else {
             return;
         };
-        if healthy {
-            return;
+        if let Ok(mut d) = self.down.lock() {
+            if healthy {
+                d.remove(&addr);
+            } else {
+                d.insert(addr);
+            }
         }
-        let silent_for = Duration::from_millis(self.cfg.timeout_ms);
-        let cut = self.in_flight.cut_silent(addr, silent_for);
-        if cut > 0 {
-            log::warn!(
-                "backend {addr} is down: cut {cut} request(s) silent on it for {} ms or more; they go on elsewhere",
-                self.cfg.timeout_ms
-            );
+        if !healthy {
+            self.cut_silent(addr);
         }
     }
 
@@ -135,5 +162,6 @@ pub(super) fn health_check(
         cfg: cfg.clone(),
         targets,
         in_flight,
+        down: Default::default(),
     }))
 }
