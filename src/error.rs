@@ -40,6 +40,8 @@ pub struct ApiError {
     pub message: String,
     /// Seconds for a `Retry-After` header (503 and 429 only).
     pub retry_after: Option<u32>,
+    /// Why the router shed the request (`x-kvroute-dropped-reason`).
+    pub dropped_reason: Option<&'static str>,
 }
 
 impl ApiError {
@@ -55,6 +57,7 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after: None,
+            dropped_reason: None,
         }
     }
 
@@ -115,6 +118,18 @@ impl ApiError {
         }
     }
 
+    /// The fleet is saturated and the router queue will not hold this request (`reason`: full,
+    /// its deadline passed, or it is sheddable): 429, as for a client over its share, with
+    /// `Retry-After` and the reason in `x-kvroute-dropped-reason`. 503 stays for "no backend
+    /// up".
+    pub fn shed(reason: &'static str, message: impl Into<String>, retry_after: u32) -> Self {
+        ApiError {
+            retry_after: Some(retry_after),
+            dropped_reason: Some(reason),
+            ..Self::new(429, "rate_limit_error", "fleet_saturated", message)
+        }
+    }
+
     pub fn gateway_timeout(message: impl Into<String>) -> Self {
         Self::new(504, "upstream_error", "upstream_timeout", message)
     }
@@ -142,6 +157,7 @@ impl ApiError {
                 code: "http_error",
                 message: e.to_string(),
                 retry_after: None,
+                dropped_reason: None,
             }),
             ErrorType::ReadTimedout | ErrorType::WriteTimedout if upstream => {
                 Some(ApiError::gateway_timeout(format!(
@@ -168,9 +184,12 @@ impl ApiError {
 
     /// The OpenAI-shaped JSON body.
     /// The status and Anthropic error `type` this error is answered with on the Messages API.
-    /// kvroute's 503s (shed, queue full, no backend up) are Anthropic's 529 `overloaded_error`,
-    /// which Anthropic's clients retry with backoff.
+    /// kvroute's sheds and 503s (queue full, no backend up) are Anthropic's 529
+    /// `overloaded_error`, which Anthropic's clients retry with backoff.
     fn anthropic(&self) -> (u16, &'static str) {
+        if self.dropped_reason.is_some() {
+            return (529, "overloaded_error");
+        }
         match self.status {
             401 => (401, "authentication_error"),
             403 => (403, "permission_error"),
@@ -267,6 +286,9 @@ impl ApiError {
         if let Some(secs) = self.retry_after {
             h.insert_header("retry-after", secs.to_string())?;
         }
+        if let Some(reason) = self.dropped_reason {
+            h.insert_header("x-kvroute-dropped-reason", reason)?;
+        }
         Ok(h)
     }
 
@@ -341,10 +363,22 @@ mod tests {
         assert_eq!(v["type"], "error");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["message"], "`max_tokens` is required");
-        let shed = ApiError::unavailable("fleet_saturated", "busy", 2);
-        assert_eq!(shed.status_in(d), 529);
-        let h = shed.response_header_in(d, 3).unwrap();
+        let down = ApiError::unavailable("no_healthy_backend", "down", 2);
+        assert_eq!(down.status_in(d), 529);
+        let h = down.response_header_in(d, 3).unwrap();
         assert_eq!(h.status.as_u16(), 529);
+        assert_eq!(h.headers.get("retry-after").unwrap(), "2");
+        // A shed is 429 with its reason on the OpenAI APIs, Anthropic's 529 overloaded here.
+        let shed = ApiError::shed("queue_full", "busy", 2);
+        assert_eq!(shed.status_in(Dialect::OpenAi), 429);
+        assert_eq!(shed.status_in(d), 529);
+        let v: serde_json::Value = serde_json::from_slice(&shed.body_in(d)).unwrap();
+        assert_eq!(v["error"]["type"], "overloaded_error");
+        let h = shed.response_header_in(Dialect::OpenAi, 3).unwrap();
+        assert_eq!(
+            h.headers.get("x-kvroute-dropped-reason").unwrap(),
+            "queue_full"
+        );
         assert_eq!(h.headers.get("retry-after").unwrap(), "2");
         let kinds = [
             (
@@ -373,7 +407,7 @@ mod tests {
         );
         // The Responses API keeps OpenAI's body and statuses, and names its stream's error.
         let r = Dialect::of_path("/v1/responses");
-        assert_eq!((shed.status_in(r), shed.body_in(r)), (503, shed.body()));
+        assert_eq!((shed.status_in(r), shed.body_in(r)), (429, shed.body()));
         let cut = String::from_utf8(ApiError::upstream("gone").sse_event_in(r).to_vec()).unwrap();
         let data: serde_json::Value =
             serde_json::from_str(cut.strip_prefix("event: error\ndata: ").unwrap().trim()).unwrap();

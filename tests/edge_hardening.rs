@@ -577,7 +577,7 @@ async fn response_headers_on_the_strip_list_stay_behind() {
 }
 
 /// A pass-through request with a body waits for a place like a routed one: with every
-/// backend at `backend_max_inflight`, an embeddings call waits in the router queue (503 at its
+/// backend at `backend_max_inflight`, an embeddings call waits in the router queue (429 at its
 /// deadline) instead of going to the engine past the cap.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passthrough_bodies_wait_for_a_place_like_routed_ones() {
@@ -612,7 +612,8 @@ async fn passthrough_bodies_wait_for_a_place_like_routed_ones() {
             .send()
     };
     let r = embed().await.unwrap();
-    assert_eq!(r.status(), 503);
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-kvroute-dropped-reason"], "queue_timeout");
     assert!(r.text().await.unwrap().contains("fleet_saturated"));
     let reached = |sim: &Sim| {
         sim.requests()

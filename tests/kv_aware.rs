@@ -223,7 +223,7 @@ async fn burst(kv: &Kvroute, n: usize) -> Vec<(u16, Option<String>, serde_json::
 }
 
 /// Every backend at its hard cap: requests wait in the bounded router queue and run when a slot
-/// frees; beyond the queue (or its deadline) they get 503 with Retry-After.
+/// frees; beyond the queue (or its deadline) they get 429 with Retry-After and the reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_queues_then_sheds_with_retry_after() {
     let sims = Sim::start_n(2, &["--ttft-ms", "800", "--itl-ms", "0"]);
@@ -234,7 +234,7 @@ async fn overload_queues_then_sheds_with_retry_after() {
     );
     let results = burst(&kv, 8).await;
     let ok: Vec<_> = results.iter().filter(|r| r.0 == 200).collect();
-    let shed: Vec<_> = results.iter().filter(|r| r.0 == 503).collect();
+    let shed: Vec<_> = results.iter().filter(|r| r.0 == 429).collect();
     assert_eq!(ok.len() + shed.len(), 8, "{results:?}");
     assert!(
         ok.len() >= 6,
@@ -284,7 +284,7 @@ async fn overload_queues_then_sheds_with_retry_after() {
         "  limits:\n    backend_max_inflight: 1\n    queue_size: 100\n    queue_timeout_ms: 300\n",
     );
     let results = burst(&kv, 4).await;
-    let shed = results.iter().filter(|r| r.0 == 503).count();
+    let shed = results.iter().filter(|r| r.0 == 429).count();
     assert_eq!(results.iter().filter(|r| r.0 == 200).count() + shed, 4);
     assert!(shed >= 1, "{results:?}");
     let text = kv.metrics_when("kvroute_requests_total", &[], 4.0);

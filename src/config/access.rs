@@ -33,6 +33,10 @@ pub struct ApiKeyConfig {
     /// Requests this key may have in flight at once (routed and passed through); more get
     /// 429. Unset: no cap.
     pub max_concurrent: Option<u64>,
+    /// Whether a tenant header (`tenants.headers`) may name the tenant of this key's
+    /// requests, for a gateway that serves several tenants with one key.
+    #[serde(default)]
+    pub tenant_from_header: bool,
 }
 
 /// Parse a `sha256:` hex digest from the config.

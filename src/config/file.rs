@@ -18,6 +18,7 @@ use super::limits::{LimitsConfig, TimeoutsConfig};
 use super::log::LogConfig;
 use super::passthrough::PassthroughConfig;
 use super::routing::{PolicyKind, RoutingConfig};
+use super::tenants::TenantsConfig;
 use super::tls::TlsConfig;
 
 /// Backends the prefix index can track: its per-block holder set is a 64-bit mask.
@@ -64,6 +65,9 @@ pub struct Config {
     /// What of an engine's response head never reaches clients.
     #[serde(default)]
     pub response_headers: ResponseHeadersConfig,
+    /// Tenants, priorities and fair sharing of the router queue.
+    #[serde(default)]
+    pub tenants: TenantsConfig,
     /// The access log's format.
     #[serde(default)]
     pub log: LogConfig,
@@ -107,6 +111,7 @@ impl Config {
             err(key, e.into_inner().to_string())
         })?;
         cfg.response_headers.normalize();
+        cfg.tenants.normalize();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -132,6 +137,7 @@ impl Config {
         self.outlier.validate()?;
         self.passthrough.validate()?;
         self.response_headers.validate()?;
+        self.tenants.validate()?;
         if let Some(k) = &self.kv_events {
             k.validate()?;
         }

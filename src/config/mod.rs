@@ -13,6 +13,7 @@ mod limits;
 mod log;
 mod passthrough;
 mod routing;
+mod tenants;
 mod tls;
 
 pub use access::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
@@ -33,4 +34,5 @@ pub use passthrough::{path_matches, AllowRule, PassthroughConfig};
 pub use routing::{
     BodyKey, KeySource, PolicyKind, RoutingConfig, BLOCK_BYTES, DEFAULT_SESSION_KEYS,
 };
+pub use tenants::{valid_tenant, FairShareConfig, TenantsConfig, DEFAULT_TENANT};
 pub use tls::TlsConfig;

@@ -252,6 +252,7 @@ mod tests {
                     tokens_per_minute: Some(6000),
                     max_priority: 0,
                     max_concurrent: None,
+                    tenant_from_header: false,
                 },
                 ApiKeyConfig {
                     sha256: hex(&digest(b"beta-key")),
@@ -261,6 +262,7 @@ mod tests {
                     tokens_per_minute: None,
                     max_priority: 0,
                     max_concurrent: None,
+                    tenant_from_header: false,
                 },
             ],
         }

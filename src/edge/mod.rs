@@ -6,6 +6,7 @@
 pub(crate) mod access;
 pub(crate) mod body_budget;
 mod conn;
+mod fair_share;
 mod h1;
 mod h2;
 mod listener;
@@ -17,4 +18,5 @@ pub mod tls;
 
 pub use access::{digest, Caller};
 pub use listener::{Listener, Transport};
+pub use queue::Who;
 pub use state::EdgeState;

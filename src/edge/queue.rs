@@ -1,13 +1,15 @@
 //! The router queue: when every eligible backend is at its hard cap
-//! (`limits.backend_max_inflight`), a request waits here, highest `x-priority` first and first
-//! come first served within a priority, until a request finishes somewhere or its deadline
-//! passes. A full queue or a passed deadline sheds the request (503 with `Retry-After`).
+//! (`limits.backend_max_inflight`), a request waits here until a request finishes somewhere or
+//! its deadline passes. Strict priority bands; inside a band, the tenant served least lately
+//! goes first ([`super::fair_share`]), so one tenant's flood cannot take everyone else's turn;
+//! inside a tenant, first come first served. A full queue or a passed deadline sheds the
+//! request (429 with `Retry-After`), and a sheddable one (priority below 0) is shed at once
+//! rather than queued.
 //!
 //! Waiting here instead of in an engine's queue keeps placement late: the request is placed
 //! when it can start, on whichever backend is best then.
 
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -15,6 +17,7 @@ use tokio::time::Instant;
 
 use prometheus::{HistogramVec, IntCounterVec, IntGauge, Registry};
 
+use super::fair_share::FairShare;
 use crate::config::LimitsConfig;
 use crate::error::ApiError;
 use crate::metrics::{counter_vec, int_gauge, seconds_vec};
@@ -28,6 +31,8 @@ const QUEUE_RECHECK: Duration = Duration::from_millis(200);
 pub enum Shed {
     QueueFull,
     Deadline,
+    /// Its priority is below 0 and the fleet is saturated.
+    Sheddable,
 }
 
 impl Shed {
@@ -35,40 +40,69 @@ impl Shed {
         match self {
             Shed::QueueFull => "queue_full",
             Shed::Deadline => "queue_timeout",
+            Shed::Sheddable => "sheddable",
         }
     }
 }
 
+/// Who a request is for, as the queue orders and counts it.
+#[derive(Debug, Clone, Copy)]
+pub struct Who<'a> {
+    pub priority: i32,
+    pub tenant: &'a str,
+    /// The tenant as metrics name it (bounded: configured tenants, else `other`).
+    pub label: &'a str,
+}
+
 struct Waiter {
     priority: i32,
+    tenant: String,
     seq: u64,
     wake: oneshot::Sender<()>,
 }
 
-impl PartialEq for Waiter {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for Waiter {}
-impl PartialOrd for Waiter {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Waiter {
-    /// The heap's maximum is served first: higher priority, then earlier arrival.
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.priority
-            .cmp(&other.priority)
-            .then_with(|| other.seq.cmp(&self.seq))
-    }
-}
-
 #[derive(Default)]
 struct Queue {
-    heap: BinaryHeap<Waiter>,
+    waiters: Vec<Waiter>,
     seq: u64,
+}
+
+/// The queue's order, with each tenant's attained service read once per decision.
+struct Rank<'a> {
+    fair: &'a FairShare,
+    now: std::time::Instant,
+    served: HashMap<String, f64>,
+}
+
+impl<'a> Rank<'a> {
+    fn new(fair: &'a FairShare) -> Self {
+        Rank {
+            fair,
+            now: std::time::Instant::now(),
+            served: HashMap::new(),
+        }
+    }
+
+    fn attained(&mut self, tenant: &str) -> f64 {
+        let (fair, now) = (self.fair, self.now);
+        *self
+            .served
+            .entry(tenant.to_owned())
+            .or_insert_with(|| fair.attained(tenant, now))
+    }
+
+    /// `Less`: `a` goes first. Higher band, then less served tenant, then earlier arrival.
+    fn order(&mut self, a: (i32, &str, u64), b: (i32, &str, u64)) -> std::cmp::Ordering {
+        let (sa, sb) = (self.attained(a.1), self.attained(b.1));
+        b.0.cmp(&a.0).then(sa.total_cmp(&sb)).then(a.2.cmp(&b.2))
+    }
+
+    fn cmp(&mut self, a: &Waiter, b: &Waiter) -> std::cmp::Ordering {
+        self.order(
+            (a.priority, &a.tenant, a.seq),
+            (b.priority, &b.tenant, b.seq),
+        )
+    }
 }
 
 /// The router queue's own families.
@@ -76,11 +110,15 @@ struct QueueMetrics {
     depth: IntGauge,
     wait: HistogramVec,
     shed: IntCounterVec,
+    tenant_wait: HistogramVec,
+    tenant_shed: IntCounterVec,
 }
 
 pub struct Admission {
     queue: Mutex<Queue>,
     metrics: QueueMetrics,
+    /// What each tenant has been served lately; charged by the proxy.
+    pub fair: FairShare,
 }
 
 impl Admission {
@@ -98,13 +136,26 @@ impl Admission {
                 shed: counter_vec(
                     r,
                     "kvroute_shed_requests_total",
-                    "Requests answered 503 because the fleet was saturated, by reason (queue_full, queue_timeout).",
+                    "Requests answered 429 because the fleet was saturated, by reason (queue_full, queue_timeout, sheddable).",
                     &["reason"],
                 )?,
+                tenant_wait: seconds_vec(
+                    r,
+                    "kvroute_tenant_queue_wait_seconds",
+                    "Time requests spent in the router queue, by tenant (configured tenants, else other) and outcome (admitted, shed).",
+                    &["tenant", "outcome"],
+                )?,
+                tenant_shed: counter_vec(
+                    r,
+                    "kvroute_tenant_shed_requests_total",
+                    "Requests shed because the fleet was saturated, by tenant (configured tenants, else other) and reason.",
+                    &["tenant", "reason"],
+                )?,
             },
+            fair: FairShare::default(),
         };
         // Exported from start at zero, so an alert on their increase sees the first event.
-        for reason in ["queue_full", "queue_timeout"] {
+        for reason in ["queue_full", "queue_timeout", "sheddable"] {
             a.metrics.shed.with_label_values(&[reason]);
         }
         for outcome in ["admitted", "shed"] {
@@ -129,6 +180,7 @@ impl Admission {
     pub async fn wait(
         &self,
         priority: i32,
+        tenant: &str,
         ticket: u64,
         deadline: Instant,
         capacity: usize,
@@ -138,15 +190,15 @@ impl Admission {
                 return Err(Shed::QueueFull);
             };
             // Waiters that gave up leave closed senders behind: drop them before counting.
-            q.heap.retain(|w| !w.wake.is_closed());
-            if q.heap.len() >= capacity {
+            q.waiters.retain(|w| !w.wake.is_closed());
+            if q.waiters.len() >= capacity {
                 return Err(Shed::QueueFull);
             }
             let (tx, rx) = oneshot::channel();
-            let seq = ticket;
-            q.heap.push(Waiter {
+            q.waiters.push(Waiter {
                 priority,
-                seq,
+                tenant: tenant.to_owned(),
+                seq: ticket,
                 wake: tx,
             });
             rx
@@ -159,26 +211,52 @@ impl Admission {
         }
     }
 
-    /// A request finished or failed somewhere: let the best live waiter try again.
+    /// A request finished or failed somewhere: let the best live waiter try again: the highest
+    /// band, in it the tenant served least, in it the earliest arrival.
     pub fn wake_one(&self) {
         let Ok(mut q) = self.queue.lock() else {
             return;
         };
-        while let Some(w) = q.heap.pop() {
+        let mut rank = Rank::new(&self.fair);
+        loop {
+            q.waiters.retain(|w| !w.wake.is_closed());
+            let best = q
+                .waiters
+                .iter()
+                .enumerate()
+                .min_by(|(_, a), (_, b)| rank.cmp(a, b))
+                .map(|(i, _)| i);
+            let Some(i) = best else {
+                return;
+            };
+            let w = q.waiters.swap_remove(i);
             if w.wake.send(()).is_ok() {
                 return;
             }
         }
     }
 
-    /// Live waiters.
-    /// Wait while `saturated()` (every eligible backend at its hard cap), in priority order,
-    /// until `limits.queue_timeout_ms` after `start`; 503 `fleet_saturated` when the queue is full
-    /// or the deadline passes.
+    /// Whether a live waiter goes before the request `(priority, tenant, ticket)`.
+    fn someone_before(&self, who: Who<'_>, ticket: u64) -> bool {
+        let Ok(q) = self.queue.lock() else {
+            return false;
+        };
+        let mut rank = Rank::new(&self.fair);
+        let me = (who.priority, who.tenant, ticket);
+        q.waiters.iter().any(|w| {
+            !w.wake.is_closed()
+                && w.seq != ticket
+                && rank.order((w.priority, &w.tenant, w.seq), me).is_lt()
+        })
+    }
+
+    /// Wait while `saturated()` (every eligible backend at its hard cap), in band and fair
+    /// order, until `limits.queue_timeout_ms` after `start`; 429 `fleet_saturated` when the
+    /// queue is full, the deadline passes, or the request is sheddable.
     pub async fn wait_for_capacity(
         &self,
         limits: &LimitsConfig,
-        priority: i32,
+        who: Who<'_>,
         start: std::time::Instant,
         saturated: impl Fn() -> bool,
     ) -> Result<(), ApiError> {
@@ -190,37 +268,69 @@ impl Admission {
         let deadline = Instant::from_std(start) + Duration::from_millis(limits.queue_timeout_ms);
         let ticket = self.ticket();
         loop {
-            let until = deadline.min(Instant::now() + QUEUE_RECHECK);
-            let shed = match self.wait(priority, ticket, until, limits.queue_size).await {
-                Err(Shed::Deadline) if Instant::now() < deadline => None,
-                Err(e) => Some(e),
-                Ok(()) => None,
+            let mut woken = false;
+            let shed = if who.priority < 0 {
+                Some(Shed::Sheddable)
+            } else {
+                let until = deadline.min(Instant::now() + QUEUE_RECHECK);
+                match self
+                    .wait(who.priority, who.tenant, ticket, until, limits.queue_size)
+                    .await
+                {
+                    Err(Shed::Deadline) if Instant::now() < deadline => None,
+                    Err(e) => Some(e),
+                    Ok(()) => {
+                        woken = true;
+                        None
+                    }
+                }
             };
+            let waited = entered.elapsed().as_secs_f64();
             if let Some(reason) = shed {
+                metrics.wait.with_label_values(&["shed"]).observe(waited);
                 metrics
-                    .wait
-                    .with_label_values(&["shed"])
-                    .observe(entered.elapsed().as_secs_f64());
+                    .tenant_wait
+                    .with_label_values(&[who.label, "shed"])
+                    .observe(waited);
                 metrics.shed.with_label_values(&[reason.as_str()]).inc();
-                return Err(ApiError::unavailable(
-                    "fleet_saturated",
-                    match reason {
-                        Shed::QueueFull => {
-                            "every backend is at capacity and the router queue is full".to_string()
-                        }
-                        Shed::Deadline => format!(
-                            "every backend stayed at capacity for {} ms",
-                            limits.queue_timeout_ms
-                        ),
-                    },
+                metrics
+                    .tenant_shed
+                    .with_label_values(&[who.label, reason.as_str()])
+                    .inc();
+                let message = match reason {
+                    Shed::QueueFull => {
+                        "every backend is at capacity and the router queue is full".to_string()
+                    }
+                    Shed::Deadline => format!(
+                        "every backend stayed at capacity for {} ms",
+                        limits.queue_timeout_ms
+                    ),
+                    Shed::Sheddable => format!(
+                        "every backend is at capacity and the request's priority ({}) is sheddable",
+                        who.priority
+                    ),
+                };
+                return Err(ApiError::shed(
+                    reason.as_str(),
+                    message,
                     limits.retry_after_seconds,
                 ));
             }
             if !saturated() {
+                // A waiter that found room on its own re-check, not by a wake-up, lets the one
+                // the queue's order puts first have it.
+                if !woken && self.someone_before(who, ticket) {
+                    self.wake_one();
+                    continue;
+                }
                 metrics
                     .wait
                     .with_label_values(&["admitted"])
-                    .observe(entered.elapsed().as_secs_f64());
+                    .observe(waited);
+                metrics
+                    .tenant_wait
+                    .with_label_values(&[who.label, "admitted"])
+                    .observe(waited);
                 return Ok(());
             }
         }
@@ -234,8 +344,22 @@ impl Admission {
     pub fn depth(&self) -> usize {
         self.queue
             .lock()
-            .map(|q| q.heap.iter().filter(|w| !w.wake.is_closed()).count())
+            .map(|q| q.waiters.iter().filter(|w| !w.wake.is_closed()).count())
             .unwrap_or(0)
+    }
+
+    /// The live waiters, in no order: (priority, tenant, arrival).
+    pub fn waiting(&self) -> Vec<(i32, String, u64)> {
+        self.queue
+            .lock()
+            .map(|q| {
+                q.waiters
+                    .iter()
+                    .filter(|w| !w.wake.is_closed())
+                    .map(|w| (w.priority, w.tenant.clone(), w.seq))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -255,7 +379,7 @@ mod tests {
             let (a, order) = (a.clone(), order.clone());
             let t = a.ticket();
             tasks.push(tokio::spawn(async move {
-                a.wait(prio, t, far, 10).await.unwrap();
+                a.wait(prio, "t", t, far, 10).await.unwrap();
                 order.lock().unwrap().push(name);
             }));
             tokio::task::yield_now().await;
@@ -277,19 +401,92 @@ mod tests {
         let a = Arc::new(Admission::register(&Registry::new()).unwrap());
         let soon = Instant::now() + Duration::from_millis(100);
         let a2 = a.clone();
-        let waiting = tokio::spawn(async move { a2.wait(0, 1, soon, 1).await });
+        let waiting = tokio::spawn(async move { a2.wait(0, "t", 1, soon, 1).await });
         tokio::task::yield_now().await;
-        assert_eq!(a.wait(0, 2, soon, 1).await, Err(Shed::QueueFull));
+        assert_eq!(a.wait(0, "t", 2, soon, 1).await, Err(Shed::QueueFull));
         assert_eq!(waiting.await.unwrap(), Err(Shed::Deadline));
         // The timed-out waiter no longer counts, and a wake-up is not lost on it.
         assert_eq!(a.depth(), 0);
         let a3 = a.clone();
         let later = tokio::spawn(async move {
-            a3.wait(0, 3, Instant::now() + Duration::from_secs(5), 1)
+            a3.wait(0, "t", 3, Instant::now() + Duration::from_secs(5), 1)
                 .await
         });
         tokio::task::yield_now().await;
         a.wake_one();
         assert_eq!(later.await.unwrap(), Ok(()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn inside_a_band_the_tenant_served_least_goes_first() {
+        let a = Arc::new(Admission::register(&Registry::new()).unwrap());
+        let far = Instant::now() + Duration::from_secs(60);
+        // The flooder has been served a lot; quiet has not.
+        a.fair
+            .charge("flooder", 100_000.0, std::time::Instant::now());
+        a.fair.charge("quiet", 10.0, std::time::Instant::now());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for (name, tenant, prio) in [
+            ("flood1", "flooder", 0),
+            ("flood2", "flooder", 0),
+            ("quiet1", "quiet", 0),
+            ("new1", "newcomer", 0),
+            ("flood-urgent", "flooder", 1),
+            ("quiet2", "quiet", 0),
+        ] {
+            let (a, order) = (a.clone(), order.clone());
+            let t = a.ticket();
+            tasks.push(tokio::spawn(async move {
+                a.wait(prio, tenant, t, far, 10).await.unwrap();
+                order.lock().unwrap().push(name);
+            }));
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(a.depth(), 6);
+        for _ in 0..6 {
+            a.wake_one();
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        // The higher band first whoever asks; then least served first, in arrival order.
+        assert_eq!(
+            *order.lock().unwrap(),
+            vec![
+                "flood-urgent",
+                "new1",
+                "quiet1",
+                "quiet2",
+                "flood1",
+                "flood2"
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sheddable_request_is_shed_at_once_when_the_fleet_is_saturated() {
+        let a = Admission::register(&Registry::new()).unwrap();
+        let limits = LimitsConfig::default();
+        let who = |priority| Who {
+            priority,
+            tenant: "t",
+            label: "t",
+        };
+        let start = std::time::Instant::now();
+        let e = a
+            .wait_for_capacity(&limits, who(-1), start, || true)
+            .await
+            .unwrap_err();
+        assert_eq!((e.status, e.code), (429, "fleet_saturated"));
+        assert_eq!(e.dropped_reason, Some("sheddable"));
+        assert_eq!(a.depth(), 0);
+        // Not saturated: a sheddable request goes through like any other.
+        assert!(a
+            .wait_for_capacity(&limits, who(-1), start, || false)
+            .await
+            .is_ok());
     }
 }

@@ -47,8 +47,11 @@ pub(super) struct Route {
     pub profile: Option<RequestProfile>,
     /// The whole request body, read before placement.
     pub body: Option<Bytes>,
-    /// `x-priority`: higher leaves the router queue first.
+    /// `x-kvroute-priority`: higher leaves the router queue first; below 0 is sheddable.
     pub priority: i32,
+    /// Whose request it is (`tenants`), and that tenant as metrics name it.
+    pub tenant: String,
+    pub tenant_label: String,
     /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
     pub strip_usage: bool,
     /// How the prompt's tokens were estimated, settled by the engine's `usage`.
@@ -172,6 +175,8 @@ pub(super) struct Resume {
 pub(super) struct Quota {
     pub caller: Option<Caller>,
     pub charged_tokens: u64,
+    /// Weighted tokens charged to its tenant's fair share so far.
+    pub fair_charged: f64,
     /// The request's place among its key's `max_concurrent`, held to its end.
     pub holding: Option<Holding>,
 }

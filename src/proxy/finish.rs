@@ -123,6 +123,7 @@ pub(super) fn end_request(
         tokens.learn(&p.model, est, u.prompt_tokens);
     }
     if let Some(u) = usage {
+        super::tenant::settle(edge, ctx, u.prompt_tokens, u.completion_tokens);
         fleet.observe_output(u.completion_tokens);
         let api = ctx
             .route

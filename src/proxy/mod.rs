@@ -37,6 +37,7 @@ mod peer;
 mod placement;
 mod reject;
 mod stored;
+mod tenant;
 mod upstream_request;
 
 pub use ctx::Ctx;
@@ -46,9 +47,6 @@ use failures::{FailureKind, FailurePolicy};
 use migrate::Migrator;
 use placement::Placer;
 use reject::reject;
-
-/// Request header carrying a queue priority (integer, higher first, default 0).
-pub const PRIORITY_HEADER: &str = "x-priority";
 
 /// kvroute's `ProxyHttp`: each phase hands its work to the type that owns it.
 pub struct Router {
@@ -178,6 +176,9 @@ impl ProxyHttp for Router {
                 }
             }
         }
+        if let Err(e) = tenant::identify(cfg, &session.req_header().headers, ctx) {
+            return reject(session, ctx, e, true).await;
+        }
         if route == Route::Stored {
             let uri = session.req_header().uri.clone();
             if let Err(e) = stored::route_call(ctx, &uri) {
@@ -198,27 +199,6 @@ impl ProxyHttp for Router {
             }
             return models::answer_models(session, ctx).await;
         };
-        match session
-            .req_header()
-            .headers
-            .get(PRIORITY_HEADER)
-            .map(|v| v.to_str().ok().and_then(|s| s.trim().parse::<i32>().ok()))
-        {
-            None => {}
-            // A key's requests go no higher than it may (access control on).
-            Some(Some(p)) => {
-                let key = match (&ctx.quota.caller, &cfg.access) {
-                    (Some(c), Some(acl)) => acl.keys.get(c.index),
-                    _ => None,
-                };
-                ctx.route.priority = key.map_or(p, |k| p.min(k.max_priority));
-            }
-            Some(None) => {
-                let err =
-                    ApiError::bad_request("invalid_priority", "x-priority must be an integer");
-                return reject(session, ctx, err, true).await;
-            }
-        }
         let (body, lease) = match intake::read_whole_body(&self.edge, session, ctx, true).await {
             Ok(b) => b,
             Err(e) => return reject(session, ctx, e, true).await,
@@ -341,6 +321,7 @@ impl ProxyHttp for Router {
                 }
                 ctx.charge.dispatched = Some(Instant::now());
                 ctx.charge.guard = Some(g);
+                tenant::charge_dispatch(&self.edge, ctx);
                 break idx;
             }
         };

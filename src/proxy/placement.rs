@@ -303,7 +303,7 @@ impl Placer<'_> {
             .queue
             .wait_for_capacity(
                 &ctx.generation.config.limits,
-                ctx.route.priority,
+                super::tenant::who(ctx),
                 ctx.start,
                 || self.saturated(ctx),
             )

@@ -143,6 +143,41 @@ fn backends_json(fleet: &Fleet, cfg: &Config, debug: bool) -> Vec<u8> {
     body
 }
 
+/// `GET /debug/queue`: the router queue's waiters by priority band and tenant, and every
+/// tenant's attained service (weighted tokens, decayed), which orders tenants inside a band.
+fn queue_json(edge: &EdgeState) -> Vec<u8> {
+    let mut bands: std::collections::BTreeMap<i32, std::collections::BTreeMap<String, usize>> =
+        Default::default();
+    let waiting = edge.queue.waiting();
+    for (priority, tenant, _) in &waiting {
+        *bands
+            .entry(*priority)
+            .or_default()
+            .entry(tenant.clone())
+            .or_default() += 1;
+    }
+    let bands: Vec<_> = bands
+        .into_iter()
+        .rev()
+        .map(|(priority, tenants)| serde_json::json!({"priority": priority, "waiting": tenants}))
+        .collect();
+    let served: serde_json::Map<String, serde_json::Value> = edge
+        .queue
+        .fair
+        .snapshot(std::time::Instant::now())
+        .into_iter()
+        .map(|(t, v)| (t, serde_json::json!((v * 10.0).round() / 10.0)))
+        .collect();
+    let view = serde_json::json!({
+        "depth": waiting.len(),
+        "bands": bands,
+        "attained_service": served,
+    });
+    let mut body = serde_json::to_vec_pretty(&view).unwrap_or_default();
+    body.push(b'\n');
+    body
+}
+
 #[async_trait]
 impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
@@ -160,6 +195,7 @@ impl ServeHttp for AdminApp {
                 "application/json",
                 backends_json(fleet, &generation.config, path == "/debug/backends"),
             ),
+            "/debug/queue" => reply(StatusCode::OK, "application/json", queue_json(&self.edge)),
             "/healthz" => reply(StatusCode::OK, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.edge.draining.is_on() => reply(
                 StatusCode::SERVICE_UNAVAILABLE,
