@@ -218,3 +218,56 @@ async fn tenant_and_priority_headers_are_checked() {
         "{view}"
     );
 }
+
+/// A key's daily token budget: charged up front, settled from the engine's usage, shown per
+/// tenant, and once spent answered 429 with the wait until a rolling day has given enough back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_daily_budget_is_429_until_the_day_gives_it_back() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let extra = format!(
+        "  access:\n    keys:\n      - sha256: \"{}\"\n        tenant: metered\n        tokens_per_day: 250\n",
+        key_sha256(b"metered-key")
+    );
+    let kv = Kvroute::start(&[sim.addr], &extra);
+    let post = || {
+        client()
+            .post(kv.url("/v1/chat/completions"))
+            .bearer_auth("metered-key")
+            .json(&chat("hi", 100))
+            .send()
+    };
+    let left = || {
+        kv.metric_sum(
+            "kvroute_tenant_token_budget_remaining",
+            &[("tenant", "metered")],
+        )
+    };
+    assert_eq!(left(), 250.0);
+    let r = post().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let used = v["usage"]["total_tokens"].as_f64().unwrap();
+    assert!(used >= 100.0, "{v}");
+    // What the engine reported, not the estimate, is what is gone (a day refills 250 tokens
+    // in 86,400 s: well under one a second).
+    assert!((left() - (250.0 - used)).abs() < 2.0, "{} after {used}", left());
+    let mut refused = None;
+    for _ in 0..3 {
+        let r = post().await.unwrap();
+        if r.status() == 429 {
+            refused = Some(r);
+            break;
+        }
+        assert_eq!(r.status(), 200);
+    }
+    let r = refused.expect("the budget was never spent");
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    // Most of a 100-token request missing, at 250 tokens a day: hours, not seconds.
+    assert!(retry > 3600, "{retry}");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("daily token budget"),
+        "{v}"
+    );
+}

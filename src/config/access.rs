@@ -26,6 +26,8 @@ pub struct ApiKeyConfig {
     pub requests_per_minute: Option<u64>,
     /// Prompt plus completion tokens per minute (estimated up front, settled from `usage`).
     pub tokens_per_minute: Option<u64>,
+    /// Prompt plus completion tokens per rolling day, charged and settled the same way.
+    pub tokens_per_day: Option<u64>,
     /// The highest `x-priority` this key's requests get in the router queue; a higher one
     /// is lowered to it (default 0: the header can only lower a request's priority).
     #[serde(default)]
@@ -79,6 +81,7 @@ impl AccessConfig {
             }
             if k.requests_per_minute == Some(0)
                 || k.tokens_per_minute == Some(0)
+                || k.tokens_per_day == Some(0)
                 || k.max_concurrent == Some(0)
             {
                 return Err(err(

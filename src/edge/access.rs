@@ -85,36 +85,45 @@ pub fn check_model(key: &ApiKeyConfig, model: &str) -> Result<(), ApiError> {
     }
 }
 
-/// A token bucket holding up to `per_minute`, refilled continuously.
+/// A token bucket holding up to `cap`, refilled continuously at `cap` a `period` (a minute for
+/// the per-minute limits, a day for the per-day budget: a rolling day, not a calendar one).
 #[derive(Debug, Clone)]
 struct Bucket {
     level: f64,
     updated: Instant,
 }
 
+const MINUTE: f64 = 60.0;
+const DAY: f64 = 86_400.0;
+
 impl Bucket {
-    fn full(per_minute: u64, now: Instant) -> Bucket {
+    fn full(cap: u64, now: Instant) -> Bucket {
         Bucket {
-            level: per_minute as f64,
+            level: cap as f64,
             updated: now,
         }
     }
 
-    fn refill(&mut self, per_minute: u64, now: Instant) {
-        let rate = per_minute as f64 / 60.0;
+    fn refill(&mut self, cap: u64, period_s: f64, now: Instant) {
+        let rate = cap as f64 / period_s;
         let dt = now.saturating_duration_since(self.updated).as_secs_f64();
-        self.level = (self.level + dt * rate).min(per_minute as f64);
+        self.level = (self.level + dt * rate).min(cap as f64);
         self.updated = now;
     }
 
     /// Seconds until `amount` fits (0 if it does now).
-    fn wait_for(&self, amount: f64, per_minute: u64) -> f64 {
-        let missing = amount.min(per_minute as f64) - self.level;
+    fn wait_for(&self, amount: f64, cap: u64, period_s: f64) -> f64 {
+        let missing = amount.min(cap as f64) - self.level;
         if missing <= 0.0 {
             0.0
         } else {
-            missing / (per_minute as f64 / 60.0)
+            missing / (cap as f64 / period_s)
         }
+    }
+
+    /// Give back what was charged and not used.
+    fn settle(&mut self, charged: u64, used: u64, cap: u64) {
+        self.level = (self.level + charged as f64 - used as f64).min(cap as f64);
     }
 }
 
@@ -122,6 +131,7 @@ impl Bucket {
 struct Quota {
     requests: Option<Bucket>,
     tokens: Option<Bucket>,
+    daily: Option<Bucket>,
     /// Requests in flight, each holding a [`Holding`].
     inflight: Arc<AtomicU64>,
 }
@@ -159,18 +169,31 @@ impl Limiter {
         let mut wait: f64 = 0.0;
         if let Some(rpm) = key.requests_per_minute {
             let b = q.requests.get_or_insert_with(|| Bucket::full(rpm, now));
-            b.refill(rpm, now);
-            wait = wait.max(b.wait_for(1.0, rpm));
+            b.refill(rpm, MINUTE, now);
+            wait = wait.max(b.wait_for(1.0, rpm, MINUTE));
         }
         if let Some(tpm) = key.tokens_per_minute {
             let b = q.tokens.get_or_insert_with(|| Bucket::full(tpm, now));
-            b.refill(tpm, now);
-            wait = wait.max(b.wait_for(est_tokens as f64, tpm));
+            b.refill(tpm, MINUTE, now);
+            wait = wait.max(b.wait_for(est_tokens as f64, tpm, MINUTE));
+        }
+        let mut budget_spent = false;
+        if let Some(tpd) = key.tokens_per_day {
+            let b = q.daily.get_or_insert_with(|| Bucket::full(tpd, now));
+            b.refill(tpd, DAY, now);
+            let w = b.wait_for(est_tokens as f64, tpd, DAY);
+            budget_spent = w > wait;
+            wait = wait.max(w);
         }
         if wait > 0.0 {
+            let what = if budget_spent {
+                "its daily token budget"
+            } else {
+                "its rate limit"
+            };
             return Err(ApiError::rate_limited(
                 format!(
-                    "tenant `{}` is over its rate limit; retry in {:.1} s",
+                    "tenant `{}` is over {what}; retry in {:.1} s",
                     caller.tenant, wait
                 ),
                 wait.ceil().max(1.0) as u32,
@@ -179,7 +202,7 @@ impl Limiter {
         if let Some(b) = q.requests.as_mut() {
             b.level -= 1.0;
         }
-        if let Some(b) = q.tokens.as_mut() {
+        for b in [q.tokens.as_mut(), q.daily.as_mut()].into_iter().flatten() {
             b.level -= est_tokens as f64;
         }
         Ok(())
@@ -211,12 +234,43 @@ impl Limiter {
 
     /// The request is done: it used `used` tokens where `charged` were taken up front.
     pub fn settle(&self, caller: &Caller, key: &ApiKeyConfig, charged: u64, used: u64) {
-        let (Some(tpm), Ok(mut map)) = (key.tokens_per_minute, self.0.lock()) else {
+        let Ok(mut map) = self.0.lock() else {
             return;
         };
-        if let Some(b) = map.get_mut(&caller.digest).and_then(|q| q.tokens.as_mut()) {
-            b.level = (b.level + charged as f64 - used as f64).min(tpm as f64);
+        let Some(q) = map.get_mut(&caller.digest) else {
+            return;
+        };
+        if let (Some(tpm), Some(b)) = (key.tokens_per_minute, q.tokens.as_mut()) {
+            b.settle(charged, used, tpm);
         }
+        if let (Some(tpd), Some(b)) = (key.tokens_per_day, q.daily.as_mut()) {
+            b.settle(charged, used, tpd);
+        }
+    }
+
+    /// Tokens each key has left of its daily budget now, by tenant (keys without one are
+    /// left out).
+    pub fn budgets_left(&self, cfg: &AccessConfig, now: Instant) -> Vec<(String, f64)> {
+        let Ok(mut map) = self.0.lock() else {
+            return Vec::new();
+        };
+        cfg.keys
+            .iter()
+            .filter_map(|k| {
+                let tpd = k.tokens_per_day?;
+                let left = match map
+                    .get_mut(&parse_digest(&k.sha256)?)
+                    .and_then(|q| q.daily.as_mut())
+                {
+                    Some(b) => {
+                        b.refill(tpd, DAY, now);
+                        b.level.max(0.0)
+                    }
+                    None => tpd as f64,
+                };
+                Some((k.tenant.clone(), left))
+            })
+            .collect()
     }
 
     /// Forget keys no longer configured (after a reload).
@@ -253,6 +307,7 @@ mod tests {
                     max_priority: 0,
                     max_concurrent: None,
                     tenant_from_header: false,
+                    tokens_per_day: None,
                 },
                 ApiKeyConfig {
                     sha256: hex(&digest(b"beta-key")),
@@ -263,6 +318,7 @@ mod tests {
                     max_priority: 0,
                     max_concurrent: None,
                     tenant_from_header: false,
+                    tokens_per_day: None,
                 },
             ],
         }
@@ -347,5 +403,42 @@ mod tests {
         let l2 = Limiter::default();
         l2.admit(&other, key, 50_000, t0).unwrap();
         assert!(l2.admit(&other, key, 50_000, t0).is_err());
+    }
+
+    #[test]
+    fn a_daily_budget_is_spent_refills_over_a_day_and_settles_from_usage() {
+        let c = cfg();
+        let key = ApiKeyConfig {
+            tokens_per_minute: None,
+            requests_per_minute: None,
+            tokens_per_day: Some(86_400),
+            ..c.keys[0].clone()
+        };
+        let (l, t0) = (Limiter::default(), Instant::now());
+        let who = authenticate(&c, Some(b"Bearer alpha-key"), None).unwrap();
+        l.admit(&who, &key, 80_000, t0).unwrap();
+        // 6,400 left, 10,000 asked: 3,600 missing at one token a second.
+        let e = l.admit(&who, &key, 10_000, t0).unwrap_err();
+        assert_eq!((e.status, e.retry_after), (429, Some(3600)));
+        assert!(e.message.contains("daily token budget"), "{}", e.message);
+        let left = l.budgets_left(
+            &AccessConfig {
+                keys: vec![key.clone()],
+            },
+            t0,
+        );
+        assert_eq!(left, vec![("alpha".to_string(), 6_400.0)]);
+        // The first request used 20,000 of its 80,000: the rest comes back.
+        l.settle(&who, &key, 80_000, 20_000);
+        l.admit(&who, &key, 10_000, t0).unwrap();
+        // An hour later, 3,600 more.
+        let later = t0 + Duration::from_secs(3600);
+        let left = l.budgets_left(
+            &AccessConfig {
+                keys: vec![key.clone()],
+            },
+            later,
+        );
+        assert_eq!(left[0].1, 56_400.0 + 3_600.0);
     }
 }

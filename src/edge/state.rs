@@ -1,7 +1,7 @@
 //! The edge's process-wide state: what outlives config generations (quotas, queue, budget,
 //! draining) and the edge's metric families.
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
+use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, Registry};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -10,7 +10,8 @@ use super::body_budget::BodyBudget;
 use super::queue::Admission;
 use super::retry_budget::RetryBudget;
 use super::signals::ConnSignals;
-use crate::metrics::{counter, counter_vec, int_gauge};
+use crate::config::AccessConfig;
+use crate::metrics::{counter, counter_vec, gauge_vec, int_gauge};
 
 /// The edge's own families (the router queue registers its own).
 pub struct EdgeMetrics {
@@ -23,6 +24,8 @@ pub struct EdgeMetrics {
     pub accepted: IntCounterVec,
     /// HTTP/2 connections closed for abandoning streams faster than the limit (rapid reset).
     pub h2_reset_closes: IntCounter,
+    /// Tokens left of each tenant's daily budget, set at each scrape.
+    pub budget_left: GaugeVec,
 }
 
 impl EdgeMetrics {
@@ -52,6 +55,12 @@ impl EdgeMetrics {
                 "kvroute_client_connections_accepted_total",
                 "Client connections served, by transport (http, https) and protocol (http1, h2).",
                 &["transport", "protocol"],
+            )?,
+            budget_left: gauge_vec(
+                r,
+                "kvroute_tenant_token_budget_remaining",
+                "Tokens left of each key's daily budget (access.keys[].tokens_per_day), by tenant.",
+                &["tenant"],
             )?,
             h2_reset_closes: counter(
                 r,
@@ -133,6 +142,20 @@ pub struct EdgeState {
 }
 
 impl EdgeState {
+    /// Set the budget gauges, just before a scrape renders them. Keys of one tenant add up.
+    pub fn publish_budgets(&self, access: Option<&AccessConfig>) {
+        self.metrics.budget_left.reset();
+        let Some(access) = access else {
+            return;
+        };
+        for (tenant, left) in self.limiter.budgets_left(access, std::time::Instant::now()) {
+            self.metrics
+                .budget_left
+                .with_label_values(&[&tenant])
+                .add(left);
+        }
+    }
+
     pub fn register(r: &Registry) -> prometheus::Result<EdgeState> {
         Ok(EdgeState {
             queue: Admission::register(r)?,

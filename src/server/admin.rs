@@ -34,9 +34,10 @@ fn reply(status: StatusCode, content_type: &str, body: Vec<u8>) -> Response<Vec<
 impl AdminApp {
     /// Prometheus text exposition, with the gauges that are read from the fleet and the queue
     /// set first.
-    fn render(&self, fleet: &Fleet) -> Vec<u8> {
+    fn render(&self, fleet: &Fleet, cfg: &Config) -> Vec<u8> {
         self.fleet_metrics.refresh(fleet);
         self.edge.queue.publish_depth();
+        self.edge.publish_budgets(cfg.access.as_ref());
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             log::error!("metrics encoding failed: {e}");
@@ -188,7 +189,7 @@ impl ServeHttp for AdminApp {
             "/metrics" => reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
-                self.render(fleet),
+                self.render(fleet, &generation.config),
             ),
             "/backends" | "/debug/backends" => reply(
                 StatusCode::OK,
