@@ -250,7 +250,11 @@ async fn a_spent_daily_budget_is_429_until_the_day_gives_it_back() {
     assert!(used >= 100.0, "{v}");
     // What the engine reported, not the estimate, is what is gone (a day refills 250 tokens
     // in 86,400 s: well under one a second).
-    assert!((left() - (250.0 - used)).abs() < 2.0, "{} after {used}", left());
+    assert!(
+        (left() - (250.0 - used)).abs() < 2.0,
+        "{} after {used}",
+        left()
+    );
     let mut refused = None;
     for _ in 0..3 {
         let r = post().await.unwrap();
@@ -261,13 +265,54 @@ async fn a_spent_daily_budget_is_429_until_the_day_gives_it_back() {
         assert_eq!(r.status(), 200);
     }
     let r = refused.expect("the budget was never spent");
-    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     // Most of a 100-token request missing, at 250 tokens a day: hours, not seconds.
     assert!(retry > 3600, "{retry}");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
     assert!(
-        v["error"]["message"].as_str().unwrap().contains("daily token budget"),
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("daily token budget"),
         "{v}"
     );
+}
+
+/// Where a backend's engine schedules by priority, kvroute sends the request's band as the
+/// engine's `priority` field, the right way round, in place of whatever the client sent;
+/// elsewhere the body goes as it came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_band_reaches_engines_that_schedule_by_priority() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "0"]);
+    let sent = |kv: &Kvroute, priority: Option<&'static str>, body: Value| {
+        let mut r = client().post(kv.url("/v1/chat/completions")).json(&body);
+        if let Some(p) = priority {
+            r = r.header("x-kvroute-priority", p);
+        }
+        r.send()
+    };
+    let last_priority = || sim.requests().last().expect("a request")["priority"].clone();
+    let mut claims = chat("jump the engine's queue", 1);
+    claims["priority"] = json!(-99);
+    for (order, interactive, client_claim) in [
+        ("lower_first", json!(-1), json!(0)),
+        ("higher_first", json!(1), json!(0)),
+        ("none", json!(null), json!(-99)),
+    ] {
+        let kv = Kvroute::start_with(
+            &[(sim.addr, format!("      engine_priority: {order}\n"))],
+            "",
+        );
+        let r = sent(&kv, Some("interactive"), chat("hi", 1)).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(last_priority(), interactive, "{order}");
+        let r = sent(&kv, None, claims.clone()).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(last_priority(), client_claim, "{order}");
+    }
 }

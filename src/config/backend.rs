@@ -27,6 +27,21 @@ impl EngineKind {
     }
 }
 
+/// Whether the engine schedules by a request's `priority` field, and which way: kvroute then
+/// sends each request's priority band there (and owns the field: a client's is replaced).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum EnginePriority {
+    /// The field is left as the client sent it.
+    #[default]
+    None,
+    /// Larger values first: SGLang with `--enable-priority-scheduling`.
+    HigherFirst,
+    /// Smaller values first: vLLM with `--scheduling-policy priority`, SGLang with
+    /// `--schedule-low-priority-values-first`.
+    LowerFirst,
+}
+
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
@@ -67,6 +82,9 @@ pub struct BackendConfig {
     /// `Authorization: Bearer` on every request and scrape. The key stays out of the config.
     #[serde(default)]
     pub api_key_file: Option<PathBuf>,
+    /// Send the router's priority as the engine's `priority` field ([`EnginePriority`]).
+    #[serde(default)]
+    pub engine_priority: EnginePriority,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]

@@ -18,7 +18,7 @@ mod tls;
 
 pub use access::{parse_digest, AccessConfig, ApiKeyConfig, KeyDigest};
 pub use backend::{
-    BackendConfig, BackendTlsConfig, EngineKind, DEFAULT_KV_CAPACITY_TOKENS,
+    BackendConfig, BackendTlsConfig, EngineKind, EnginePriority, DEFAULT_KV_CAPACITY_TOKENS,
     DEFAULT_PREFILL_TOKENS_PER_S,
 };
 pub use error::ConfigError;

@@ -65,6 +65,19 @@ struct Waiter {
 struct Queue {
     waiters: Vec<Waiter>,
     seq: u64,
+    /// Waiters woken and not yet back with their answer (placed, or queued again): the room
+    /// they were woken for is theirs, not a re-checking waiter's. Forgotten after
+    /// [`QUEUE_RECHECK`] (a woken request whose client left never comes back).
+    woken: Vec<(u64, std::time::Instant)>,
+}
+
+/// Who goes before a waiter that found room on its own re-check.
+enum Before {
+    Nobody,
+    /// A waiter the queue's order puts first: it should be woken.
+    Waiter,
+    /// A woken waiter, about to take the room.
+    Woken,
 }
 
 /// The queue's order, with each tenant's attained service read once per decision.
@@ -231,23 +244,40 @@ impl Admission {
             };
             let w = q.waiters.swap_remove(i);
             if w.wake.send(()).is_ok() {
+                q.woken.push((w.seq, std::time::Instant::now()));
                 return;
             }
         }
     }
 
-    /// Whether a live waiter goes before the request `(priority, tenant, ticket)`.
-    fn someone_before(&self, who: Who<'_>, ticket: u64) -> bool {
-        let Ok(q) = self.queue.lock() else {
-            return false;
+    /// Who goes before the request `(priority, tenant, ticket)`, which found room on its own.
+    fn before(&self, who: Who<'_>, ticket: u64) -> Before {
+        let Ok(mut q) = self.queue.lock() else {
+            return Before::Nobody;
         };
+        q.woken.retain(|(_, at)| at.elapsed() < QUEUE_RECHECK);
+        if q.woken.iter().any(|(t, _)| *t != ticket) {
+            return Before::Woken;
+        }
         let mut rank = Rank::new(&self.fair);
         let me = (who.priority, who.tenant, ticket);
-        q.waiters.iter().any(|w| {
+        let first = q.waiters.iter().any(|w| {
             !w.wake.is_closed()
                 && w.seq != ticket
                 && rank.order((w.priority, &w.tenant, w.seq), me).is_lt()
-        })
+        });
+        if first {
+            Before::Waiter
+        } else {
+            Before::Nobody
+        }
+    }
+
+    /// A woken waiter is back: placed, shed, or queued again.
+    fn back(&self, ticket: u64) {
+        if let Ok(mut q) = self.queue.lock() {
+            q.woken.retain(|(t, _)| *t != ticket);
+        }
     }
 
     /// Wait while `saturated()` (every eligible backend at its hard cap), in band and fair
@@ -286,6 +316,9 @@ impl Admission {
                 }
             };
             let waited = entered.elapsed().as_secs_f64();
+            if woken {
+                self.back(ticket);
+            }
             if let Some(reason) = shed {
                 metrics.wait.with_label_values(&["shed"]).observe(waited);
                 metrics
@@ -319,9 +352,15 @@ impl Admission {
             if !saturated() {
                 // A waiter that found room on its own re-check, not by a wake-up, lets the one
                 // the queue's order puts first have it.
-                if !woken && self.someone_before(who, ticket) {
-                    self.wake_one();
-                    continue;
+                if !woken {
+                    match self.before(who, ticket) {
+                        Before::Nobody => {}
+                        Before::Waiter => {
+                            self.wake_one();
+                            continue;
+                        }
+                        Before::Woken => continue,
+                    }
                 }
                 metrics
                     .wait

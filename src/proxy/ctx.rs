@@ -52,6 +52,8 @@ pub(super) struct Route {
     /// Whose request it is (`tenants`), and that tenant as metrics name it.
     pub tenant: String,
     pub tenant_label: String,
+    /// This attempt's body where it differs from `body` (the engine's `priority` field).
+    pub attempt_body: Option<Bytes>,
     /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
     pub strip_usage: bool,
     /// How the prompt's tokens were estimated, settled by the engine's `usage`.

@@ -360,7 +360,7 @@ impl ProxyHttp for Router {
         end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if let Some(full) = &ctx.route.body {
+        if let Some(full) = ctx.route.attempt_body.as_ref().or(ctx.route.body.as_ref()) {
             // Replace Pingora's retry-buffer tail with the whole body (see `read_body`).
             *body = Some(if end_of_stream {
                 full.clone()

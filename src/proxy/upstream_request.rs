@@ -2,17 +2,21 @@
 //! engine rank, the engine's key), and what must not pass (a protocol switch, the client's key);
 //! and what of the backend's response head stays behind (`response_headers.strip`).
 
+use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::{Error, ErrorType, Result};
 
 use super::ctx::Ctx;
+use crate::config::EnginePriority;
 
 /// vLLM's and SGLang's header pinning a request to one data-parallel rank of the engine.
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
-/// Rewrite the upstream request header of `ctx`'s current attempt.
-pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
-    if let Some(body) = &ctx.route.body {
+/// Rewrite the upstream request header of `ctx`'s current attempt (and its body, where the
+/// backend's engine takes the priority).
+pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()> {
+    ctx.route.attempt_body = with_engine_priority(ctx);
+    if let Some(body) = ctx.route.attempt_body.as_ref().or(ctx.route.body.as_ref()) {
         // The body is already here in full: the backend must not wait for a 100-continue
         // handshake or a chunked stream.
         upstream.remove_header(&http::header::EXPECT);
@@ -50,6 +54,31 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &Ctx) -> Result<()> {
         upstream.insert_header(http::header::AUTHORIZATION, auth)?;
     }
     Ok(())
+}
+
+/// The request's body with its priority band as the engine's `priority` field, where this
+/// attempt's backend schedules by it (`backends[].engine_priority`); `None`: the body as is.
+/// vLLM refuses a non-zero `priority` unless started with `--scheduling-policy priority` ("Got
+/// priority .. but Priority scheduling is not enabled", its input processor), and SGLang
+/// aborts one without `--enable-priority-scheduling` when started with
+/// `--abort-on-priority-when-disabled` (server_args): only where the operator says the engine
+/// takes it.
+fn with_engine_priority(ctx: &Ctx) -> Option<Bytes> {
+    let i = ctx.attempts.backend?;
+    let sign = match ctx.generation.config.backends.get(i)?.engine_priority {
+        EnginePriority::None => return None,
+        EnginePriority::HigherFirst => 1,
+        EnginePriority::LowerFirst => -1,
+    };
+    // Routed requests only: their bodies are JSON objects kvroute has parsed.
+    ctx.route.profile.as_ref()?;
+    let body = ctx.route.body.as_ref()?;
+    let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
+    v.insert(
+        "priority".into(),
+        serde_json::Value::from(sign * i64::from(ctx.route.priority)),
+    );
+    serde_json::to_vec(&v).ok().map(Bytes::from)
 }
 
 /// Remove from the backend's response head what `response_headers.strip` names.

@@ -58,6 +58,12 @@ pub fn body_hash_hex(body: &[u8]) -> String {
     format!("{:016x}", xxh3_64(body))
 }
 
+/// Only the body's `priority`, for the request log (the engine itself does not schedule by it).
+#[derive(serde::Deserialize)]
+struct PriorityField {
+    priority: Option<i64>,
+}
+
 pub(super) async fn handle(
     s: Arc<ServerState>,
     endpoint: Endpoint,
@@ -76,6 +82,9 @@ pub(super) async fn handle(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let dp_rank = entry.dp_rank.as_deref().and_then(|r| r.trim().parse().ok());
+    entry.priority = serde_json::from_slice::<PriorityField>(&body)
+        .ok()
+        .and_then(|p| p.priority);
     let seq = s.log().push(entry);
     let mut res = match admit(&s, seq, endpoint, &body).await {
         Ok(mut admitted) => {

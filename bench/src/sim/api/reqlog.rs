@@ -22,6 +22,8 @@ pub struct Entry {
     pub status: Option<u16>,
     /// The `X-Data-Parallel-Rank` header a router pinned the request with, as sent.
     pub dp_rank: Option<String>,
+    /// The body's `priority` field (vLLM's and SGLang's scheduling priority), as sent.
+    pub priority: Option<i64>,
 }
 
 impl Entry {
@@ -42,6 +44,7 @@ impl Entry {
             prompt_tokens: None,
             cached_tokens: None,
             dp_rank: None,
+            priority: None,
             status: None,
         }
     }
