@@ -92,12 +92,9 @@ fn migrations(kv: &Kvroute, outcome: &str) -> f64 {
 
 const FAST: [&str; 4] = ["--ttft-ms", "1", "--itl-ms", "5"];
 
-/// The engine is killed mid-stream: the rest of the text comes from the other backend, spliced
-/// into the same stream.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_engines_stream_goes_on_elsewhere_as_one_stream() {
-    let mut sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "20"]);
-    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+/// A 60-token chat stream through `kv`, read up to its sixth token: the response, the text
+/// read so far, and which of `sims` serves it.
+async fn stream_under_way(kv: &Kvroute, sims: &[Sim]) -> (reqwest::Response, String, usize) {
     let mut r = client()
         .post(kv.url("/v1/chat/completions"))
         .json(&chat(60))
@@ -111,9 +108,13 @@ async fn a_killed_engines_stream_goes_on_elsewhere_as_one_stream() {
         let chunk = r.chunk().await.unwrap().expect("stream ended early");
         raw.push_str(&String::from_utf8_lossy(&chunk));
     }
-    let dead = sims.iter().position(|s| s.addr.to_string() == served_by);
-    sims[dead.expect("served by a sim")].kill();
-    let rest = tokio::time::timeout(Duration::from_secs(20), async {
+    let i = sims.iter().position(|s| s.addr.to_string() == served_by);
+    (r, raw, i.expect("served by a sim"))
+}
+
+/// The rest of a stream, if it ends within `within`.
+async fn rest_of(r: &mut reqwest::Response, within: Duration) -> Option<String> {
+    tokio::time::timeout(within, async {
         let mut rest = String::new();
         while let Some(chunk) = r.chunk().await.expect("the stream broke") {
             rest.push_str(&String::from_utf8_lossy(&chunk));
@@ -121,7 +122,20 @@ async fn a_killed_engines_stream_goes_on_elsewhere_as_one_stream() {
         rest
     })
     .await
-    .expect("the migrated stream hung");
+    .ok()
+}
+
+/// The engine is killed mid-stream: the rest of the text comes from the other backend, spliced
+/// into the same stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engines_stream_goes_on_elsewhere_as_one_stream() {
+    let mut sims = Sim::start_n(2, &["--ttft-ms", "1", "--itl-ms", "20"]);
+    let kv = Kvroute::start(&[sims[0].addr, sims[1].addr], "");
+    let (mut r, raw, dead) = stream_under_way(&kv, &sims).await;
+    sims[dead].kill();
+    let rest = rest_of(&mut r, Duration::from_secs(20))
+        .await
+        .expect("the migrated stream hung");
     let s = Stream::parse(&(raw + &rest));
     assert_eq!(s.error(), None, "{:?}", s.events);
     assert_eq!(s.text(), whole(60));
@@ -454,38 +468,16 @@ async fn requests_on_a_hung_engine_go_on_elsewhere_once_it_is_found_down() {
             ),
         );
         // A stream, its engine frozen after a few tokens.
-        let mut r = client()
-            .post(kv.url("/v1/chat/completions"))
-            .json(&chat(60))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let served_by = r.headers()["x-kvbench-addr"].to_str().unwrap().to_string();
-        let mut raw = String::new();
-        while !raw.contains("tok5\"") {
-            let chunk = r.chunk().await.unwrap().expect("stream ended early");
-            raw.push_str(&String::from_utf8_lossy(&chunk));
-        }
-        let hung = sims
-            .iter()
-            .position(|s| s.addr.to_string() == served_by)
-            .expect("served by a sim");
+        let (mut r, raw, hung) = stream_under_way(&kv, &sims).await;
         sims[hung].freeze();
-        let rest = tokio::time::timeout(Duration::from_secs(10), async {
-            let mut rest = String::new();
-            while let Some(chunk) = r.chunk().await.expect("the stream broke") {
-                rest.push_str(&String::from_utf8_lossy(&chunk));
-            }
-            rest
-        })
-        .await
-        .unwrap_or_else(|_| {
-            panic!(
-                "the stream waited for its read deadline (read_ahead_http1: {read_ahead}): {}",
-                kv.log()
-            )
-        });
+        let rest = rest_of(&mut r, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|| {
+                panic!(
+                    "the stream waited for its read deadline (read_ahead_http1: {read_ahead}): {}",
+                    kv.log()
+                )
+            });
         let s = Stream::parse(&(raw + &rest));
         assert_eq!(s.error(), None, "{:?}", s.events);
         assert_eq!(s.text(), whole(60));

@@ -119,6 +119,10 @@ pub struct ReplayArgs {
     /// Send the workload's session id as `x-session-id`.
     #[arg(long)]
     pub session_header: bool,
+    /// A header sent with every request, `NAME:VALUE` (repeatable), e.g. a tenant's
+    /// `x-tenant-id:flood` or a priority.
+    #[arg(long = "header")]
+    pub headers: Vec<String>,
     /// Check each reply's text against the simulator's (token i is " tok{i}"): a text reply
     /// that is not exactly its first `completion_tokens` tokens, in order, counts as an error.
     /// A stream a router continued on another server must read as one unbroken stream.
@@ -204,6 +208,24 @@ pub struct ReplayArgs {
 }
 
 impl ReplayArgs {
+    /// `--header`s, checked.
+    pub fn extra_headers(&self) -> Result<Vec<(String, String)>, String> {
+        self.headers
+            .iter()
+            .map(|h| {
+                let (name, value) = h
+                    .split_once(':')
+                    .ok_or_else(|| format!("--header {h:?}: expected NAME:VALUE"))?;
+                let (name, value) = (name.trim(), value.trim());
+                reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| format!("--header {h:?}: {name:?} is not a header name"))?;
+                reqwest::header::HeaderValue::from_str(value)
+                    .map_err(|_| format!("--header {h:?}: not a header value"))?;
+                Ok((name.to_owned(), value.to_owned()))
+            })
+            .collect()
+    }
+
     pub fn check(&self) -> Result<(), String> {
         let positive = |name: &str, v: f64| {
             if v.is_finite() && v > 0.0 {
@@ -212,6 +234,7 @@ impl ReplayArgs {
                 Err(format!("{name} must be a positive number, got {v}"))
             }
         };
+        self.extra_headers()?;
         positive("--time-scale", self.time_scale)?;
         positive("--trace-speedup", self.trace_speedup)?;
         positive("--slo-ttft-ms", self.slo_ttft_ms)?;
@@ -367,5 +390,41 @@ mod tests {
         assert_eq!(found, bench.join("t.jsonl"));
         assert!(find_default(&dir, &nowhere, "data/none.jsonl").is_none());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn extra_headers_are_name_value_pairs_or_a_clear_error() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            replay: ReplayArgs,
+        }
+        let parse = |headers: &[&str]| {
+            let mut argv = vec![
+                "kvbench",
+                "--target",
+                "http://127.0.0.1:1",
+                "--workload",
+                "mooncake",
+                "--out",
+                "x",
+            ];
+            for h in headers {
+                argv.extend(["--header", h]);
+            }
+            Cli::parse_from(argv).replay.extra_headers()
+        };
+        assert_eq!(
+            parse(&["x-tenant-id: flood", "x-kvroute-priority:bulk"]).unwrap(),
+            vec![
+                ("x-tenant-id".to_string(), "flood".to_string()),
+                ("x-kvroute-priority".to_string(), "bulk".to_string())
+            ]
+        );
+        assert!(parse(&["no-colon"]).unwrap_err().contains("NAME:VALUE"));
+        assert!(parse(&["bad name:v"])
+            .unwrap_err()
+            .contains("not a header name"));
     }
 }

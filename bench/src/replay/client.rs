@@ -18,6 +18,8 @@ pub struct Ctx {
     pub api: Api,
     pub model: String,
     pub session_header: bool,
+    /// `--header`s, sent with every request.
+    pub headers: Vec<(String, String)>,
     /// `--check-text`: the reply must be the simulator's unbroken text.
     pub check_text: bool,
     pub start: Instant,
@@ -116,6 +118,9 @@ async fn exchange(
 ) -> Result<(), String> {
     let body = wire.body(req, req.model.as_deref().unwrap_or(&ctx.model));
     let mut builder = ctx.client.post(url).json(&body);
+    for (name, value) in &ctx.headers {
+        builder = builder.header(name, value);
+    }
     if ctx.session_header {
         if let Some(s) = &req.session {
             builder = builder.header("x-session-id", s);

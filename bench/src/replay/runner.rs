@@ -131,6 +131,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
             api: args.api,
             model: args.model.clone(),
             session_header: args.session_header,
+            headers: args.extra_headers()?,
             check_text: args.check_text,
             start,
             hard_deadline: stop_at + Duration::from_secs_f64(args.grace_s),
@@ -219,6 +220,7 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "model": args.model,
         "models": (args.workload == WorkloadKind::MultiModel).then_some((&args.models, args.model_zipf)),
         "session_header": args.session_header,
+        "headers": args.headers,
         "api": args.api,
         "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts | WorkloadKind::PrefixGroups | WorkloadKind::Agentic)
             .then_some(args.conversations),
