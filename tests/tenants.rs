@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use serde_json::{json, Value};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 async fn ask(kv: &Kvroute, path: &str, headers: &[(&str, &str)], body: Value) -> reqwest::Response {
@@ -38,21 +38,21 @@ async fn the_tenant_served_least_goes_first_inside_a_band() {
         &[sim.addr],
         "  limits:\n    backend_max_inflight: 1\n    queue_timeout_ms: 20000\n  tenants:\n    names: [flooder]\n",
     );
-    let done = Arc::new(Mutex::new(Vec::new()));
     let kv = Arc::new(kv);
+    // Each request names itself in `x-session-id`, which the simulator logs: the order the
+    // engine received them in is the order the queue let them go.
     let send = |name: &'static str, tenant: &'static str, tokens: u32| {
-        let (kv, done) = (kv.clone(), done.clone());
+        let kv = kv.clone();
         tokio::spawn(async move {
             let r = ask(
                 &kv,
                 "/v1/chat/completions",
-                &[("x-tenant-id", tenant)],
+                &[("x-tenant-id", tenant), ("x-session-id", name)],
                 chat(name, tokens),
             )
             .await;
             assert_eq!(r.status(), 200);
             r.bytes().await.unwrap();
-            done.lock().unwrap().push(name);
         })
     };
     // The flooder holds the only place for a second, and queues three more behind it.
@@ -79,10 +79,12 @@ async fn the_tenant_served_least_goes_first_inside_a_band() {
     for t in tasks {
         t.await.unwrap();
     }
-    assert_eq!(
-        *done.lock().unwrap(),
-        ["flood1", "quiet", "flood2", "flood3", "flood4"]
-    );
+    let received: Vec<String> = sim
+        .requests()
+        .iter()
+        .filter_map(|e| e["session"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(received, ["flood1", "quiet", "flood2", "flood3", "flood4"]);
     // Waits are counted by tenant: the unnamed one as `other`.
     let text = kv.metrics();
     let waited = |tenant| {

@@ -25,6 +25,10 @@ use crate::metrics::{counter_vec, int_gauge, seconds_vec};
 /// A waiter re-checks the fleet this often even without a wake-up (none is ever lost for
 /// longer than this).
 const QUEUE_RECHECK: Duration = Duration::from_millis(200);
+/// How long the room a waiter was woken for stays its own against re-checking waiters: long
+/// enough for a woken task on a loaded host to run, short enough that a woken request whose
+/// client left meanwhile does not hold the room for long.
+const WOKEN_HOLD: Duration = Duration::from_secs(1);
 
 /// Why a request was shed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,7 +71,7 @@ struct Queue {
     seq: u64,
     /// Waiters woken and not yet back with their answer (placed, or queued again): the room
     /// they were woken for is theirs, not a re-checking waiter's. Forgotten after
-    /// [`QUEUE_RECHECK`] (a woken request whose client left never comes back).
+    /// [`WOKEN_HOLD`] (a woken request whose client left never comes back).
     woken: Vec<(u64, std::time::Instant)>,
 }
 
@@ -255,7 +259,7 @@ impl Admission {
         let Ok(mut q) = self.queue.lock() else {
             return Before::Nobody;
         };
-        q.woken.retain(|(_, at)| at.elapsed() < QUEUE_RECHECK);
+        q.woken.retain(|(_, at)| at.elapsed() < WOKEN_HOLD);
         if q.woken.iter().any(|(t, _)| *t != ticket) {
             return Before::Woken;
         }
