@@ -95,6 +95,18 @@ async fn the_tenant_served_least_goes_first_inside_a_band() {
         )
     };
     assert_eq!((waited("flooder"), waited("other")), (3.0, 1.0));
+    // What each was served: the flooder's four requests, the quiet tenant's one (as `other`).
+    let attained = |tenant| {
+        metric_sum(
+            &text,
+            "kvroute_tenant_attained_service_tokens",
+            &[("tenant", tenant)],
+        )
+    };
+    assert!(
+        attained("flooder") > attained("other") && attained("other") > 0.0,
+        "{text}"
+    );
 }
 
 /// Below priority 0 a request is sheddable: on a saturated fleet it is answered at once, 429

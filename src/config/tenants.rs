@@ -4,6 +4,7 @@
 use serde::Deserialize;
 use std::collections::BTreeMap;
 
+use super::access::AccessConfig;
 use super::error::{err, ConfigError};
 
 /// The tenant of a request with neither a key's tenant nor a tenant header.
@@ -127,6 +128,23 @@ impl TenantsConfig {
         v.parse()
             .ok()
             .or_else(|| self.priority_names.get(v).copied())
+    }
+}
+
+/// The tenant as metrics name it: itself where the config names it (a key's tenant,
+/// `tenants.names`, or `default`), else `other`, so clients cannot grow the metrics.
+pub fn metric_label<'a>(
+    tenants: &TenantsConfig,
+    access: Option<&AccessConfig>,
+    tenant: &'a str,
+) -> &'a str {
+    let named = tenant == DEFAULT_TENANT
+        || tenants.names.iter().any(|n| n == tenant)
+        || access.is_some_and(|a| a.keys.iter().any(|k| k.tenant == tenant));
+    if named {
+        tenant
+    } else {
+        "other"
     }
 }
 

@@ -10,7 +10,7 @@ use super::body_budget::BodyBudget;
 use super::queue::Admission;
 use super::retry_budget::RetryBudget;
 use super::signals::ConnSignals;
-use crate::config::AccessConfig;
+use crate::config::{metric_label, AccessConfig, TenantsConfig};
 use crate::metrics::{counter, counter_vec, gauge_vec, int_gauge};
 
 /// The edge's own families (the router queue registers its own).
@@ -26,6 +26,8 @@ pub struct EdgeMetrics {
     pub h2_reset_closes: IntCounter,
     /// Tokens left of each tenant's daily budget, set at each scrape.
     pub budget_left: GaugeVec,
+    /// Each tenant's attained service (the fair share's), set at each scrape.
+    pub attained: GaugeVec,
 }
 
 impl EdgeMetrics {
@@ -55,6 +57,13 @@ impl EdgeMetrics {
                 "kvroute_client_connections_accepted_total",
                 "Client connections served, by transport (http, https) and protocol (http1, h2).",
                 &["transport", "protocol"],
+            )?,
+            attained: gauge_vec(
+                r,
+                "kvroute_tenant_attained_service_tokens",
+                "Each tenant's attained service: weighted tokens served, decayed \
+                 (tenants.fair_share), by tenant (configured tenants, else other).",
+                &["tenant"],
             )?,
             budget_left: gauge_vec(
                 r,
@@ -142,6 +151,16 @@ pub struct EdgeState {
 }
 
 impl EdgeState {
+    /// Set the tenants' attained-service gauges, just before a scrape renders them; tenants
+    /// the config does not name add up under `other`.
+    pub fn publish_attained(&self, tenants: &TenantsConfig, access: Option<&AccessConfig>) {
+        self.metrics.attained.reset();
+        for (tenant, v) in self.queue.fair.snapshot(std::time::Instant::now()) {
+            let label = metric_label(tenants, access, &tenant);
+            self.metrics.attained.with_label_values(&[label]).add(v);
+        }
+    }
+
     /// Set the budget gauges, just before a scrape renders them. Keys of one tenant add up.
     pub fn publish_budgets(&self, access: Option<&AccessConfig>) {
         self.metrics.budget_left.reset();

@@ -6,7 +6,7 @@ use http::HeaderMap;
 use std::time::Instant;
 
 use super::ctx::Ctx;
-use crate::config::{valid_tenant, Config, DEFAULT_TENANT};
+use crate::config::{metric_label, valid_tenant, Config, DEFAULT_TENANT};
 use crate::edge::{EdgeState, Who};
 use crate::error::ApiError;
 
@@ -16,8 +16,6 @@ pub const PRIORITY_HEADERS: [&str; 2] = ["x-kvroute-priority", "x-priority"];
 /// llm-d's objective name, mapped through `tenants.priority_names`; a name not there is the
 /// default priority (the gateway's objectives are its own).
 const OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
-/// The tenant of requests whose tenant is not named in the config, in metrics.
-const OTHER: &str = "other";
 
 /// Read the request's tenant and priority into `ctx.route`.
 pub(super) fn identify(cfg: &Config, headers: &HeaderMap, ctx: &mut Ctx) -> Result<(), ApiError> {
@@ -47,13 +45,7 @@ pub(super) fn identify(cfg: &Config, headers: &HeaderMap, ctx: &mut Ctx) -> Resu
         Some(k) => from_header()?.unwrap_or_else(|| k.tenant.clone()),
         None => from_header()?.unwrap_or_else(|| DEFAULT_TENANT.to_owned()),
     };
-    let named = tenant == DEFAULT_TENANT
-        || cfg.tenants.names.contains(&tenant)
-        || cfg
-            .access
-            .as_ref()
-            .is_some_and(|a| a.keys.iter().any(|k| k.tenant == tenant));
-    ctx.route.tenant_label = if named { tenant.clone() } else { OTHER.into() };
+    ctx.route.tenant_label = metric_label(&cfg.tenants, cfg.access.as_ref(), &tenant).to_owned();
     ctx.route.tenant = tenant;
 
     let asked = match PRIORITY_HEADERS

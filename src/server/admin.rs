@@ -38,6 +38,8 @@ impl AdminApp {
         self.fleet_metrics.refresh(fleet);
         self.edge.queue.publish_depth();
         self.edge.publish_budgets(cfg.access.as_ref());
+        self.edge
+            .publish_attained(&cfg.tenants, cfg.access.as_ref());
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             log::error!("metrics encoding failed: {e}");
