@@ -49,9 +49,8 @@ pub(super) struct Route {
     pub body: Option<Bytes>,
     /// `x-kvroute-priority`: higher leaves the router queue first; below 0 is sheddable.
     pub priority: i32,
-    /// Whose request it is (`tenants`), and that tenant as metrics name it.
+    /// Whose request it is (`tenants`).
     pub tenant: String,
-    pub tenant_label: String,
     /// This attempt's body where it differs from `body` (the engine's `priority` field).
     pub attempt_body: Option<Bytes>,
     /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.

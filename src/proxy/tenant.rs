@@ -45,7 +45,6 @@ pub(super) fn identify(cfg: &Config, headers: &HeaderMap, ctx: &mut Ctx) -> Resu
         Some(k) => from_header()?.unwrap_or_else(|| k.tenant.clone()),
         None => from_header()?.unwrap_or_else(|| DEFAULT_TENANT.to_owned()),
     };
-    ctx.route.tenant_label = metric_label(&cfg.tenants, cfg.access.as_ref(), &tenant).to_owned();
     ctx.route.tenant = tenant;
 
     let asked = match PRIORITY_HEADERS
@@ -78,10 +77,11 @@ pub(super) fn identify(cfg: &Config, headers: &HeaderMap, ctx: &mut Ctx) -> Resu
 
 /// The request as the router queue orders it.
 pub(super) fn who(ctx: &Ctx) -> Who<'_> {
+    let cfg = &ctx.generation.config;
     Who {
         priority: ctx.route.priority,
         tenant: &ctx.route.tenant,
-        label: &ctx.route.tenant_label,
+        label: metric_label(&cfg.tenants, cfg.access.as_ref(), &ctx.route.tenant),
     }
 }
 
