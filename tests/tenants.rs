@@ -330,3 +330,143 @@ async fn the_band_reaches_engines_that_schedule_by_priority() {
         assert_eq!(last_priority(), client_claim, "{order}");
     }
 }
+
+/// A request with a TTFT deadline is judged by its predicted TTFT: served and told `on_track`
+/// or `at_risk`, or, sheddable and predicted past it, answered 429 at once; the answered ones
+/// are counted by whether their first byte met the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadlines_are_judged_by_the_predicted_ttft() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "1"]);
+    // Priced at 100 prompt tokens a second: a 2,000-token prompt is predicted to take 20 s.
+    let kv = Kvroute::start_with(
+        &[(sim.addr, "      prefill_tokens_per_s: 100\n".into())],
+        "",
+    );
+    let long = |tag: &str| format!("{tag} {}", "lorem ipsum dolor sit amet ".repeat(300));
+    let slo = |ms: &'static str| ("x-slo-ttft-ms", ms);
+
+    let r = ask(&kv, "/v1/chat/completions", &[slo("60000")], chat("hi", 2)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvroute-slo"], "on_track");
+    let predicted: u64 = r.headers()["x-kvroute-predicted-ttft-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(predicted < 60_000, "{predicted}");
+
+    // Not sheddable: served, first among its tenant's by slack, and told so.
+    let r = ask(
+        &kv,
+        "/v1/chat/completions",
+        &[("x-llm-d-slo-ttft-ms", "500")],
+        chat(&long("served"), 2),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvroute-slo"], "at_risk");
+    let predicted: u64 = r.headers()["x-kvroute-predicted-ttft-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(predicted > 5_000, "{predicted}");
+
+    // Sheddable: answered at once, without reaching the engine.
+    let before = sim.requests().len();
+    let started = std::time::Instant::now();
+    let r = ask(
+        &kv,
+        "/v1/chat/completions",
+        &[slo("500"), ("x-kvroute-priority", "bulk")],
+        chat(&long("shed"), 2),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-kvroute-dropped-reason"], "slo_unattainable");
+    assert!(r.headers().contains_key("retry-after"));
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "fleet_saturated");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("deadline (500 ms)"), "{message}");
+    assert!(took < Duration::from_millis(500), "{took:?}");
+    assert_eq!(sim.requests().len(), before);
+    // Sheddable with a deadline it can meet: served.
+    let r = ask(
+        &kv,
+        "/v1/chat/completions",
+        &[slo("60000"), ("x-kvroute-priority", "-1")],
+        chat("short", 2),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+
+    let r = ask(&kv, "/v1/chat/completions", &[slo("soon")], chat("x", 2)).await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "invalid_slo");
+
+    let text = kv.metrics();
+    let count = |name, labels: &[(&str, &str)]| metric_sum(&text, name, labels);
+    assert_eq!(
+        count(
+            "kvroute_tenant_slo_requests_total",
+            &[("tenant", "default"), ("outcome", "met")]
+        ),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        count(
+            "kvroute_shed_requests_total",
+            &[("reason", "slo_unattainable")]
+        ),
+        1.0
+    );
+}
+
+/// A band's limits hold its own requests only: a full band sheds its next request while
+/// another band still queues, and the band's TTL bounds its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_band_sheds_past_its_own_limits() {
+    let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "20"]);
+    let kv = Kvroute::start(
+        &[sim.addr],
+        "  limits:\n    backend_max_inflight: 1\n    queue_timeout_ms: 20000\n  tenants:\n    bands:\n      - priority: 0\n        max_requests: 1\n        queue_timeout_ms: 5000\n",
+    );
+    let kv = Arc::new(kv);
+    let send = |priority: &'static str, tokens: u32| {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            let r = ask(
+                &kv,
+                "/v1/chat/completions",
+                &[("x-kvroute-priority", priority)],
+                chat("wait", tokens),
+            )
+            .await;
+            let status = r.status().as_u16();
+            let reason = r
+                .headers()
+                .get("x-kvroute-dropped-reason")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let body = r.text().await.unwrap();
+            (status, reason, body)
+        })
+    };
+    // The only place is held for a second; one request of band 0 waits.
+    let hold = send("0", 50);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiting = send("0", 2);
+    queued(&kv, 1.0).await;
+    // Band 0 is full: the next is shed, while band 1 still queues.
+    let (status, reason, body) = send("0", 2).await.unwrap();
+    assert_eq!((status, reason.as_deref()), (429, Some("queue_full")));
+    assert!(body.contains("band 0"), "{body}");
+    let urgent = send("1", 2);
+    queued(&kv, 2.0).await;
+    for t in [hold, urgent, waiting] {
+        assert_eq!(t.await.unwrap().0, 200);
+    }
+}

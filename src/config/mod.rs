@@ -34,5 +34,7 @@ pub use passthrough::{path_matches, AllowRule, PassthroughConfig};
 pub use routing::{
     BodyKey, KeySource, PolicyKind, RoutingConfig, BLOCK_BYTES, DEFAULT_SESSION_KEYS,
 };
-pub use tenants::{metric_label, valid_tenant, FairShareConfig, TenantsConfig, DEFAULT_TENANT};
+pub use tenants::{
+    metric_label, valid_tenant, BandConfig, FairShareConfig, TenantsConfig, DEFAULT_TENANT,
+};
 pub use tls::TlsConfig;

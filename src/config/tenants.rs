@@ -23,6 +23,26 @@ pub struct TenantsConfig {
     /// `x-llm-d-inference-objective`.
     pub priority_names: BTreeMap<String, i32>,
     pub fair_share: FairShareConfig,
+    /// Limits of one priority band of the router queue, over `limits.queue_size` and
+    /// `limits.queue_timeout_ms`; a band not listed has only those.
+    pub bands: Vec<BandConfig>,
+}
+
+/// One priority band's share of the router queue: so a flood of bulk requests cannot fill
+/// the queue that interactive ones need, nor wait as long as they may.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BandConfig {
+    pub priority: i32,
+    /// Requests of this band waiting at once.
+    #[serde(default)]
+    pub max_requests: Option<usize>,
+    /// Request bodies of this band held while waiting, in bytes.
+    #[serde(default)]
+    pub max_bytes: Option<u64>,
+    /// How long a request of this band may wait, from its start (its TTL).
+    #[serde(default)]
+    pub queue_timeout_ms: Option<u64>,
 }
 
 impl Default for TenantsConfig {
@@ -45,6 +65,7 @@ impl Default for TenantsConfig {
                 ("system".into(), 2),
             ]),
             fair_share: FairShareConfig::default(),
+            bands: Vec::new(),
         }
     }
 }
@@ -119,7 +140,30 @@ impl TenantsConfig {
                 "must be positive",
             ));
         }
+        for (i, b) in self.bands.iter().enumerate() {
+            let at = |k: &str| format!("kvroute.tenants.bands[{i}].{k}");
+            if self.bands[..i].iter().any(|o| o.priority == b.priority) {
+                return Err(err(
+                    at("priority"),
+                    format!("band {} is listed twice", b.priority),
+                ));
+            }
+            if b.max_requests == Some(0) {
+                return Err(err(at("max_requests"), "must be positive"));
+            }
+            if b.max_bytes == Some(0) {
+                return Err(err(at("max_bytes"), "must be positive"));
+            }
+            if b.queue_timeout_ms == Some(0) {
+                return Err(err(at("queue_timeout_ms"), "must be positive"));
+            }
+        }
         Ok(())
+    }
+
+    /// The limits of band `priority`, if configured.
+    pub fn band(&self, priority: i32) -> Option<&BandConfig> {
+        self.bands.iter().find(|b| b.priority == priority)
     }
 
     /// The priority a name or integer stands for.
@@ -184,6 +228,24 @@ mod tests {
         assert!(t.validate().is_err());
         let mut t = TenantsConfig::default();
         t.names.push("a b".into());
+        assert!(t.validate().is_err());
+        let band = |priority| BandConfig {
+            priority,
+            max_requests: Some(4),
+            max_bytes: None,
+            queue_timeout_ms: Some(500),
+        };
+        let mut t = TenantsConfig {
+            bands: vec![band(1), band(0), band(1)],
+            ..TenantsConfig::default()
+        };
+        let e = t.validate().unwrap_err().to_string();
+        assert!(e.contains("bands[2].priority"), "{e}");
+        t.bands = vec![band(1), band(0)];
+        assert!(t.validate().is_ok());
+        assert_eq!(t.band(0).and_then(|b| b.queue_timeout_ms), Some(500));
+        assert!(t.band(2).is_none());
+        t.bands[1].max_requests = Some(0);
         assert!(t.validate().is_err());
         assert!(TenantsConfig::default().validate().is_ok());
     }

@@ -18,5 +18,5 @@ pub mod tls;
 
 pub use access::{digest, Caller};
 pub use listener::{Listener, Transport};
-pub use queue::Who;
+pub use queue::{Shed, Who};
 pub use state::EdgeState;

@@ -2,13 +2,15 @@
 //! (`limits.backend_max_inflight`), a request waits here until a request finishes somewhere or
 //! its deadline passes. Strict priority bands; inside a band, the tenant served least lately
 //! goes first ([`super::fair_share`]), so one tenant's flood cannot take everyone else's turn;
-//! inside a tenant, first come first served. A full queue or a passed deadline sheds the
-//! request (429 with `Retry-After`), and a sheddable one (priority below 0) is shed at once
-//! rather than queued.
+//! inside a tenant, the request with the least slack to its TTFT deadline, then the cheapest,
+//! then the first come. A full queue (or band) or a passed queue TTL sheds the request (429
+//! with `Retry-After`), and a sheddable one (priority below 0) is shed at once rather than
+//! queued.
 //!
 //! Waiting here instead of in an engine's queue keeps placement late: the request is placed
 //! when it can start, on whichever backend is best then.
 
+use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -18,7 +20,7 @@ use tokio::time::Instant;
 use prometheus::{HistogramVec, IntCounterVec, IntGauge, Registry};
 
 use super::fair_share::FairShare;
-use crate::config::LimitsConfig;
+use crate::config::{BandConfig, LimitsConfig};
 use crate::error::ApiError;
 use crate::metrics::{counter_vec, int_gauge, seconds_vec};
 
@@ -34,35 +36,97 @@ const WOKEN_HOLD: Duration = Duration::from_secs(1);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shed {
     QueueFull,
-    Deadline,
+    /// Its band's `max_requests` or `max_bytes` is reached.
+    BandFull,
+    /// It waited its queue TTL.
+    Timeout,
     /// Its priority is below 0 and the fleet is saturated.
     Sheddable,
+    /// It is sheddable and its predicted TTFT is past its deadline on every backend.
+    SloUnattainable,
 }
 
 impl Shed {
     pub fn as_str(self) -> &'static str {
         match self {
-            Shed::QueueFull => "queue_full",
-            Shed::Deadline => "queue_timeout",
+            Shed::QueueFull | Shed::BandFull => "queue_full",
+            Shed::Timeout => "queue_timeout",
             Shed::Sheddable => "sheddable",
+            Shed::SloUnattainable => "slo_unattainable",
         }
     }
+
+    /// Every reason a request is shed for, as metrics name them.
+    pub const REASONS: [&'static str; 4] = [
+        "queue_full",
+        "queue_timeout",
+        "sheddable",
+        "slo_unattainable",
+    ];
 }
 
-/// Who a request is for, as the queue orders and counts it.
+/// Who a request is for and what it asks of the queue, as the queue orders and counts it.
 #[derive(Debug, Clone, Copy)]
 pub struct Who<'a> {
     pub priority: i32,
     pub tenant: &'a str,
     /// The tenant as metrics name it (bounded: configured tenants, else `other`).
     pub label: &'a str,
+    /// The body held while it waits (a band's `max_bytes`).
+    pub bytes: u64,
+    /// Its estimated prompt tokens: inside a tenant, the cheaper goes first.
+    pub cost: u64,
+    /// The latest it can leave the queue and still meet its TTFT deadline
+    /// (`x-slo-ttft-ms`): inside a tenant, the least slack goes first.
+    pub latest_start: Option<std::time::Instant>,
+}
+
+impl Who<'_> {
+    fn key(&self, seq: u64) -> Key<'_> {
+        Key {
+            priority: self.priority,
+            tenant: self.tenant,
+            latest_start: self.latest_start,
+            cost: self.cost,
+            seq,
+        }
+    }
 }
 
 struct Waiter {
     priority: i32,
     tenant: String,
+    bytes: u64,
+    cost: u64,
+    latest_start: Option<std::time::Instant>,
     seq: u64,
     wake: oneshot::Sender<()>,
+}
+
+impl Waiter {
+    fn key(&self) -> Key<'_> {
+        Key {
+            priority: self.priority,
+            tenant: &self.tenant,
+            latest_start: self.latest_start,
+            cost: self.cost,
+            seq: self.seq,
+        }
+    }
+
+    fn live(&self) -> bool {
+        !self.wake.is_closed()
+    }
+}
+
+/// What the queue's order reads of a request.
+#[derive(Clone, Copy)]
+struct Key<'a> {
+    priority: i32,
+    tenant: &'a str,
+    latest_start: Option<std::time::Instant>,
+    cost: u64,
+    seq: u64,
 }
 
 #[derive(Default)]
@@ -108,17 +172,25 @@ impl<'a> Rank<'a> {
             .or_insert_with(|| fair.attained(tenant, now))
     }
 
-    /// `Less`: `a` goes first. Higher band, then less served tenant, then earlier arrival.
-    fn order(&mut self, a: (i32, &str, u64), b: (i32, &str, u64)) -> std::cmp::Ordering {
-        let (sa, sb) = (self.attained(a.1), self.attained(b.1));
-        b.0.cmp(&a.0).then(sa.total_cmp(&sb)).then(a.2.cmp(&b.2))
-    }
-
-    fn cmp(&mut self, a: &Waiter, b: &Waiter) -> std::cmp::Ordering {
-        self.order(
-            (a.priority, &a.tenant, a.seq),
-            (b.priority, &b.tenant, b.seq),
-        )
+    /// `Less`: `a` goes first. Higher band, then the less served tenant, then the earlier
+    /// latest start (a request without a deadline after every one with), then the cheaper,
+    /// then the earlier arrival.
+    fn order(&mut self, a: Key<'_>, b: Key<'_>) -> Ordering {
+        let by_band = b.priority.cmp(&a.priority);
+        if by_band != Ordering::Equal {
+            return by_band;
+        }
+        let (sa, sb) = (self.attained(a.tenant), self.attained(b.tenant));
+        let by_slack = match (a.latest_start, b.latest_start) {
+            (Some(x), Some(y)) => x.cmp(&y),
+            (Some(_), None) => Ordering::Less,
+            (None, Some(_)) => Ordering::Greater,
+            (None, None) => Ordering::Equal,
+        };
+        sa.total_cmp(&sb)
+            .then(by_slack)
+            .then(a.cost.cmp(&b.cost))
+            .then(a.seq.cmp(&b.seq))
     }
 }
 
@@ -129,6 +201,7 @@ struct QueueMetrics {
     shed: IntCounterVec,
     tenant_wait: HistogramVec,
     tenant_shed: IntCounterVec,
+    tenant_slo: IntCounterVec,
 }
 
 pub struct Admission {
@@ -153,7 +226,7 @@ impl Admission {
                 shed: counter_vec(
                     r,
                     "kvroute_shed_requests_total",
-                    "Requests answered 429 because the fleet was saturated, by reason (queue_full, queue_timeout, sheddable).",
+                    "Requests answered 429 because the fleet was saturated, by reason (queue_full, queue_timeout, sheddable, slo_unattainable).",
                     &["reason"],
                 )?,
                 tenant_wait: seconds_vec(
@@ -168,11 +241,17 @@ impl Admission {
                     "Requests shed because the fleet was saturated, by tenant (configured tenants, else other) and reason.",
                     &["tenant", "reason"],
                 )?,
+                tenant_slo: counter_vec(
+                    r,
+                    "kvroute_tenant_slo_requests_total",
+                    "Answered requests with a TTFT deadline (x-slo-ttft-ms), by tenant and whether the first byte met it (met, missed).",
+                    &["tenant", "outcome"],
+                )?,
             },
             fair: FairShare::default(),
         };
         // Exported from start at zero, so an alert on their increase sees the first event.
-        for reason in ["queue_full", "queue_timeout", "sheddable"] {
+        for reason in Shed::REASONS {
             a.metrics.shed.with_label_values(&[reason]);
         }
         for outcome in ["admitted", "shed"] {
@@ -193,28 +272,42 @@ impl Admission {
     }
 
     /// Wait until woken by [`Admission::wake_one`] or `deadline`; `capacity` bounds the
-    /// waiters.
+    /// waiters, `band` those of the request's priority.
     pub async fn wait(
         &self,
-        priority: i32,
-        tenant: &str,
+        who: &Who<'_>,
         ticket: u64,
         deadline: Instant,
         capacity: usize,
+        band: Option<&BandConfig>,
     ) -> Result<(), Shed> {
         let rx = {
             let Ok(mut q) = self.queue.lock() else {
                 return Err(Shed::QueueFull);
             };
             // Waiters that gave up leave closed senders behind: drop them before counting.
-            q.waiters.retain(|w| !w.wake.is_closed());
+            q.waiters.retain(Waiter::live);
             if q.waiters.len() >= capacity {
                 return Err(Shed::QueueFull);
             }
+            if let Some(band) = band {
+                let (n, bytes) = q
+                    .waiters
+                    .iter()
+                    .filter(|w| w.priority == who.priority)
+                    .fold((0, 0), |(n, b), w| (n + 1, b + w.bytes));
+                let over_bytes = band.max_bytes.is_some_and(|m| bytes + who.bytes > m);
+                if band.max_requests.is_some_and(|m| n >= m) || over_bytes {
+                    return Err(Shed::BandFull);
+                }
+            }
             let (tx, rx) = oneshot::channel();
             q.waiters.push(Waiter {
-                priority,
-                tenant: tenant.to_owned(),
+                priority: who.priority,
+                tenant: who.tenant.to_owned(),
+                bytes: who.bytes,
+                cost: who.cost,
+                latest_start: who.latest_start,
                 seq: ticket,
                 wake: tx,
             });
@@ -224,24 +317,24 @@ impl Admission {
             Ok(Ok(())) => Ok(()),
             // The sender was dropped without a wake-up (cannot happen while queued) or the
             // deadline passed.
-            Ok(Err(_)) | Err(_) => Err(Shed::Deadline),
+            Ok(Err(_)) | Err(_) => Err(Shed::Timeout),
         }
     }
 
-    /// A request finished or failed somewhere: let the best live waiter try again: the highest
-    /// band, in it the tenant served least, in it the earliest arrival.
+    /// A request finished or failed somewhere: let the best live waiter try again, in the
+    /// queue's order ([`Rank::order`]).
     pub fn wake_one(&self) {
         let Ok(mut q) = self.queue.lock() else {
             return;
         };
         let mut rank = Rank::new(&self.fair);
         loop {
-            q.waiters.retain(|w| !w.wake.is_closed());
+            q.waiters.retain(Waiter::live);
             let best = q
                 .waiters
                 .iter()
                 .enumerate()
-                .min_by(|(_, a), (_, b)| rank.cmp(a, b))
+                .min_by(|(_, a), (_, b)| rank.order(a.key(), b.key()))
                 .map(|(i, _)| i);
             let Some(i) = best else {
                 return;
@@ -254,8 +347,22 @@ impl Admission {
         }
     }
 
-    /// Who goes before the request `(priority, tenant, ticket)`, which found room on its own.
-    fn before(&self, who: Who<'_>, ticket: u64) -> Before {
+    /// How many live waiters the queue's order puts before `who` (arriving now): what its
+    /// wait is predicted from.
+    pub fn ahead(&self, who: &Who<'_>) -> usize {
+        let Ok(q) = self.queue.lock() else {
+            return 0;
+        };
+        let mut rank = Rank::new(&self.fair);
+        let me = who.key(u64::MAX);
+        q.waiters
+            .iter()
+            .filter(|w| w.live() && rank.order(w.key(), me).is_lt())
+            .count()
+    }
+
+    /// Who goes before `who`, which found room on its own.
+    fn before(&self, who: &Who<'_>, ticket: u64) -> Before {
         let Ok(mut q) = self.queue.lock() else {
             return Before::Nobody;
         };
@@ -264,12 +371,11 @@ impl Admission {
             return Before::Woken;
         }
         let mut rank = Rank::new(&self.fair);
-        let me = (who.priority, who.tenant, ticket);
-        let first = q.waiters.iter().any(|w| {
-            !w.wake.is_closed()
-                && w.seq != ticket
-                && rank.order((w.priority, &w.tenant, w.seq), me).is_lt()
-        });
+        let me = who.key(ticket);
+        let first = q
+            .waiters
+            .iter()
+            .any(|w| w.live() && w.seq != ticket && rank.order(w.key(), me).is_lt());
         if first {
             Before::Waiter
         } else {
@@ -284,12 +390,36 @@ impl Admission {
         }
     }
 
-    /// Wait while `saturated()` (every eligible backend at its hard cap), in band and fair
-    /// order, until `limits.queue_timeout_ms` after `start`; 429 `fleet_saturated` when the
-    /// queue is full, the deadline passes, or the request is sheddable.
+    /// Count an answered request with a TTFT deadline: `met` it or not.
+    pub fn count_slo(&self, label: &str, met: bool) {
+        let outcome = if met { "met" } else { "missed" };
+        self.metrics
+            .tenant_slo
+            .with_label_values(&[label, outcome])
+            .inc();
+    }
+
+    /// Count a request shed for `reason` after `waited` seconds in the queue.
+    pub fn count_shed(&self, who: &Who<'_>, reason: Shed, waited: f64) {
+        let m = &self.metrics;
+        m.wait.with_label_values(&["shed"]).observe(waited);
+        m.tenant_wait
+            .with_label_values(&[who.label, "shed"])
+            .observe(waited);
+        m.shed.with_label_values(&[reason.as_str()]).inc();
+        m.tenant_shed
+            .with_label_values(&[who.label, reason.as_str()])
+            .inc();
+    }
+
+    /// Wait while `saturated()` (every eligible backend at its hard cap), in the queue's
+    /// order, until the queue TTL after `start` (its band's `queue_timeout_ms`, else
+    /// `limits.queue_timeout_ms`); 429 `fleet_saturated` when the queue or the band is full,
+    /// the TTL passes, or the request is sheddable.
     pub async fn wait_for_capacity(
         &self,
         limits: &LimitsConfig,
+        band: Option<&BandConfig>,
         who: Who<'_>,
         start: std::time::Instant,
         saturated: impl Fn() -> bool,
@@ -299,7 +429,10 @@ impl Admission {
             return Ok(());
         }
         let entered = Instant::now();
-        let deadline = Instant::from_std(start) + Duration::from_millis(limits.queue_timeout_ms);
+        let ttl_ms = band
+            .and_then(|b| b.queue_timeout_ms)
+            .unwrap_or(limits.queue_timeout_ms);
+        let deadline = Instant::from_std(start) + Duration::from_millis(ttl_ms);
         let ticket = self.ticket();
         loop {
             let mut woken = false;
@@ -308,10 +441,10 @@ impl Admission {
             } else {
                 let until = deadline.min(Instant::now() + QUEUE_RECHECK);
                 match self
-                    .wait(who.priority, who.tenant, ticket, until, limits.queue_size)
+                    .wait(&who, ticket, until, limits.queue_size, band)
                     .await
                 {
-                    Err(Shed::Deadline) if Instant::now() < deadline => None,
+                    Err(Shed::Timeout) if Instant::now() < deadline => None,
                     Err(e) => Some(e),
                     Ok(()) => {
                         woken = true;
@@ -324,25 +457,19 @@ impl Admission {
                 self.back(ticket);
             }
             if let Some(reason) = shed {
-                metrics.wait.with_label_values(&["shed"]).observe(waited);
-                metrics
-                    .tenant_wait
-                    .with_label_values(&[who.label, "shed"])
-                    .observe(waited);
-                metrics.shed.with_label_values(&[reason.as_str()]).inc();
-                metrics
-                    .tenant_shed
-                    .with_label_values(&[who.label, reason.as_str()])
-                    .inc();
+                self.count_shed(&who, reason, waited);
                 let message = match reason {
                     Shed::QueueFull => {
                         "every backend is at capacity and the router queue is full".to_string()
                     }
-                    Shed::Deadline => format!(
-                        "every backend stayed at capacity for {} ms",
-                        limits.queue_timeout_ms
+                    Shed::BandFull => format!(
+                        "every backend is at capacity and the router queue's band {} is full",
+                        who.priority
                     ),
-                    Shed::Sheddable => format!(
+                    Shed::Timeout => {
+                        format!("every backend stayed at capacity for {ttl_ms} ms")
+                    }
+                    Shed::Sheddable | Shed::SloUnattainable => format!(
                         "every backend is at capacity and the request's priority ({}) is sheddable",
                         who.priority
                     ),
@@ -357,7 +484,7 @@ impl Admission {
                 // A waiter that found room on its own re-check, not by a wake-up, lets the one
                 // the queue's order puts first have it.
                 if !woken {
-                    match self.before(who, ticket) {
+                    match self.before(&who, ticket) {
                         Before::Nobody => {}
                         Before::Waiter => {
                             self.wake_one();
@@ -387,7 +514,7 @@ impl Admission {
     pub fn depth(&self) -> usize {
         self.queue
             .lock()
-            .map(|q| q.waiters.iter().filter(|w| !w.wake.is_closed()).count())
+            .map(|q| q.waiters.iter().filter(|w| w.live()).count())
             .unwrap_or(0)
     }
 
@@ -398,7 +525,7 @@ impl Admission {
             .map(|q| {
                 q.waiters
                     .iter()
-                    .filter(|w| !w.wake.is_closed())
+                    .filter(|w| w.live())
                     .map(|w| (w.priority, w.tenant.clone(), w.seq))
                     .collect()
             })
@@ -412,6 +539,17 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    fn who(priority: i32, tenant: &str) -> Who<'_> {
+        Who {
+            priority,
+            tenant,
+            label: tenant,
+            bytes: 0,
+            cost: 0,
+            latest_start: None,
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn priority_then_arrival_order() {
         let a = Arc::new(Admission::register(&Registry::new()).unwrap());
@@ -422,7 +560,7 @@ mod tests {
             let (a, order) = (a.clone(), order.clone());
             let t = a.ticket();
             tasks.push(tokio::spawn(async move {
-                a.wait(prio, "t", t, far, 10).await.unwrap();
+                a.wait(&who(prio, "t"), t, far, 10, None).await.unwrap();
                 order.lock().unwrap().push(name);
             }));
             tokio::task::yield_now().await;
@@ -444,16 +582,19 @@ mod tests {
         let a = Arc::new(Admission::register(&Registry::new()).unwrap());
         let soon = Instant::now() + Duration::from_millis(100);
         let a2 = a.clone();
-        let waiting = tokio::spawn(async move { a2.wait(0, "t", 1, soon, 1).await });
+        let waiting = tokio::spawn(async move { a2.wait(&who(0, "t"), 1, soon, 1, None).await });
         tokio::task::yield_now().await;
-        assert_eq!(a.wait(0, "t", 2, soon, 1).await, Err(Shed::QueueFull));
-        assert_eq!(waiting.await.unwrap(), Err(Shed::Deadline));
+        assert_eq!(
+            a.wait(&who(0, "t"), 2, soon, 1, None).await,
+            Err(Shed::QueueFull)
+        );
+        assert_eq!(waiting.await.unwrap(), Err(Shed::Timeout));
         // The timed-out waiter no longer counts, and a wake-up is not lost on it.
         assert_eq!(a.depth(), 0);
         let a3 = a.clone();
         let later = tokio::spawn(async move {
-            a3.wait(0, "t", 3, Instant::now() + Duration::from_secs(5), 1)
-                .await
+            let soon = Instant::now() + Duration::from_secs(5);
+            a3.wait(&who(0, "t"), 3, soon, 1, None).await
         });
         tokio::task::yield_now().await;
         a.wake_one();
@@ -481,7 +622,7 @@ mod tests {
             let (a, order) = (a.clone(), order.clone());
             let t = a.ticket();
             tasks.push(tokio::spawn(async move {
-                a.wait(prio, tenant, t, far, 10).await.unwrap();
+                a.wait(&who(prio, tenant), t, far, 10, None).await.unwrap();
                 order.lock().unwrap().push(name);
             }));
             tokio::task::yield_now().await;
@@ -513,14 +654,9 @@ mod tests {
     async fn a_sheddable_request_is_shed_at_once_when_the_fleet_is_saturated() {
         let a = Admission::register(&Registry::new()).unwrap();
         let limits = LimitsConfig::default();
-        let who = |priority| Who {
-            priority,
-            tenant: "t",
-            label: "t",
-        };
         let start = std::time::Instant::now();
         let e = a
-            .wait_for_capacity(&limits, who(-1), start, || true)
+            .wait_for_capacity(&limits, None, who(-1, "t"), start, || true)
             .await
             .unwrap_err();
         assert_eq!((e.status, e.code), (429, "fleet_saturated"));
@@ -528,8 +664,126 @@ mod tests {
         assert_eq!(a.depth(), 0);
         // Not saturated: a sheddable request goes through like any other.
         assert!(a
-            .wait_for_capacity(&limits, who(-1), start, || false)
+            .wait_for_capacity(&limits, None, who(-1, "t"), start, || false)
             .await
             .is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn inside_a_tenant_the_least_slack_goes_first_then_the_cheapest() {
+        let a = Arc::new(Admission::register(&Registry::new()).unwrap());
+        let far = Instant::now() + Duration::from_secs(60);
+        let now = std::time::Instant::now();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for (name, cost, slack_ms) in [
+            ("big", 9000, None),
+            ("small", 100, None),
+            ("loose", 5000, Some(900)),
+            ("tight", 5000, Some(200)),
+        ] {
+            let (a, order) = (a.clone(), order.clone());
+            let t = a.ticket();
+            tasks.push(tokio::spawn(async move {
+                let w = Who {
+                    cost,
+                    latest_start: slack_ms.map(|ms| now + Duration::from_millis(ms)),
+                    ..who(0, "t")
+                };
+                a.wait(&w, t, far, 10, None).await.unwrap();
+                order.lock().unwrap().push(name);
+            }));
+            tokio::task::yield_now().await;
+        }
+        // A request arriving now with a deadline between the two would go after `tight`.
+        let probe = Who {
+            latest_start: Some(now + Duration::from_millis(500)),
+            ..who(0, "t")
+        };
+        assert_eq!(a.ahead(&probe), 1);
+        assert_eq!(
+            a.ahead(&Who {
+                cost: 50,
+                ..who(0, "t")
+            }),
+            2
+        );
+        assert_eq!(a.ahead(&who(1, "t")), 0);
+        for _ in 0..4 {
+            a.wake_one();
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(
+            *order.lock().unwrap(),
+            vec!["tight", "loose", "small", "big"]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_band_holds_at_most_its_requests_and_bytes_and_waits_its_own_ttl() {
+        let a = Arc::new(Admission::register(&Registry::new()).unwrap());
+        let band = BandConfig {
+            priority: 0,
+            max_requests: Some(2),
+            max_bytes: Some(1000),
+            queue_timeout_ms: Some(300),
+        };
+        let far = Instant::now() + Duration::from_secs(60);
+        let sized = |bytes| Who {
+            bytes,
+            ..who(0, "t")
+        };
+        let mut held = Vec::new();
+        for (t, bytes) in [(1, 400), (2, 500)] {
+            let (a, band) = (a.clone(), band.clone());
+            held.push(tokio::spawn(async move {
+                a.wait(&sized(bytes), t, far, 100, Some(&band)).await
+            }));
+            tokio::task::yield_now().await;
+        }
+        // Two waiting: the band is full, whatever the size; another band is not.
+        assert_eq!(
+            a.wait(&sized(1), 3, far, 100, Some(&band)).await,
+            Err(Shed::BandFull)
+        );
+        let other = tokio::spawn({
+            let a = a.clone();
+            async move { a.wait(&who(1, "t"), 4, far, 100, None).await }
+        });
+        tokio::task::yield_now().await;
+        a.wake_one();
+        assert_eq!(other.await.unwrap(), Ok(()));
+        // Bytes: 900 held of 1000, so 200 more do not fit even with a place free.
+        let roomy = BandConfig {
+            max_requests: Some(3),
+            ..band.clone()
+        };
+        assert_eq!(
+            a.wait(&sized(200), 5, far, 100, Some(&roomy)).await,
+            Err(Shed::BandFull)
+        );
+        for _ in 0..2 {
+            a.wake_one();
+        }
+        for h in held {
+            assert_eq!(h.await.unwrap(), Ok(()));
+        }
+        // The band's TTL, not the fleet-wide one, bounds the wait.
+        let limits = LimitsConfig {
+            queue_timeout_ms: 60_000,
+            ..LimitsConfig::default()
+        };
+        let start = std::time::Instant::now();
+        let e = a
+            .wait_for_capacity(&limits, Some(&band), who(0, "t"), start, || true)
+            .await
+            .unwrap_err();
+        assert_eq!(e.dropped_reason, Some("queue_timeout"));
+        assert!(e.message.contains("300 ms"), "{}", e.message);
+        assert!(start.elapsed() < Duration::from_secs(1));
     }
 }

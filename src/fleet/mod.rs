@@ -17,6 +17,7 @@ pub mod models;
 pub(crate) mod outlier;
 pub mod read_ahead;
 mod roster;
+mod router_wait;
 mod scrape;
 pub(crate) mod telemetry;
 mod upstream;

@@ -51,6 +51,8 @@ pub(super) struct Route {
     pub priority: i32,
     /// Whose request it is (`tenants`).
     pub tenant: String,
+    /// Its TTFT deadline (`x-slo-ttft-ms`) and what kvroute predicted against it.
+    pub slo: Option<Slo>,
     /// This attempt's body where it differs from `body` (the engine's `priority` field).
     pub attempt_body: Option<Bytes>,
     /// kvroute added `stream_options.include_usage`: remove the usage chunk from the stream.
@@ -78,6 +80,23 @@ pub(super) struct Route {
     pub stamp_ids: Option<Option<String>>,
     /// A pass-through route whose rule lets the backend switch protocols (`upgrade: true`).
     pub allow_upgrade: bool,
+}
+
+/// A request's TTFT deadline, judged once before it first queues or is placed.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Slo {
+    pub ttft_ms: u64,
+    /// The predicted TTFT (router queue wait included), once judged.
+    pub predicted_ms: Option<u64>,
+    /// The latest it can leave the router queue and still meet the deadline.
+    pub latest_start: Option<Instant>,
+}
+
+impl Slo {
+    /// Predicted past its deadline: ordered by slack, answered `x-kvroute-slo: at_risk`.
+    pub fn at_risk(&self) -> bool {
+        self.predicted_ms.is_some_and(|p| p > self.ttft_ms)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -64,6 +64,10 @@ pub(super) fn end_request(
             }
         }
     }
+    if let (Some(slo), Some(t), 200) = (ctx.route.slo, ttft, status) {
+        let met = t.as_millis() <= u128::from(slo.ttft_ms);
+        edge.queue.count_slo(super::tenant::who(ctx).label, met);
+    }
     if let (true, Some(t), 200) = (streamed, ttft, status) {
         m.ttft
             .with_label_values(&[backend, ctx.model_label()])

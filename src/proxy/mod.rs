@@ -23,6 +23,7 @@ use crate::request::{self, PromptText, SessionKeys, TokenEstimator, DEFAULT_BLOC
 
 pub mod access_log;
 mod ctx;
+mod deadline;
 mod engine_done;
 mod exact;
 mod failures;
@@ -176,8 +177,11 @@ impl ProxyHttp for Router {
                 }
             }
         }
-        if let Err(e) = tenant::identify(cfg, &session.req_header().headers, ctx) {
-            return reject(session, ctx, e, true).await;
+        let identified = tenant::identify(cfg, &session.req_header().headers, ctx)
+            .and_then(|()| deadline::read(&session.req_header().headers));
+        match identified {
+            Ok(slo) => ctx.route.slo = slo,
+            Err(e) => return reject(session, ctx, e, true).await,
         }
         if route == Route::Stored {
             let uri = session.req_header().uri.clone();
@@ -273,6 +277,10 @@ impl ProxyHttp for Router {
         let (fleet, cfg) = (&generation.fleet, &generation.config);
         ctx.attempts.count += 1;
         let placer = self.placer();
+        if let Err(err) = deadline::judge(&placer, ctx) {
+            ctx.error = Some(err.clone());
+            return Err(err.into_pingora());
+        }
         // Placement and the hard cap (and bounded_hash's bound) race with concurrent requests:
         // a charge that finds its backend full since the decision places again (or queues).
         let idx = loop {
@@ -379,6 +387,10 @@ impl ProxyHttp for Router {
     ) -> Result<()> {
         hung::progress(ctx, false);
         upstream_request::strip_response(upstream, ctx);
+        if let Some((verdict, predicted)) = deadline::verdict(ctx) {
+            upstream.insert_header(deadline::VERDICT_HEADER, verdict)?;
+            upstream.insert_header(deadline::PREDICTED_HEADER, predicted)?;
+        }
         if upstream.status == http::StatusCode::SWITCHING_PROTOCOLS && !ctx.route.allow_upgrade {
             return Err(Error::explain(
                 ErrorType::HTTPStatus(502),

@@ -72,6 +72,17 @@ impl Placer<'_> {
     /// Choose a backend; `None` when none is eligible. Routed requests come back with their
     /// decision so it can be recorded once the charge succeeds.
     pub fn place(&self, ctx: &mut Ctx) -> Option<(usize, Option<Decision>)> {
+        self.place_as(ctx, false)
+    }
+
+    /// What placement would decide for a routed request if no backend were at its hard cap:
+    /// the best TTFT the fleet offers it once it leaves the router queue. It leaves the
+    /// request's placement fields to be overwritten by the real placement.
+    pub fn predict(&self, ctx: &mut Ctx) -> Option<Decision> {
+        self.place_as(ctx, true).and_then(|(_, d)| d)
+    }
+
+    fn place_as(&self, ctx: &mut Ctx, what_if: bool) -> Option<(usize, Option<Decision>)> {
         let generation = ctx.generation.clone();
         let fleet = &generation.fleet;
         if let Some(i) = ctx.route.pinned {
@@ -85,7 +96,11 @@ impl Placer<'_> {
                 .map(|i| (i, None));
         };
         let cfg = &generation.config;
-        let params = Params::from_config(&cfg.routing, cfg.limits.backend_max_inflight);
+        let cap = match what_if {
+            true => u64::MAX,
+            false => cfg.limits.backend_max_inflight,
+        };
+        let params = Params::from_config(&cfg.routing, cap);
         let mut loads = fleet.loads();
         // Among the model's own pool: its backends, their ring, their load bound.
         let pool = ctx
@@ -135,6 +150,9 @@ impl Placer<'_> {
             &ctx.attempts.tried,
             fleet.ticket(),
         )?;
+        if what_if {
+            return Some((d.backend, Some(d)));
+        }
         log::debug!(
             "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,
@@ -292,6 +310,19 @@ impl Placer<'_> {
         eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight() >= cap * b.weight as u64)
     }
 
+    /// Seconds the request would wait in the router queue with `ahead` waiters before it.
+    pub fn router_wait_s(&self, ctx: &Ctx, ahead: usize) -> f64 {
+        let fleet = &ctx.generation.fleet;
+        let pool = ctx.route.pool.as_ref();
+        let now = Instant::now();
+        let eligible: Vec<usize> = (0..fleet.backends().len())
+            .filter(|&i| pool.is_none_or(|p| p.local(i).is_some()))
+            .filter(|&i| !ctx.attempts.tried.contains(&i) && fleet.available(i, now))
+            .collect();
+        let cap = ctx.generation.config.limits.backend_max_inflight;
+        fleet.router_wait_s(&eligible, cap, ahead)
+    }
+
     /// Wait in the router queue while every eligible backend is at its hard cap.
     pub async fn queue_for_capacity(&self, ctx: &Ctx) -> Result<(), ApiError> {
         let _waiting = Waiting::new(
@@ -303,6 +334,7 @@ impl Placer<'_> {
             .queue
             .wait_for_capacity(
                 &ctx.generation.config.limits,
+                ctx.generation.config.tenants.band(ctx.route.priority),
                 super::tenant::who(ctx),
                 ctx.start,
                 || self.saturated(ctx),

@@ -82,6 +82,13 @@ pub(super) fn who(ctx: &Ctx) -> Who<'_> {
         priority: ctx.route.priority,
         tenant: &ctx.route.tenant,
         label: metric_label(&cfg.tenants, cfg.access.as_ref(), &ctx.route.tenant),
+        bytes: ctx.route.body.as_ref().map_or(0, |b| b.len() as u64),
+        cost: ctx
+            .route
+            .profile
+            .as_ref()
+            .map_or(0, |p| p.est_prompt_tokens),
+        latest_start: ctx.route.slo.and_then(|s| s.latest_start),
     }
 }
 
