@@ -3,6 +3,7 @@
 use serde::Deserialize;
 use std::path::PathBuf;
 
+use super::disagg::Role;
 use super::error::{err, parse_addr, ConfigError};
 use super::kv_events::BackendKvEvents;
 
@@ -85,6 +86,9 @@ pub struct BackendConfig {
     /// Send the router's priority as the engine's `priority` field ([`EnginePriority`]).
     #[serde(default)]
     pub engine_priority: EnginePriority,
+    /// What the backend does in a disaggregated fleet ([`Role`]).
+    #[serde(default)]
+    pub role: Role,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]

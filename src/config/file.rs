@@ -10,6 +10,7 @@ use std::path::Path;
 
 use super::access::AccessConfig;
 use super::backend::{self, BackendConfig};
+use super::disagg::{self, DisaggregationConfig};
 use super::error::{err, parse_addr, ConfigError};
 use super::headers::ResponseHeadersConfig;
 use super::health::{HealthCheckConfig, OutlierConfig, TelemetryConfig};
@@ -75,6 +76,9 @@ pub struct Config {
     /// `kv_events` are not followed.
     #[serde(default)]
     pub kv_events: Option<KvEventsConfig>,
+    /// Prefill/decode disaggregation; absent: every backend serves requests whole.
+    #[serde(default)]
+    pub disaggregation: Option<DisaggregationConfig>,
 }
 
 fn default_admin_listen() -> String {
@@ -119,6 +123,8 @@ impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         self.validate_listeners()?;
         backend::validate(&self.backends)?;
+        let roles: Vec<_> = self.backends.iter().map(|b| b.role).collect();
+        disagg::validate_roles(&roles, self.disaggregation.as_ref())?;
         self.routing.validate()?;
         if self.routing.policy == PolicyKind::KvAware && self.backends.len() > MAX_INDEXED_BACKENDS
         {

@@ -4,6 +4,7 @@
 
 mod access;
 mod backend;
+mod disagg;
 mod error;
 mod file;
 mod headers;
@@ -21,6 +22,7 @@ pub use backend::{
     BackendConfig, BackendTlsConfig, EngineKind, EnginePriority, DEFAULT_KV_CAPACITY_TOKENS,
     DEFAULT_PREFILL_TOKENS_PER_S,
 };
+pub use disagg::{DisaggregationConfig, PdProtocol, Role};
 pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
 pub use headers::ResponseHeadersConfig;

@@ -5,6 +5,7 @@
 pub mod adapters;
 mod backend;
 mod charge;
+pub mod direct;
 mod error;
 mod generation;
 mod health;

@@ -8,6 +8,7 @@ use crate::request::RequestProfile;
 
 mod bounded_hash;
 mod decision;
+pub mod disagg;
 pub mod exact;
 pub(crate) mod index;
 mod kv_aware;

@@ -12,6 +12,7 @@ use crate::fleet::adapters::AdapterHold;
 use crate::fleet::in_flight::Watch;
 use crate::fleet::kv_events::ExactBlocks;
 use crate::fleet::{Generation, InflightGuard};
+use crate::placement::disagg::PdChoice;
 use crate::placement::Pool;
 use crate::placement::Reason;
 use crate::request::id_stamp::IdStamp;
@@ -33,6 +34,7 @@ pub struct Ctx {
     pub(super) tap: ResponseTap,
     pub(super) quota: Quota,
     pub(super) resume: Resume,
+    pub(super) pd: Disagg,
     /// A specific error to render instead of the generic one for the Pingora error.
     pub(super) error: Option<ApiError>,
     /// The shape errors are answered in: the API the request's path speaks.
@@ -80,6 +82,21 @@ pub(super) struct Route {
     pub stamp_ids: Option<Option<String>>,
     /// A pass-through route whose rule lets the backend switch protocols (`upgrade: true`).
     pub allow_upgrade: bool,
+}
+
+/// Prefill/decode disaggregation of the current attempt (`kvroute.disaggregation`).
+#[derive(Default)]
+pub(super) struct Disagg {
+    /// Whole or split, and the figures behind it (kv_aware only).
+    pub choice: Option<PdChoice>,
+    /// The prefill leg's `kv_transfer_params`, for the decode leg's body.
+    pub params: Option<serde_json::Value>,
+    /// The id both legs carry (`X-Request-Id`).
+    pub request_id: Option<String>,
+    /// The prompt tokens the prefill server found cached.
+    pub prefill_cached: Option<u64>,
+    /// Prefill servers that failed this request.
+    pub failed: Vec<usize>,
 }
 
 /// A request's TTFT deadline, judged once before it first queues or is placed.
@@ -220,6 +237,7 @@ impl Ctx {
             tap: ResponseTap::default(),
             quota: Quota::default(),
             resume: Resume::default(),
+            pd: Disagg::default(),
             error: None,
             dialect: Dialect::default(),
             _active: active,

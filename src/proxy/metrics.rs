@@ -37,6 +37,9 @@ pub struct ProxyMetrics {
     pub(super) exact_replies: IntCounterVec,
     pub(super) cached_by_index: IntCounterVec,
     pub(super) client_drain: HistogramVec,
+    pub(super) pd_decisions: IntCounterVec,
+    pub(super) pd_legs: IntCounterVec,
+    pub(super) pd_prefill_seconds: HistogramVec,
 }
 
 impl ProxyMetrics {
@@ -190,6 +193,24 @@ impl ProxyMetrics {
                 "kvroute_exact_tokenize_seconds",
                 "How long a request waited for its prompt to be tokenized for the exact index.",
             )?,
+            pd_decisions: counter_vec(
+                r,
+                "kvroute_pd_decisions_total",
+                "Disaggregation decisions (kvroute.disaggregation): served whole on the decode server, or split with a prefill server.",
+                &["outcome"],
+            )?,
+            pd_legs: counter_vec(
+                r,
+                "kvroute_pd_prefill_legs_total",
+                "Prefill legs of split requests, by outcome (ok; full: no room since the decision; failed; no_params: the engine held nothing). All but ok serve the request whole.",
+                &["outcome"],
+            )?,
+            pd_prefill_seconds: seconds_vec(
+                r,
+                "kvroute_pd_prefill_leg_seconds",
+                "Time from sending a prefill leg to its answer.",
+                &[],
+            )?,
             client_drain: seconds_vec(
                 r,
                 "kvroute_client_drain_seconds",
@@ -237,6 +258,13 @@ impl ProxyMetrics {
         }
         for outcome in ["retried", "budget_exhausted", "attempts_exhausted"] {
             m.retries.with_label_values(&[outcome]);
+        }
+        for outcome in ["whole", "split"] {
+            m.pd_decisions.with_label_values(&[outcome]);
+        }
+        // `pd::Leg`'s names (its tests check they match).
+        for leg in ["ok", "full", "failed", "no_params"] {
+            m.pd_legs.with_label_values(&[leg]);
         }
         // Every request for an unnamed model shares `other`: always a label value.
         m.queued_by_model.with_label_values(&["other"]);

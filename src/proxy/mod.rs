@@ -34,6 +34,7 @@ mod metrics;
 mod migrate;
 mod models;
 mod passthrough;
+mod pd;
 mod peer;
 mod placement;
 mod reject;
@@ -334,6 +335,9 @@ impl ProxyHttp for Router {
             }
         };
         ctx.attempts.backend = Some(idx);
+        if let Some(p) = ctx.pd.choice.and_then(|c| c.prefill) {
+            pd::prefill_leg(&self.edge, &self.metrics, ctx, p).await;
+        }
         let peer = peer::for_attempt(fleet, idx, cfg, session, ctx);
         Ok(Box::new(peer))
     }

@@ -6,12 +6,13 @@ use std::time::Instant;
 
 use super::ctx::{Ctx, IndexMode};
 use super::metrics::ProxyMetrics;
+use super::pd;
 use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
 use crate::fleet::adapters::AdapterSlot;
 use crate::fleet::kv_events::Matches;
 use crate::fleet::InflightGuard;
-use crate::placement::{self, Decision, Params, PolicyKind, Reason, Snapshot};
+use crate::placement::{self, disagg, Decision, Params, PolicyKind, Reason, Snapshot};
 use crate::request::RequestProfile;
 
 /// One request counted in its model's queue depth while it waits.
@@ -89,13 +90,13 @@ impl Placer<'_> {
             ctx.attempts.reason = Some(Reason::Stored);
             return (!ctx.attempts.tried.contains(&i)).then_some((i, None));
         }
+        let cfg = &generation.config;
+        // A prefill server serves nothing whole: it is passed over as if it had failed.
+        let excluded = excluded(cfg, &ctx.attempts.tried);
         let Some(profile) = ctx.route.profile.as_ref() else {
             ctx.attempts.reason = Some(Reason::Passthrough);
-            return fleet
-                .pick_passthrough(&ctx.attempts.tried)
-                .map(|i| (i, None));
+            return fleet.pick_passthrough(&excluded).map(|i| (i, None));
         };
-        let cfg = &generation.config;
         let cap = match what_if {
             true => u64::MAX,
             false => cfg.limits.backend_max_inflight,
@@ -142,17 +143,33 @@ impl Placer<'_> {
             ring: fleet.ring(),
             matched: &matched.tokens,
         };
-        let d = placement::choose_in(
-            &params,
-            profile,
-            &snap,
-            &pool,
-            &ctx.attempts.tried,
-            fleet.ticket(),
-        )?;
+        let d = placement::choose_in(&params, profile, &snap, &pool, &excluded, fleet.ticket())?;
         if what_if {
             return Some((d.backend, Some(d)));
         }
+        let pd = cfg
+            .disaggregation
+            .as_ref()
+            .filter(|_| params.policy == PolicyKind::KvAware && pd::splittable(ctx, profile))
+            .map(|dis| {
+                let prefills = |p: usize| {
+                    let b = &loads[p];
+                    cfg.backends.get(p).is_some_and(|c| c.role.prefills())
+                        && pool.local(p).is_some()
+                        && b.healthy
+                        && b.inflight < cap.saturating_mul(u64::from(b.weight))
+                        && !ctx.attempts.tried.contains(&p)
+                        && !ctx.pd.failed.contains(&p)
+                };
+                disagg::decide(
+                    &snap,
+                    d.backend,
+                    profile.est_prompt_tokens,
+                    params.decode_stall_weight,
+                    &pd::transfer(dis),
+                    &prefills,
+                )
+            });
         log::debug!(
             "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,
@@ -167,6 +184,18 @@ impl Placer<'_> {
             d.est_ttft_s * 1000.0,
             ctx.attempts.tried,
         );
+        if let Some(c) = pd {
+            log::debug!(
+                "disaggregation key={:016x} decode={} -> prefill={} whole_ms={:.1} split_ms={} transfer_ms={:.1} transfer_tokens={}",
+                profile.session_key,
+                fleet.backends()[d.backend].name,
+                c.prefill.map_or("none", |p| fleet.backends()[p].name.as_str()),
+                c.whole_s * 1000.0,
+                c.split_s.map_or_else(|| "-".into(), |s| format!("{:.1}", s * 1000.0)),
+                c.transfer_s * 1000.0,
+                c.transfer_tokens,
+            );
+        }
         ctx.attempts.reason = Some(d.reason);
         ctx.route.dp_rank = matched.rank.get(d.backend).copied().flatten();
         ctx.route.index = (params.policy == PolicyKind::KvAware).then(|| {
@@ -176,9 +205,15 @@ impl Placer<'_> {
                 IndexMode::Approximate
             }
         });
-        ctx.charge.prefill = profile
-            .est_prompt_tokens
-            .saturating_sub(d.predicted_cached_tokens);
+        // Split, the decode server computes nothing of the prompt: it reads it.
+        ctx.charge.prefill = match pd.and_then(|c| c.prefill) {
+            Some(_) => 0,
+            None => profile
+                .est_prompt_tokens
+                .saturating_sub(d.predicted_cached_tokens),
+        };
+        ctx.pd.choice = pd;
+        ctx.pd.params = None;
         // Only kv_aware predicts a TTFT for the load time to be read against.
         let slot = slots.get(d.backend).copied().flatten();
         ctx.charge.adapter_load_s = match (params.policy, slot) {
@@ -200,6 +235,17 @@ impl Placer<'_> {
             .inc();
         if let Some(index) = ctx.route.index {
             self.metrics.decided_on(index).inc();
+        }
+        if let Some(c) = ctx.pd.choice {
+            let outcome = if c.prefill.is_some() {
+                "split"
+            } else {
+                "whole"
+            };
+            self.metrics
+                .pd_decisions
+                .with_label_values(&[outcome])
+                .inc();
         }
         if let (Some(p), Some(pool)) = (ctx.route.profile.as_ref(), ctx.route.pool.as_ref()) {
             if pool.adapter {
@@ -294,7 +340,8 @@ impl Placer<'_> {
 
     /// Every eligible (healthy, untried) backend of the request's model is at its hard cap.
     pub fn saturated(&self, ctx: &Ctx) -> bool {
-        let cap = ctx.generation.config.limits.backend_max_inflight;
+        let cfg = &ctx.generation.config;
+        let cap = cfg.limits.backend_max_inflight;
         let fleet = &ctx.generation.fleet;
         let pool = ctx.route.pool.as_ref();
         let now = Instant::now();
@@ -306,6 +353,7 @@ impl Placer<'_> {
             .enumerate()
             .filter(|(i, _)| pool.is_none_or(|p| p.local(*i).is_some()))
             .filter(|(i, _)| !ctx.attempts.tried.contains(i) && fleet.available(*i, now))
+            .filter(|(i, _)| decodes(cfg, *i))
             .peekable();
         eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight() >= cap * b.weight as u64)
     }
@@ -318,6 +366,7 @@ impl Placer<'_> {
         let eligible: Vec<usize> = (0..fleet.backends().len())
             .filter(|&i| pool.is_none_or(|p| p.local(i).is_some()))
             .filter(|&i| !ctx.attempts.tried.contains(&i) && fleet.available(i, now))
+            .filter(|&i| decodes(&ctx.generation.config, i))
             .collect();
         let cap = ctx.generation.config.limits.backend_max_inflight;
         fleet.router_wait_s(&eligible, cap, ahead)
@@ -341,4 +390,19 @@ impl Placer<'_> {
             )
             .await
     }
+}
+
+/// Backend `i` serves requests whole (`backends[].role` other than `prefill`).
+fn decodes(cfg: &crate::config::Config, i: usize) -> bool {
+    cfg.backends.get(i).is_none_or(|b| b.role.decodes())
+}
+
+/// The backends a request may not be placed on: those that failed it, and prefill servers.
+fn excluded<'a>(cfg: &crate::config::Config, tried: &'a [usize]) -> std::borrow::Cow<'a, [usize]> {
+    if cfg.disaggregation.is_none() {
+        return std::borrow::Cow::Borrowed(tried);
+    }
+    let mut out = tried.to_vec();
+    out.extend((0..cfg.backends.len()).filter(|&i| !decodes(cfg, i)));
+    std::borrow::Cow::Owned(out)
 }

@@ -8,6 +8,7 @@ use pingora::{Error, ErrorType, Result};
 
 use super::ctx::Ctx;
 use crate::config::EnginePriority;
+use crate::request::nixl;
 
 /// vLLM's and SGLang's header pinning a request to one data-parallel rank of the engine.
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -15,7 +16,7 @@ const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 /// Rewrite the upstream request header of `ctx`'s current attempt (and its body, where the
 /// backend's engine takes the priority).
 pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()> {
-    ctx.route.attempt_body = with_engine_priority(ctx);
+    ctx.route.attempt_body = attempt_body(ctx);
     if let Some(body) = ctx.route.attempt_body.as_ref().or(ctx.route.body.as_ref()) {
         // The body is already here in full: the backend must not wait for a 100-continue
         // handshake or a chunked stream.
@@ -40,6 +41,11 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()>
     if let Some(r) = ctx.route.dp_rank {
         upstream.insert_header(DP_RANK_HEADER, r.to_string())?;
     }
+    // Both legs of a disaggregated request carry one id: the decode server's notification
+    // frees the prefill server's blocks by it.
+    if let (Some(id), Some(_)) = (&ctx.pd.request_id, &ctx.pd.params) {
+        upstream.insert_header(super::pd::REQUEST_ID_HEADER, id.as_str())?;
+    }
     // The client's key is kvroute's to check, not the engine's to see: an engine behind
     // access control gets its own key, or none.
     if ctx.generation.config.access.is_some() {
@@ -56,28 +62,39 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()>
     Ok(())
 }
 
-/// The request's body with its priority band as the engine's `priority` field, where this
-/// attempt's backend schedules by it (`backends[].engine_priority`); `None`: the body as is.
+/// The request's body as this attempt's backend gets it, where it differs from the client's
+/// (`None`: the body as is): its priority band as the engine's `priority` field, where the
+/// backend schedules by it (`backends[].engine_priority`), and the decode leg's
+/// `kv_transfer_params` (a client's own never passes).
+///
 /// vLLM refuses a non-zero `priority` unless started with `--scheduling-policy priority` ("Got
 /// priority .. but Priority scheduling is not enabled", its input processor), and SGLang
 /// aborts one without `--enable-priority-scheduling` when started with
 /// `--abort-on-priority-when-disabled` (server_args): only where the operator says the engine
 /// takes it.
-fn with_engine_priority(ctx: &Ctx) -> Option<Bytes> {
+fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
     let i = ctx.attempts.backend?;
-    let sign = match ctx.generation.config.backends.get(i)?.engine_priority {
-        EnginePriority::None => return None,
-        EnginePriority::HigherFirst => 1,
-        EnginePriority::LowerFirst => -1,
-    };
     // Routed requests only: their bodies are JSON objects kvroute has parsed.
     ctx.route.profile.as_ref()?;
     let body = ctx.route.body.as_ref()?;
+    let sign = match ctx.generation.config.backends.get(i)?.engine_priority {
+        EnginePriority::None => None,
+        EnginePriority::HigherFirst => Some(1),
+        EnginePriority::LowerFirst => Some(-1),
+    };
+    let params = ctx.pd.params.as_ref();
+    let clients_params = memchr::memmem::find(body, b"\"kv_transfer_params\"").is_some();
+    if sign.is_none() && params.is_none() && !clients_params {
+        return None;
+    }
     let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
-    v.insert(
-        "priority".into(),
-        serde_json::Value::from(sign * i64::from(ctx.route.priority)),
-    );
+    if let Some(sign) = sign {
+        v.insert(
+            "priority".into(),
+            serde_json::Value::from(sign * i64::from(ctx.route.priority)),
+        );
+    }
+    nixl::set_params(&mut v, params);
     serde_json::to_vec(&v).ok().map(Bytes::from)
 }
 

@@ -20,12 +20,16 @@ impl Endpoint {
     ];
 
     pub fn from_path(path: &str) -> Option<Endpoint> {
-        match path {
-            "/v1/chat/completions" => Some(Endpoint::Chat),
-            "/v1/completions" => Some(Endpoint::Completions),
-            "/v1/responses" => Some(Endpoint::Responses),
-            "/v1/messages" => Some(Endpoint::Messages),
-            _ => None,
+        Endpoint::ALL.into_iter().find(|e| e.path() == path)
+    }
+
+    /// The path the API is served at.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
         }
     }
 

@@ -20,6 +20,7 @@ mod endpoint;
 pub mod engine_tokens;
 pub mod id_stamp;
 mod messages;
+pub mod nixl;
 mod openai;
 mod reply;
 pub mod response_id;

@@ -65,6 +65,7 @@ fn backends_view(fleet: &Fleet, cfg: &Config) -> Vec<serde_json::Value> {
                 "ejected": b.ejected(now),
                 "ejection_left_seconds": b.ejection_left(now).map(|d| d.as_secs_f64()),
                 "weight": b.weight,
+                "role": cfg.backends.get(i).map_or("both", |c| c.role.as_str()),
                 "inflight_requests": b.inflight(),
                 "queued_prefill_tokens": b.queued_prefill(),
                 "decoding_requests": b.decoding(),

@@ -1,0 +1,166 @@
+//! `kvroute.disaggregation` and `backends[].role`: prefill/decode disaggregation. A request is
+//! decoded on a `decode` (or `both`) backend and, when the cost model says so, prefilled first
+//! on a `prefill` (or `both`) one, whose KV cache the decode server then reads over the
+//! engines' own transfer (NIXL for vLLM).
+
+use serde::Deserialize;
+
+use super::error::{err, ConfigError};
+
+/// What a backend does in a disaggregated fleet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Serves requests whole, and can prefill for another or decode after another's prefill:
+    /// a fleet of only `both` is today's unified fleet.
+    #[default]
+    Both,
+    /// Only prefills, for a decode server to read.
+    Prefill,
+    /// Serves requests whole, or decodes after a prefill server's prefill; never prefills
+    /// for another.
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    /// May decode (and serve a request whole).
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+
+    /// May prefill a request for another backend to decode.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+}
+
+/// The wire protocol the engines hand a prefill over by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PdProtocol {
+    /// vLLM's NixlConnector: the prefill leg first (`max_tokens: 1`, `kv_transfer_params`
+    /// asking for a remote decode), then the decode leg with the parameters it returned.
+    VllmNixl,
+}
+
+impl PdProtocol {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PdProtocol::VllmNixl => "vllm_nixl",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    pub protocol: PdProtocol,
+    /// KV cache bytes one token takes: 2 (K and V) x layers x KV heads x head size x bytes per
+    /// value; 131,072 for Llama 3 8B in bf16 (32 x 8 x 128).
+    #[serde(default = "default_kv_bytes_per_token")]
+    pub kv_bytes_per_token: u64,
+    /// Bandwidth of a KV transfer between a prefill and a decode server, GB/s.
+    #[serde(default = "default_transfer_gbytes_per_s")]
+    pub transfer_gbytes_per_s: f64,
+    /// What a transfer costs whatever its size (the decode server's request for the blocks,
+    /// the notification back), ms.
+    #[serde(default = "default_transfer_base_ms")]
+    pub transfer_base_ms: f64,
+}
+
+fn default_kv_bytes_per_token() -> u64 {
+    131_072
+}
+
+/// One 200 Gb/s RDMA link, as NIXL over UCX moves it.
+fn default_transfer_gbytes_per_s() -> f64 {
+    25.0
+}
+
+fn default_transfer_base_ms() -> f64 {
+    2.0
+}
+
+impl DisaggregationConfig {
+    pub(super) fn validate(&self, roles: &[Role]) -> Result<(), ConfigError> {
+        if self.kv_bytes_per_token == 0 {
+            return Err(err(
+                "kvroute.disaggregation.kv_bytes_per_token",
+                "must be positive",
+            ));
+        }
+        if !(self.transfer_gbytes_per_s.is_finite() && self.transfer_gbytes_per_s > 0.0) {
+            return Err(err(
+                "kvroute.disaggregation.transfer_gbytes_per_s",
+                "must be positive",
+            ));
+        }
+        if !(self.transfer_base_ms.is_finite() && self.transfer_base_ms >= 0.0) {
+            return Err(err(
+                "kvroute.disaggregation.transfer_base_ms",
+                "must not be negative",
+            ));
+        }
+        if !roles.iter().any(|r| r.decodes()) {
+            return Err(err(
+                "kvroute.backends",
+                "disaggregation needs a backend that decodes (role decode or both)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Roles (the backends', in order) other than `both` need the protocol their engines hand a
+/// prefill over by.
+pub(super) fn validate_roles(
+    roles: &[Role],
+    disaggregation: Option<&DisaggregationConfig>,
+) -> Result<(), ConfigError> {
+    match disaggregation {
+        Some(d) => d.validate(roles),
+        None => match roles.iter().position(|&r| r != Role::Both) {
+            Some(i) => Err(err(
+                format!("kvroute.backends[{i}].role"),
+                "a prefill or decode role needs kvroute.disaggregation (its protocol)",
+            )),
+            None => Ok(()),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roles_need_the_protocol_and_a_backend_that_decodes() {
+        let d: DisaggregationConfig = serde_yaml::from_str("protocol: vllm_nixl\n").unwrap();
+        assert_eq!(d.kv_bytes_per_token, 131_072);
+        let split = [Role::Prefill, Role::Decode];
+        assert!(validate_roles(&split, Some(&d)).is_ok());
+        let e = validate_roles(&split, None).unwrap_err().to_string();
+        assert!(e.contains("backends[0].role"), "{e}");
+        assert!(validate_roles(&[Role::Both], None).is_ok());
+        let e = validate_roles(&[Role::Prefill], Some(&d))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("decodes"), "{e}");
+        let bad = DisaggregationConfig {
+            transfer_gbytes_per_s: 0.0,
+            ..d.clone()
+        };
+        assert!(validate_roles(&split, Some(&bad)).is_err());
+        assert!(
+            serde_yaml::from_str::<DisaggregationConfig>("protocol: sglang_bootstrap\n").is_err()
+        );
+    }
+}

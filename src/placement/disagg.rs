@@ -1,0 +1,178 @@
+//! Prefill/decode disaggregation, decided per request from the cost model rather than a token
+//! threshold: serve the request whole on the decode server placement chose, or prefill it on
+//! a prefill server and have the decode server read the KV cache from there.
+//!
+//! For the decode server `d` (chosen by kv_aware among the backends that decode: its prefix,
+//! its load, the stall its prefill would put on the streams there), a request of `P` prompt
+//! tokens with `m(b)` of them cached on backend `b`:
+//!
+//! ```text
+//! stall(b, n) = decode_stall_weight * decoding(b) * n / rate(b)
+//! whole       = est_ttft(d, P - m(d)) + stall(d, P - m(d))
+//! split(p)    = est_ttft(p, P - m(p)) + stall(p, P - m(p))
+//!               + transfer(P - m(d)) + slot_wait(d) + step(d)
+//! transfer(n) = n * kv_bytes_per_token / bandwidth + base
+//! ```
+//!
+//! The request is split on the prefill server with the lowest `split(p)` when that is below
+//! `whole`. A follow-up turn whose history sits on its decode server has little left to
+//! compute there, so it stays whole; a long cold prompt beside busy streams goes to a prefill
+//! server, and only the blocks the decode server lacks are moved.
+
+use super::kv_aware::est_ttft_s;
+use super::snapshot::{BackendLoad, Snapshot};
+
+/// What moving KV cache from a prefill to a decode server costs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Transfer {
+    pub bytes_per_token: f64,
+    pub bytes_per_s: f64,
+    pub base_s: f64,
+}
+
+impl Transfer {
+    pub fn seconds(&self, tokens: u64) -> f64 {
+        self.base_s + tokens as f64 * self.bytes_per_token / self.bytes_per_s.max(1.0)
+    }
+}
+
+/// The decision and the figures it was made from (decision log, `/debug/backends`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PdChoice {
+    /// The prefill server, when the request is split.
+    pub prefill: Option<usize>,
+    /// The cost of serving it whole on the decode server, seconds.
+    pub whole_s: f64,
+    /// The cost of the best split, when any prefill server could take it.
+    pub split_s: Option<f64>,
+    /// The best split's KV transfer time, seconds.
+    pub transfer_s: f64,
+    /// The tokens the transfer moves (those the decode server lacks).
+    pub transfer_tokens: u64,
+}
+
+/// The stall a prefill of `tokens` puts on the streams decoding on `b`, in seconds of cost.
+fn stall_s(b: &BackendLoad, tokens: u64, weight: f64) -> f64 {
+    weight * b.decoding as f64 * tokens as f64 / b.prefill_rate.max(1.0)
+}
+
+/// Split or serve whole the request of `prompt` tokens placed on decode server `d`;
+/// `prefill_ok(p)`: `p` may prefill it (its role, health, cap, not `d`).
+pub fn decide(
+    snap: &Snapshot,
+    d: usize,
+    prompt: u64,
+    decode_stall_weight: f64,
+    transfer: &Transfer,
+    prefill_ok: &dyn Fn(usize) -> bool,
+) -> PdChoice {
+    let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0).min(prompt);
+    let dec = &snap.backends[d];
+    let local = prompt - matched(d);
+    let whole_s = est_ttft_s(dec, local) + stall_s(dec, local, decode_stall_weight);
+    let transfer_s = transfer.seconds(local);
+    // Once the KV is there, the decode server still admits the request and runs a step.
+    let after_s = transfer_s + dec.slot_wait_s + dec.decode_step_s;
+    let best = (0..snap.backends.len())
+        .filter(|&p| p != d && prefill_ok(p))
+        .map(|p| {
+            let b = &snap.backends[p];
+            let n = prompt - matched(p);
+            (
+                p,
+                est_ttft_s(b, n) + stall_s(b, n, decode_stall_weight) + after_s,
+            )
+        })
+        // Ties go to the lower index: the decision is deterministic.
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    PdChoice {
+        prefill: best.filter(|&(_, s)| s < whole_s).map(|(p, _)| p),
+        whole_s,
+        split_s: best.map(|(_, s)| s),
+        transfer_s,
+        transfer_tokens: local,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::Ring;
+
+    const TRANSFER: Transfer = Transfer {
+        // Llama 3 8B in bf16 over 25 GB/s: 5.2 us a token.
+        bytes_per_token: 131_072.0,
+        bytes_per_s: 25e9,
+        base_s: 0.002,
+    };
+
+    fn decide_on(loads: &[BackendLoad], matched: &[u64], prompt: u64) -> PdChoice {
+        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..loads.len())
+            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
+            .collect();
+        let ring = Ring::new(&addrs);
+        let snap = Snapshot {
+            backends: loads,
+            ring: &ring,
+            matched,
+        };
+        // Backend 0 decodes; the others prefill.
+        decide(&snap, 0, prompt, 1.0, &TRANSFER, &|p| p != 0)
+    }
+
+    fn busy_decoder(streams: u64) -> BackendLoad {
+        BackendLoad {
+            decoding: streams,
+            inflight: streams,
+            decode_step_s: 0.02,
+            ..BackendLoad::idle()
+        }
+    }
+
+    #[test]
+    fn a_long_cold_prompt_beside_busy_streams_is_prefilled_elsewhere() {
+        let loads = [busy_decoder(32), BackendLoad::idle(), BackendLoad::idle()];
+        let c = decide_on(&loads, &[0, 0, 0], 30_000);
+        assert_eq!(c.prefill, Some(1));
+        // Whole: 1.2 s of prefill plus its stall on 32 streams.
+        assert!(c.whole_s > 30.0, "{c:?}");
+        let split = c.split_s.unwrap();
+        assert!(split > 1.2 && split < 1.5, "{c:?}");
+        assert_eq!(c.transfer_tokens, 30_000);
+        assert!((c.transfer_s - (0.002 + 30_000.0 * 131_072.0 / 25e9)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_follow_up_whose_history_the_decoder_holds_stays_whole() {
+        let loads = [busy_decoder(32), BackendLoad::idle()];
+        // 29,900 of 30,000 tokens cached on the decoder: 100 to compute there.
+        let c = decide_on(&loads, &[29_900, 0], 30_000);
+        assert_eq!(c.prefill, None, "{c:?}");
+        assert_eq!(c.transfer_tokens, 100);
+        assert!(c.split_s.unwrap() > c.whole_s);
+    }
+
+    #[test]
+    fn an_idle_decoder_serves_short_prompts_whole_whatever_the_prefill_servers() {
+        let loads = [BackendLoad::idle(), BackendLoad::idle()];
+        let c = decide_on(&loads, &[0, 0], 200);
+        assert_eq!(c.prefill, None, "{c:?}");
+    }
+
+    #[test]
+    fn only_the_blocks_the_decoder_lacks_move_and_the_prefill_server_with_the_prefix_wins() {
+        let mut loads = [busy_decoder(16), BackendLoad::idle(), BackendLoad::idle()];
+        // Backend 2 holds the shared 8k system prompt; backend 1 is idle but cold.
+        loads[2].queued_prefill = 2_000;
+        let c = decide_on(&loads, &[4_000, 0, 8_000], 12_000);
+        assert_eq!(c.prefill, Some(2), "{c:?}");
+        assert_eq!(c.transfer_tokens, 8_000);
+    }
+
+    #[test]
+    fn without_a_prefill_server_free_the_request_is_served_whole() {
+        let loads = [busy_decoder(32)];
+        let c = decide_on(&loads, &[0], 30_000);
+        assert_eq!((c.prefill, c.split_s), (None, None));
+    }
+}

@@ -1,0 +1,188 @@
+//! Prefill/decode disaggregation on the request path: when placement split a request
+//! (`placement::disagg`), the prefill leg is sent to its prefill server here, before the
+//! decode leg goes to the decode server through the proxy. vLLM's NixlConnector protocol
+//! (`vllm_nixl`): the legs are sequential, the decode leg naming what the prefill leg returned.
+//!
+//! A prefill leg that fails, is refused, or comes back holding nothing (an abort) never
+//! becomes a hung decode: the request is served whole on its decode server, and that prefill
+//! server is not tried again for it.
+
+use std::time::{Duration, Instant};
+
+use super::ctx::Ctx;
+use super::metrics::ProxyMetrics;
+use crate::config::{DisaggregationConfig, PdProtocol};
+use crate::edge::EdgeState;
+use crate::placement::disagg::Transfer;
+use crate::request::{nixl, Endpoint, RequestProfile};
+
+/// The id both legs carry: vLLM's prefill server holds the blocks under it, and the decode
+/// server's notification frees them by it (toy_proxy_server.py sends one uuid on both).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// A prefill leg's answer is one token and its usage: anything larger is not one.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// What moving the KV costs, as `kvroute.disaggregation` says.
+pub(super) fn transfer(d: &DisaggregationConfig) -> Transfer {
+    Transfer {
+        bytes_per_token: d.kv_bytes_per_token as f64,
+        bytes_per_s: d.transfer_gbytes_per_s * 1e9,
+        base_s: d.transfer_base_ms / 1000.0,
+    }
+}
+
+/// May this request be split? vLLM's prefill/decode protocol speaks chat and completions; a
+/// migrated stream's continuation is served whole where it lands.
+pub(super) fn splittable(ctx: &Ctx, p: &RequestProfile) -> bool {
+    matches!(p.endpoint, Endpoint::Chat | Endpoint::Completions)
+        && ctx.resume.splice.is_none()
+        && ctx
+            .generation
+            .config
+            .disaggregation
+            .as_ref()
+            .map(|d| d.protocol)
+            == Some(PdProtocol::VllmNixl)
+}
+
+/// How a prefill leg ended, as metrics name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Leg {
+    /// It returned the parameters the decode leg needs.
+    Ok,
+    /// No room on the prefill server since the decision.
+    Full,
+    /// A transport error, a timeout, or an error status.
+    Failed,
+    /// It answered, holding nothing for a remote decode.
+    NoParams,
+}
+
+impl Leg {
+    #[cfg(test)]
+    pub const ALL: [Leg; 4] = [Leg::Ok, Leg::Full, Leg::Failed, Leg::NoParams];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Leg::Ok => "ok",
+            Leg::Full => "full",
+            Leg::Failed => "failed",
+            Leg::NoParams => "no_params",
+        }
+    }
+}
+
+/// A request id both legs share: unique per process and start, not guessable from outside
+/// (a client never sees it).
+fn request_id(ctx: &Ctx) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let salt = std::process::id() as u64 ^ ctx.start.elapsed().as_nanos() as u64;
+    let h = xxhash_rust::xxh3::xxh3_128(&[n.to_le_bytes(), salt.to_le_bytes()].concat());
+    format!("kvroute-{h:032x}")
+}
+
+/// Send the prefill leg of a request placement split onto prefill server `p`; on success the
+/// decode leg's body names what it returned (`ctx.pd.params`).
+pub(super) async fn prefill_leg(edge: &EdgeState, m: &ProxyMetrics, ctx: &mut Ctx, p: usize) {
+    let generation = ctx.generation.clone();
+    let fleet = &generation.fleet;
+    let started = Instant::now();
+    let outcome = send(ctx, p).await;
+    m.pd_legs.with_label_values(&[outcome.as_str()]).inc();
+    m.pd_prefill_seconds
+        .with_label_values::<&str>(&[])
+        .observe(started.elapsed().as_secs_f64());
+    let name = fleet.backends().get(p).map_or("?", |b| b.name.as_str());
+    if outcome != Leg::Ok {
+        ctx.pd.failed.push(p);
+        log::warn!(
+            "prefill leg on {name} ended {}: the request is served whole on its decode server",
+            outcome.as_str()
+        );
+    }
+    // The prefill server's slot is free again: the router queue's best waiter may go.
+    edge.queue.wake_one();
+}
+
+async fn send(ctx: &mut Ctx, p: usize) -> Leg {
+    let generation = ctx.generation.clone();
+    let (fleet, cfg) = (&generation.fleet, &generation.config);
+    let Some(profile) = ctx.route.profile.as_ref() else {
+        return Leg::Failed;
+    };
+    let Some(body) = ctx.route.body.as_ref().and_then(|b| nixl::prefill_body(b)) else {
+        return Leg::Failed;
+    };
+    let prefill = ctx
+        .pd
+        .choice
+        .map_or(profile.est_prompt_tokens, |c| c.transfer_tokens);
+    let expected = fleet.expected(p, 0.0, 1);
+    let cap = (cfg.limits.backend_max_inflight, None);
+    // Held until the prefill server answers: its work in flight counts there meanwhile.
+    let Some(_charge) = fleet.try_charge(p, prefill, None, cap, expected) else {
+        return Leg::Full;
+    };
+    let id = request_id(ctx);
+    let timeout = Duration::from_millis(cfg.timeouts.upstream_read_ms);
+    let answer = fleet
+        .post_json(
+            p,
+            profile.endpoint.path(),
+            &[(REQUEST_ID_HEADER, id.as_str())],
+            body,
+            timeout,
+            MAX_ANSWER_BYTES,
+        )
+        .await;
+    let answer = match answer {
+        Ok(a) if a.status == 200 => a,
+        Ok(a) => {
+            log::debug!("prefill leg: status {}", a.status);
+            return Leg::Failed;
+        }
+        Err(e) => {
+            log::debug!("prefill leg: {e}");
+            return Leg::Failed;
+        }
+    };
+    let Some(parsed) = nixl::prefill_answer(&answer.body) else {
+        return Leg::Failed;
+    };
+    ctx.pd.prefill_cached = parsed.cached_tokens;
+    match parsed.params {
+        Some(params) => {
+            ctx.pd.params = Some(params);
+            ctx.pd.request_id = Some(id);
+            Leg::Ok
+        }
+        None => Leg::NoParams,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_leg_outcome_is_exported_from_start() {
+        let r = prometheus::Registry::new();
+        let _m = ProxyMetrics::register(&r).unwrap();
+        let families = r.gather();
+        let legs = families
+            .iter()
+            .find(|f| f.name() == "kvroute_pd_prefill_legs_total")
+            .unwrap();
+        let mut exported: Vec<&str> = legs
+            .get_metric()
+            .iter()
+            .map(|m| m.get_label()[0].value())
+            .collect();
+        let mut ours: Vec<&str> = Leg::ALL.iter().map(|l| l.as_str()).collect();
+        exported.sort_unstable();
+        ours.sort_unstable();
+        assert_eq!(exported, ours);
+    }
+}
