@@ -73,6 +73,10 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         kv_events: false,
         dp_size: 1,
         promote: false,
+        tenants: None,
+        steady_priority: None,
+        steady_slo_ms: None,
+        sheddable: None,
     };
     compare::run(args).await
 }

@@ -7,6 +7,8 @@ use super::llama::{self, LlamaSpec};
 use super::models::{self, ModelGroup};
 use super::policy::PolicyRun;
 use crate::replay::args::WorkloadKind;
+use crate::replay::workloads::noisy_neighbor::NoisyShape;
+use crate::replay::workloads::tenancy::TenantMix;
 use crate::sim::{fleet_profiles, ProfileName};
 
 /// What serves the requests: simulated engines, or real ones.
@@ -111,8 +113,8 @@ pub struct CompareArgs {
     /// Simulator KV pool per server, tokens (default: the profile's).
     #[arg(long)]
     pub kv_tokens: Option<u64>,
-    /// sharegpt, prefix_groups, agentic: conversations in flight [default: 128; 3 on a real
-    /// fleet].
+    /// sharegpt, prefix_groups, agentic, noisy_neighbor: conversations in flight (closed-loop
+    /// workers) [default: 128; 3 on a real fleet].
     #[arg(long)]
     pub conversations: Option<u32>,
     /// documents: conversations, each about its own document (`replay --documents`).
@@ -196,6 +198,19 @@ pub struct CompareArgs {
     /// refuses to replace a results folder of the same name.
     #[arg(long)]
     pub promote: bool,
+    /// Every workload's conversations shared among tenants (`replay --tenants`):
+    /// `NAME[/weight=W][/priority=P][/slo=MS],...`.
+    #[arg(long, value_parser = TenantMix::parse)]
+    pub tenants: Option<TenantMix>,
+    /// noisy_neighbor: the steady tenants' priority (`replay --steady-priority`).
+    #[arg(long, allow_hyphen_values = true)]
+    pub steady_priority: Option<i32>,
+    /// noisy_neighbor: the steady tenants' TTFT deadline, model ms (`replay --steady-slo-ms`).
+    #[arg(long)]
+    pub steady_slo_ms: Option<u64>,
+    /// noisy_neighbor: the share of the flood's requests sent sheddable (`replay --sheddable`).
+    #[arg(long)]
+    pub sheddable: Option<f64>,
 }
 
 impl CompareArgs {
@@ -238,6 +253,39 @@ impl CompareArgs {
         } else {
             "sim-llama-8b"
         }
+    }
+
+    /// The tenants `workload`'s requests name, for kvroute's `tenants.names`.
+    pub(super) fn tenant_names(&self, workload: WorkloadKind) -> Vec<String> {
+        match (workload, &self.tenants) {
+            (WorkloadKind::NoisyNeighbor, _) => NoisyShape::tenants(),
+            (_, Some(mix)) => mix.names(),
+            (_, None) => Vec::new(),
+        }
+    }
+
+    /// The replay flags of the tenant options given, for `workload`.
+    pub(super) fn tenant_flags(&self, workload: WorkloadKind) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut flag = |name: &str, value: Option<String>| {
+            if let Some(v) = value {
+                out.extend([name.to_owned(), v]);
+            }
+        };
+        if workload == WorkloadKind::NoisyNeighbor {
+            flag(
+                "--steady-priority",
+                self.steady_priority.map(|p| p.to_string()),
+            );
+            flag(
+                "--steady-slo-ms",
+                self.steady_slo_ms.map(|ms| ms.to_string()),
+            );
+            flag("--sheddable", self.sheddable.map(|s| s.to_string()));
+        } else {
+            flag("--tenants", self.tenants.as_ref().map(|m| m.spec.clone()));
+        }
+        out
     }
 
     /// A real fleet has what llama.cpp has: no simulator options, real time.

@@ -174,6 +174,10 @@ async fn run_one(
 ) -> Result<(Report, Option<Estimates>, Option<Audit>), String> {
     let dir = out.join(workload.name()).join(policy.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let policy = &PolicyRun {
+        tenant_names: args.tenant_names(workload),
+        ..policy.clone()
+    };
     let base = sim_args(args, profiles);
     let group_args = groups.map(|gs| {
         gs.iter()
@@ -266,6 +270,7 @@ async fn run_one(
     if args.session_header {
         cli.push("--session-header".into());
     }
+    cli.extend(args.tenant_flags(workload));
     if workload == WorkloadKind::Agentic {
         let flags = [("--tool-calls", args.tool_calls), ("--store", args.store)];
         cli.extend(flags.iter().filter(|f| f.1).map(|f| f.0.to_string()));
@@ -461,6 +466,9 @@ fn render(
     {
         let _ = writeln!(md, "## {}\n", w.name());
         md.push_str(&report::markdown_table(runs));
+        if let Some(tenants) = crate::replay::tenant_table::markdown(runs) {
+            md.push_str(&tenants);
+        }
         if let Some(turns) = report::turns_table(runs) {
             let _ = writeln!(
                 md,

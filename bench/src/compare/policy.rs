@@ -21,6 +21,12 @@
 //!   checks the key and value when it starts).
 //! - `telemetry.KEY=VALUE`: a `kvroute.telemetry` setting, e.g.
 //!   `kv_aware/replicas=2/telemetry.interval_ms=250`.
+//! - `limits.KEY=VALUE`, `tenants.KEY=VALUE`: a `kvroute.limits` or `kvroute.tenants`
+//!   setting, a dotted KEY reaching into a nested one: the router queue and its order for the
+//!   noisy neighbor, e.g. `kv_aware/limits.backend_max_inflight=4` and, for first come first
+//!   served, `.../tenants.fair_share.prompt_weight=0/tenants.fair_share.completion_weight=0`.
+//!   A run whose workload names its tenants also gets `tenants.names` (so kvroute's metrics
+//!   name them rather than `other`).
 //!
 //! Without options the config is exactly what a plain policy run always had.
 //!
@@ -34,7 +40,11 @@ use std::path::Path;
 use crate::sim::{Profile, ProfileName};
 
 /// The options an entry may carry, for errors.
-const KNOWN_OPTIONS: &str = "rates, weights, learn, replicas, events, routing.KEY, telemetry.KEY";
+const KNOWN_OPTIONS: &str =
+    "rates, weights, learn, replicas, events, routing.KEY, telemetry.KEY, limits.KEY, tenants.KEY";
+
+/// The kvroute config sections whose keys an entry may set (`SECTION.KEY=VALUE`).
+const SECTIONS: [&str; 4] = ["routing", "telemetry", "limits", "tenants"];
 
 /// Replicas one run may start (each is a kvroute process on this machine's cores).
 pub const MAX_REPLICAS: usize = 4;
@@ -63,6 +73,11 @@ pub struct PolicyRun {
     pub routing: Vec<(String, String)>,
     /// `kvroute.telemetry` settings, in the order given.
     pub telemetry: Vec<(String, String)>,
+    /// `kvroute.limits` and `kvroute.tenants` settings, dotted keys, in the order given.
+    pub limits: Vec<(String, String)>,
+    pub tenants: Vec<(String, String)>,
+    /// `tenants.names`: set by `compare` from the workload, not by the entry.
+    pub tenant_names: Vec<String>,
     /// kvroute processes in front of the fleet (1 unless `replicas=N`).
     pub replicas: usize,
     /// Follow the engines' KV events (`events=on`).
@@ -118,6 +133,9 @@ impl PolicyRun {
             learn: None,
             routing: Vec::new(),
             telemetry: Vec::new(),
+            limits: Vec::new(),
+            tenants: Vec::new(),
+            tenant_names: Vec::new(),
             replicas: 1,
             events: false,
             peer: None,
@@ -192,12 +210,16 @@ impl PolicyRun {
                 "rates" | "weights" | "learn" | "replicas" | "events" => {
                     return Err(bad(format!("option {key} given twice")))
                 }
-                _ if key.starts_with("routing.") || key.starts_with("telemetry.") => {
+                _ if SECTIONS
+                    .iter()
+                    .any(|s| key.split_once('.').is_some_and(|k| k.0 == *s)) =>
+                {
                     let (section, name) = key.split_once('.').unwrap_or((key, ""));
-                    let list = if section == "routing" {
-                        &mut run.routing
-                    } else {
-                        &mut run.telemetry
+                    let list = match section {
+                        "routing" => &mut run.routing,
+                        "telemetry" => &mut run.telemetry,
+                        "limits" => &mut run.limits,
+                        _ => &mut run.tenants,
                     };
                     let word = |v: &str| {
                         !v.is_empty()
@@ -357,6 +379,19 @@ pub fn kvroute_yaml(
             let _ = writeln!(yaml, "    {key}: {value}");
         }
     }
+    if !run.limits.is_empty() {
+        yaml.push_str("  limits:\n");
+        write_nested(&mut yaml, 4, &run.limits);
+    }
+    let mut tenants = run.tenants.clone();
+    if !run.tenant_names.is_empty() && !tenants.iter().any(|(k, _)| k == "names") {
+        let quoted: Vec<String> = run.tenant_names.iter().map(|n| format!("{n:?}")).collect();
+        tenants.insert(0, ("names".into(), format!("[{}]", quoted.join(", "))));
+    }
+    if !tenants.is_empty() {
+        yaml.push_str("  tenants:\n");
+        write_nested(&mut yaml, 4, &tenants);
+    }
     let events = backends
         .iter()
         .find_map(|m| m.kv_events.as_ref())
@@ -398,6 +433,34 @@ pub fn kvroute_yaml(
         }
     }
     yaml
+}
+
+/// `entries` as YAML mappings at `indent`, a dotted key nested: `fair_share.prompt_weight`
+/// is `prompt_weight` under `fair_share`, with the other keys under `fair_share` beside it.
+fn write_nested(yaml: &mut String, indent: usize, entries: &[(String, String)]) {
+    let mut heads: Vec<&str> = Vec::new();
+    for (key, _) in entries {
+        let head = key.split('.').next().unwrap_or(key);
+        if !heads.contains(&head) {
+            heads.push(head);
+        }
+    }
+    for head in heads {
+        let mut below = Vec::new();
+        for (key, value) in entries {
+            match key.split_once('.') {
+                None if key == head => {
+                    let _ = writeln!(yaml, "{:indent$}{key}: {value}", "");
+                }
+                Some((h, rest)) if h == head => below.push((rest.to_owned(), value.clone())),
+                _ => {}
+            }
+        }
+        if !below.is_empty() {
+            let _ = writeln!(yaml, "{:indent$}{head}:", "");
+            write_nested(yaml, indent + 2, &below);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -503,6 +566,42 @@ mod tests {
         ] {
             assert!(PolicyRun::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn limits_and_tenants_options_nest_and_the_workloads_tenants_are_named() {
+        let entry = "kv_aware/limits.backend_max_inflight=4/tenants.fair_share.prompt_weight=0\
+                     /limits.queue_timeout_ms=120000/tenants.fair_share.completion_weight=0";
+        let k = config(entry);
+        assert_eq!(k["limits"]["backend_max_inflight"].as_i64(), Some(4));
+        assert_eq!(k["limits"]["queue_timeout_ms"].as_i64(), Some(120_000));
+        let fair = &k["tenants"]["fair_share"];
+        assert_eq!(
+            (
+                fair["prompt_weight"].as_i64(),
+                fair["completion_weight"].as_i64()
+            ),
+            (Some(0), Some(0))
+        );
+        assert!(k["tenants"].get("names").is_none());
+        let mut run = PolicyRun::parse(entry).unwrap();
+        run.tenant_names = vec!["flood".into(), "steady-0".into()];
+        let addr = SocketAddr::from(([127, 0, 0, 1], 8080));
+        let yaml = kvroute_yaml(Path::new("/tmp/r"), addr, addr, &run, &backends());
+        let v: Value = serde_yaml::from_str(&yaml).unwrap();
+        let names: Vec<&str> = v["kvroute"]["tenants"]["names"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["flood", "steady-0"]);
+        assert_eq!(
+            v["kvroute"]["tenants"]["fair_share"]["prompt_weight"].as_i64(),
+            Some(0)
+        );
+        assert!(PolicyRun::parse("kv_aware/limits.a=1/limits.a=2").is_err());
+        assert!(PolicyRun::parse("kv_aware/quotas.a=1").is_err());
     }
 
     #[test]

@@ -229,6 +229,7 @@ mod tests {
             oracle_hit: 0.0,
             oracle_total: 0.0,
             agent: Default::default(),
+            tenancy: Default::default(),
         };
         let r = Wire::Responses.body(&req, "m");
         assert_eq!(r["instructions"], "manual");
@@ -288,6 +289,7 @@ mod tests {
                 tools: true,
                 ..AgentTurn::default()
             },
+            tenancy: Default::default(),
         };
         let r = Wire::Responses.body(&req, "m");
         assert_eq!(

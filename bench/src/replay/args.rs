@@ -4,6 +4,8 @@ use std::path::{Path, PathBuf};
 
 use super::api::Api;
 use super::workloads::ladder::LadderConfig;
+use super::workloads::noisy_neighbor::NoisyShape;
+use super::workloads::tenancy::TenantMix;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WorkloadKind {
@@ -31,6 +33,10 @@ pub enum WorkloadKind {
     PrefixGroups,
     /// An agent's loop: a shared system prompt, then tool calls and outputs, closed loop.
     Agentic,
+    /// Tenant `flood` with ten times the workers of each of four steady tenants, its prompts
+    /// 8-30k tokens, theirs ~500; closed loop.
+    #[value(name = "noisy_neighbor", alias = "noisy-neighbor")]
+    NoisyNeighbor,
 }
 
 impl WorkloadKind {
@@ -46,6 +52,7 @@ impl WorkloadKind {
             Self::Documents => "documents",
             Self::PrefixGroups => "prefix_groups",
             Self::Agentic => "agentic",
+            Self::NoisyNeighbor => "noisy_neighbor",
         }
     }
 
@@ -59,9 +66,12 @@ impl WorkloadKind {
             Self::Mooncake => Some("data/traces/mooncake/synthetic_trace.jsonl"),
             Self::HotPrefix => Some("data/traces/synthetic/hot_prefix.jsonl"),
             Self::HeavyMix => Some("data/traces/synthetic/heavy_mix.jsonl"),
-            Self::Ladder | Self::Prompts | Self::Documents | Self::PrefixGroups | Self::Agentic => {
-                None
-            }
+            Self::Ladder
+            | Self::Prompts
+            | Self::Documents
+            | Self::PrefixGroups
+            | Self::Agentic
+            | Self::NoisyNeighbor => None,
         }
     }
 }
@@ -205,6 +215,20 @@ pub struct ReplayArgs {
     /// ladder: seconds per rate step.
     #[arg(long, default_value_t = 20.0)]
     pub step_s: f64,
+    /// Shares the conversations (requests, for single-turn and open-loop workloads) among
+    /// tenants: `NAME[/weight=W][/priority=P][/slo=MS],...`, sent as `x-tenant-id`,
+    /// `x-kvroute-priority` and `x-slo-ttft-ms`. A workload file's own fields win.
+    #[arg(long, value_parser = TenantMix::parse)]
+    pub tenants: Option<TenantMix>,
+    /// noisy_neighbor: the steady tenants' priority (e.g. 1: a band above the flood's 0).
+    #[arg(long, allow_hyphen_values = true)]
+    pub steady_priority: Option<i32>,
+    /// noisy_neighbor: the steady tenants' TTFT deadline, model milliseconds (`x-slo-ttft-ms`).
+    #[arg(long)]
+    pub steady_slo_ms: Option<u64>,
+    /// noisy_neighbor: the share of the flood's requests sent sheddable (priority -1), 0 to 1.
+    #[arg(long, default_value_t = 0.0)]
+    pub sheddable: f64,
 }
 
 impl ReplayArgs {
@@ -270,6 +294,18 @@ impl ReplayArgs {
         {
             return Err("--documents and each of --phases must be at least 1".into());
         }
+        if self.workload == WorkloadKind::NoisyNeighbor && self.tenants.is_some() {
+            return Err("--workload noisy_neighbor names its own tenants: no --tenants".into());
+        }
+        if !(0.0..=1.0).contains(&self.sheddable) {
+            return Err(format!(
+                "--sheddable must be 0 to 1, got {}",
+                self.sheddable
+            ));
+        }
+        if self.steady_slo_ms == Some(0) {
+            return Err("--steady-slo-ms must be at least 1".into());
+        }
         if self.workload == WorkloadKind::Agentic && self.tasks == 0 {
             return Err("--tasks must be at least 1".into());
         }
@@ -302,6 +338,16 @@ impl ReplayArgs {
             // Rates and steps are model time; the schedule runs in wall time.
             rates: self.rates.iter().map(|r| r * self.time_scale).collect(),
             step_s: self.step_s / self.time_scale,
+            seed: self.seed,
+        }
+    }
+
+    pub fn noisy(&self) -> NoisyShape {
+        NoisyShape {
+            workers: self.conversations,
+            steady_priority: self.steady_priority,
+            steady_slo_ms: self.steady_slo_ms,
+            sheddable: self.sheddable,
             seed: self.seed,
         }
     }

@@ -4,11 +4,13 @@
 //! # Layout
 //! - `args`: the command line and default workload files.
 //! - `workloads`: ShareGPT chat (closed loop), Mooncake-format traces and the shared-prefix
-//!   ladder (open loop), each with its oracle hit-rate accounting.
+//!   ladder (open loop), each with its oracle hit-rate accounting; the generated shapes
+//!   (documents, prefix groups, agents, the noisy neighbor) and `--tenants`.
 //! - `runner`: schedules requests within the time and request budget.
 //! - `client` and `sse`: one streamed request and its measurements.
 //! - `stats`, `report`, `charts`: summaries, Markdown/JSON and SVG output, reusable by a
 //!   multi-run comparison.
+//! - `tenants`: per-tenant rows and Jain's fairness index, for runs of several tenants.
 //! - `metrics`, `progress`: backend load polling and the stderr progress line.
 
 use std::process::ExitCode;
@@ -19,6 +21,7 @@ pub mod args;
 pub mod charts;
 pub mod client;
 pub mod metrics;
+pub mod percentile;
 pub mod progress;
 pub mod record;
 pub mod report;
@@ -28,6 +31,8 @@ pub mod sse;
 pub mod stats;
 mod stream_event;
 pub mod target;
+pub mod tenant_table;
+pub mod tenants;
 pub mod workloads;
 
 pub use args::ReplayArgs;

@@ -49,6 +49,74 @@ pub struct AgentTurn {
     pub think: std::time::Duration,
 }
 
+/// Who a request is for and how urgent it is, sent as kvroute's headers: `x-tenant-id`,
+/// `x-kvroute-priority` (below 0: sheddable) and `x-slo-ttft-ms` (a TTFT deadline). Workload
+/// files carry these as optional fields of a conversation, prompt or trace line.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Tenancy {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_ttft_ms: Option<u64>,
+}
+
+impl Tenancy {
+    /// Each field this leaves unset, taken from `fallback`: a workload's own values win over
+    /// `--tenants`, which wins over `--header`.
+    pub fn or(self, fallback: &Tenancy) -> Tenancy {
+        Tenancy {
+            tenant: self.tenant.or_else(|| fallback.tenant.clone()),
+            priority: self.priority.or(fallback.priority),
+            slo_ttft_ms: self.slo_ttft_ms.or(fallback.slo_ttft_ms),
+        }
+    }
+
+    /// Takes kvroute's tenancy headers out of `--header`s, so that they are recorded with
+    /// each request and a workload's own values replace them rather than being sent twice.
+    /// A priority that is not an integer (a name such as `bulk`) stays a plain header.
+    pub fn from_headers(headers: Vec<(String, String)>) -> (Tenancy, Vec<(String, String)>) {
+        let mut t = Tenancy::default();
+        let mut rest = Vec::new();
+        for (name, value) in headers {
+            let n = name.to_ascii_lowercase();
+            if n == TENANT_HEADER {
+                t.tenant = Some(value);
+            } else if let (PRIORITY_HEADER, Ok(p)) = (n.as_str(), value.parse()) {
+                t.priority = Some(p);
+            } else if let (SLO_HEADER, Ok(ms)) = (n.as_str(), value.parse()) {
+                t.slo_ttft_ms = Some(ms);
+            } else {
+                rest.push((name, value));
+            }
+        }
+        (t, rest)
+    }
+
+    /// The request headers that carry it. The deadline is model time, like every time
+    /// kvbench reports; kvroute keeps the wall clock, so against a simulator `time_scale`
+    /// times faster the header says the deadline divided by it (at least 1 ms).
+    pub fn headers(&self, time_scale: f64) -> Vec<(&'static str, String)> {
+        let mut h = Vec::new();
+        if let Some(t) = &self.tenant {
+            h.push((TENANT_HEADER, t.clone()));
+        }
+        if let Some(p) = self.priority {
+            h.push((PRIORITY_HEADER, p.to_string()));
+        }
+        if let Some(ms) = self.slo_ttft_ms {
+            let wall = (ms as f64 / time_scale).round().max(1.0);
+            h.push((SLO_HEADER, format!("{wall:.0}")));
+        }
+        h
+    }
+}
+
+pub const TENANT_HEADER: &str = "x-tenant-id";
+pub const PRIORITY_HEADER: &str = "x-kvroute-priority";
+pub const SLO_HEADER: &str = "x-slo-ttft-ms";
+
 /// One request as a workload wants it sent.
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
@@ -67,6 +135,7 @@ pub struct ChatRequest {
     pub oracle_hit: f64,
     pub oracle_total: f64,
     pub agent: AgentTurn,
+    pub tenancy: Tenancy,
 }
 
 /// Measurements of one request. Times are milliseconds; `send_ms` counts from the run start.
@@ -106,6 +175,17 @@ pub struct RequestRecord {
     pub response_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub previous_response_id: Option<String>,
+    /// The tenant, priority and deadline the request was sent with.
+    #[serde(flatten)]
+    pub tenancy: Tenancy,
+    /// A shed request's `x-kvroute-dropped-reason` (`queue_full`, `queue_timeout`,
+    /// `sheddable`, `slo_unattainable`); its `e2e_ms` is the time to that answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dropped_reason: Option<String>,
+    /// An admitted deadline request's `x-kvroute-slo`: `on_track`, or `at_risk` when kvroute
+    /// predicted its TTFT past the deadline.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo: Option<String>,
 }
 
 impl RequestRecord {
@@ -115,5 +195,16 @@ impl RequestRecord {
 
     pub fn end_ms(&self) -> f64 {
         self.send_ms + self.e2e_ms
+    }
+
+    /// Answered by the router's shedding rather than served.
+    pub fn shed(&self) -> bool {
+        self.dropped_reason.is_some()
+    }
+
+    /// Prompt tokens plus twice the completion tokens, from usage: kvroute's fair-share
+    /// weights (`tenants.fair_share`), a decode token costing a step of its own.
+    pub fn service(&self) -> u64 {
+        self.prompt_tokens.unwrap_or(0) + 2 * self.completion_tokens.unwrap_or(0)
     }
 }

@@ -195,7 +195,11 @@ fn markdown(r: &Report) -> String {
     if let Some(cmd) = cfg.get("command_line").and_then(|v| v.as_str()) {
         let _ = writeln!(s, "```\n{cmd}\n```\n");
     }
-    s.push_str(&markdown_table(&[(r.label.clone(), r.summary.clone())]));
+    let run = [(r.label.clone(), r.summary.clone())];
+    s.push_str(&markdown_table(&run));
+    if let Some(tenants) = super::tenant_table::markdown(&run) {
+        s.push_str(&tenants);
+    }
     if !r.steps.is_empty() {
         s.push_str("\n## Per rate step\n\n");
         s.push_str(&markdown_table(&r.steps));

@@ -22,12 +22,15 @@ use super::workloads::mooncake::{self, MooncakeSchedule};
 use super::workloads::multi_model;
 use super::workloads::prompts;
 use super::workloads::shapes;
-use super::workloads::sharegpt::{self, Chat, Conversation};
-use super::workloads::OpenLoop;
+use super::workloads::sharegpt::{self, Chat};
+use super::workloads::tenancy::{MixedConversations, MixedSchedule};
+use super::workloads::{OpenLoop, Pool};
+use super::{record::Tenancy, tenants};
 
 enum Plan {
-    /// Conversations in phases, one phase after the other, each with its concurrency.
-    Closed(Vec<(Vec<Conversation>, u32)>),
+    /// Conversations in phases, one phase after the other; in each, pools of workers that
+    /// run at once (one per tenant for `noisy_neighbor`).
+    Closed(Vec<Vec<Pool>>),
     /// Independent requests, closed loop.
     Queue(Vec<ChatRequest>),
     Open(Box<dyn OpenLoop>),
@@ -65,13 +68,19 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     let c = args.conversations;
     let plan = match (args.workload, &file) {
         (WorkloadKind::Ladder, _) => Plan::Open(Box::new(LadderSchedule::new(args.ladder()))),
-        (WorkloadKind::Documents, _) => Plan::Closed(shapes::documents(
-            args.documents,
-            args.document_tokens,
-            args.turns.unwrap_or(3),
-            &args.phases,
-            args.seed,
-        )),
+        (WorkloadKind::Documents, _) => Plan::Closed(
+            shapes::documents(
+                args.documents,
+                args.document_tokens,
+                args.turns.unwrap_or(3),
+                &args.phases,
+                args.seed,
+            )
+            .into_iter()
+            .map(|(convs, workers)| vec![Pool::new(convs, workers)])
+            .collect(),
+        ),
+        (WorkloadKind::NoisyNeighbor, _) => Plan::Closed(vec![args.noisy().pools()]),
         (WorkloadKind::PrefixGroups, _) => Plan::Queue(shapes::prefix_groups(
             args.groups.unwrap_or(4),
             args.users.unwrap_or(6),
@@ -91,13 +100,15 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
                 store: args.store,
                 seed: args.seed,
             };
-            Plan::Closed(vec![(shapes::agentic(&shape), c)])
+            Plan::Closed(vec![vec![Pool::new(shapes::agentic(&shape), c)]])
         }
-        (WorkloadKind::Sharegpt, Some(f)) => Plan::Closed(vec![(sharegpt::load(f)?, c)]),
-        (WorkloadKind::MultiModel, Some(f)) => Plan::Closed(vec![(
+        (WorkloadKind::Sharegpt, Some(f)) => {
+            Plan::Closed(vec![vec![Pool::new(sharegpt::load(f)?, c)]])
+        }
+        (WorkloadKind::MultiModel, Some(f)) => Plan::Closed(vec![vec![Pool::new(
             multi_model::assign(sharegpt::load(f)?, &args.models, args.model_zipf, args.seed)?,
             c,
-        )]),
+        )]]),
         (WorkloadKind::Prompts, Some(f)) => {
             Plan::Queue(prompts::requests(prompts::load(f)?, args.max_output_tokens))
         }
@@ -107,11 +118,16 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         ))),
         (_, None) => return Err("no workload file".into()),
     };
+    let plan = match &args.tenants {
+        Some(mix) => with_tenants(plan, mix),
+        None => plan,
+    };
     let label = args
         .label
         .clone()
         .unwrap_or_else(|| args.workload.name().to_owned());
     let duration = Duration::from_secs_f64(args.duration_s());
+    let (tenancy, headers) = Tenancy::from_headers(args.extra_headers()?);
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
         .pool_max_idle_per_host(4096)
@@ -131,7 +147,9 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
             api: args.api,
             model: args.model.clone(),
             session_header: args.session_header,
-            headers: args.extra_headers()?,
+            headers,
+            tenancy,
+            time_scale: args.time_scale,
             check_text: args.check_text,
             start,
             hard_deadline: stop_at + Duration::from_secs_f64(args.grace_s),
@@ -164,8 +182,11 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
 
     match plan {
         Plan::Closed(phases) => {
-            for (convs, workers) in phases {
-                run_closed(&shared, convs, workers, args.max_output_tokens).await;
+            for pools in phases {
+                let runs = pools
+                    .into_iter()
+                    .map(|pool| run_closed(&shared, pool, args.max_output_tokens));
+                futures_util::future::join_all(runs).await;
             }
         }
         Plan::Queue(reqs) => run_queue(&shared, reqs, args.conversations).await,
@@ -182,16 +203,31 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     records.sort_by_key(|r| r.id);
     to_model_time(&mut records, args.time_scale);
     // Records are in model time now, as is the warm-up.
-    let summary = if args.warmup_s > 0.0 {
-        let measured: Vec<RequestRecord> = records
+    let warmup_ms = args.warmup_s * 1000.0;
+    let after_warmup: Vec<RequestRecord>;
+    let measured: &[RequestRecord] = if warmup_ms > 0.0 {
+        after_warmup = records
             .iter()
-            .filter(|r| r.send_ms >= args.warmup_s * 1000.0)
+            .filter(|r| r.send_ms >= warmup_ms)
             .cloned()
             .collect();
-        summarize(&measured, args.slo_ttft_ms)
+        &after_warmup
     } else {
-        summarize(&records, args.slo_ttft_ms)
+        &records
     };
+    let mut summary = summarize(measured, args.slo_ttft_ms);
+    // Backlogs need every request, those sent in the warm-up too: they may be outstanding
+    // after it.
+    if let Some((rows, fairness)) = tenants::measure_tenants(
+        measured,
+        &records,
+        warmup_ms,
+        summary.slo_ttft_ms,
+        summary.duration_s,
+    ) {
+        summary.tenants = rows;
+        summary.fairness = Some(fairness);
+    }
     let steps = if args.workload == WorkloadKind::Ladder {
         ladder_steps(&records, &args.rates, args.slo_ttft_ms)
     } else {
@@ -201,7 +237,6 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         .lock()
         .map(|mut v| std::mem::take(&mut *v))
         .unwrap_or_default();
-    let mut summary = summary;
     if !load_samples.is_empty() {
         summary.queued_while_idle = Some(metrics::queued_while_idle(&load_samples));
     }
@@ -222,8 +257,14 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "session_header": args.session_header,
         "headers": args.headers,
         "api": args.api,
-        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts | WorkloadKind::PrefixGroups | WorkloadKind::Agentic)
+        "conversations": matches!(args.workload, WorkloadKind::Sharegpt | WorkloadKind::MultiModel | WorkloadKind::Prompts | WorkloadKind::PrefixGroups | WorkloadKind::Agentic | WorkloadKind::NoisyNeighbor)
             .then_some(args.conversations),
+        "tenants": args.tenants.as_ref().map(|m| &m.spec),
+        "noisy_neighbor": (args.workload == WorkloadKind::NoisyNeighbor).then(|| {
+            let n = args.noisy();
+            serde_json::json!({"shape": n, "steady_workers": n.steady_workers(),
+                               "flood_workers": n.flood_workers()})
+        }),
         "documents": (args.workload == WorkloadKind::Documents).then(|| serde_json::json!({
             "documents": args.documents, "document_tokens": args.document_tokens,
             "turns": args.turns.unwrap_or(3), "phases": args.phases})),
@@ -236,7 +277,9 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
         "wall_s": start.elapsed().as_secs_f64(),
         "command_line": std::env::args().collect::<Vec<_>>().join(" "),
     });
-    let table = report::markdown_table(&[(label.clone(), summary.clone())]);
+    let rows = [(label.clone(), summary.clone())];
+    let table =
+        report::markdown_table(&rows) + &super::tenant_table::markdown(&rows).unwrap_or_default();
     let report = Report {
         label,
         config,
@@ -253,14 +296,14 @@ pub async fn run(args: ReplayArgs) -> Result<(), String> {
     Ok(())
 }
 
-/// C conversations at once; each sends its turns in order and starts the next conversation
-/// from the file when it ends. A failed turn ends its conversation: the history would lack
-/// the reply.
-async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32, cap: u32) {
-    let convs = Arc::new(convs);
+/// The pool's workers, each with one conversation at a time; each sends its turns in order
+/// and takes the pool's next conversation when it ends. A failed turn ends its conversation:
+/// the history would lack the reply.
+async fn run_closed(shared: &Arc<Shared>, pool: Pool, cap: u32) {
+    let convs = pool.convs;
     let next = Arc::new(AtomicUsize::new(0));
     let mut tasks = JoinSet::new();
-    for _ in 0..workers {
+    for _ in 0..pool.workers {
         let (shared, convs, next) = (shared.clone(), convs.clone(), next.clone());
         tasks.spawn(async move {
             while TokioInstant::now() < shared.stop_at {
@@ -282,6 +325,7 @@ async fn run_closed(shared: &Arc<Shared>, convs: Vec<Conversation>, workers: u32
                     let ok = out.record.ok();
                     shared.finish(out.record);
                     if !ok {
+                        back_off(&shared, out.retry_after).await;
                         break;
                     }
                     chat.record_answer(out.text, out.call, out.response_id);
@@ -308,11 +352,54 @@ async fn run_queue(shared: &Arc<Shared>, reqs: Vec<ChatRequest>, workers: u32) {
                     return;
                 };
                 let out = client::send(&shared.ctx, id, req.clone(), id as usize).await;
+                let failed = !out.record.ok();
                 shared.finish(out.record);
+                if failed {
+                    back_off(&shared, out.retry_after).await;
+                }
             }
         });
     }
     while tasks.join_next().await.is_some() {}
+}
+
+/// A closed-loop worker told to retry later (a shed's `Retry-After`) waits that long, or to
+/// the end of sending, before its next request: a polite client does, and one that does not
+/// turns a shedding router into a loop of instant 429s that measures nothing.
+async fn back_off(shared: &Shared, retry_after: Option<Duration>) {
+    if let Some(wait) = retry_after {
+        tokio::time::sleep_until(shared.stop_at.min(TokioInstant::now() + wait)).await;
+    }
+}
+
+/// `plan` with `mix`'s tenants filled in where the workload set none.
+fn with_tenants(plan: Plan, mix: &super::workloads::tenancy::TenantMix) -> Plan {
+    match plan {
+        Plan::Closed(phases) => Plan::Closed(
+            phases
+                .into_iter()
+                .map(|pools| {
+                    let mixed = |p: Pool| Pool {
+                        convs: Arc::new(MixedConversations {
+                            inner: p.convs,
+                            mix: mix.clone(),
+                        }),
+                        workers: p.workers,
+                    };
+                    pools.into_iter().map(mixed).collect()
+                })
+                .collect(),
+        ),
+        Plan::Queue(mut reqs) => {
+            mix.assign(&mut reqs);
+            Plan::Queue(reqs)
+        }
+        Plan::Open(inner) => Plan::Open(Box::new(MixedSchedule {
+            inner,
+            mix: mix.clone(),
+            next: 0,
+        })),
+    }
 }
 
 /// Sends each request at its due time without waiting for earlier answers.

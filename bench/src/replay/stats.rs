@@ -6,23 +6,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use super::record::RequestRecord;
+use super::tenants::{Fairness, TenantRow};
 
-/// Linear-interpolated percentile (`p` in 0..=100) of unsorted values; `None` when empty.
-pub fn percentile(values: &[f64], p: f64) -> Option<f64> {
-    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
-    v.sort_by(f64::total_cmp);
-    percentile_sorted(&v, p)
-}
-
-pub fn percentile_sorted(sorted: &[f64], p: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = (p.clamp(0.0, 100.0) / 100.0) * (sorted.len() - 1) as f64;
-    let lo = rank.floor() as usize;
-    let hi = rank.ceil() as usize;
-    Some(sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64))
-}
+pub use super::percentile::{percentile, percentile_sorted};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Summary {
@@ -37,6 +23,10 @@ pub struct Summary {
     pub e2e_p50_ms: Option<f64>,
     pub e2e_p99_ms: Option<f64>,
     pub itl_p50_ms: Option<f64>,
+    /// From the raw gaps only (absent after a reload of per-request medians): the stalls a
+    /// long prefill beside a stream puts on it.
+    #[serde(default)]
+    pub itl_p99_ms: Option<f64>,
     pub output_tok_s: f64,
     pub slo_ttft_ms: f64,
     /// Successful requests with TTFT within the SLO, per second.
@@ -77,6 +67,12 @@ pub struct Summary {
     /// rounds were polled (see `metrics::queued_while_idle`).
     #[serde(default)]
     pub queued_while_idle: Option<(u64, u64)>,
+    /// One row per tenant, when the run had more than one (see `tenants`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<TenantRow>,
+    /// Jain's index of attained service among the backlogged tenants, per 60 s window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fairness: Option<Fairness>,
 }
 
 /// Prompts this short count as "small" for `small_ttft_*`.
@@ -89,6 +85,7 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
     let e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
     // Token-weighted ITL when the raw gaps are at hand; per-request medians after a reload.
     let mut itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.iter().copied()).collect();
+    let itl_p99_ms = percentile(&itl, 99.0);
     if itl.is_empty() {
         itl = ok.iter().filter_map(|r| r.itl_p50_ms).collect();
     }
@@ -158,6 +155,7 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
         e2e_p50_ms: percentile(&e2e, 50.0),
         e2e_p99_ms: percentile(&e2e, 99.0),
         itl_p50_ms: percentile(&itl, 50.0),
+        itl_p99_ms,
         output_tok_s: per_s(completion_tokens as f64),
         slo_ttft_ms,
         goodput_rps: per_s(met),
@@ -188,6 +186,8 @@ pub fn summarize(records: &[RequestRecord], slo_ttft_ms: f64) -> Summary {
         followup_ttft_p50_ms: percentile(&followup_ttft, 50.0),
         followup_ttft_p90_ms: percentile(&followup_ttft, 90.0),
         queued_while_idle: None,
+        tenants: Vec::new(),
+        fairness: None,
     }
 }
 
@@ -208,19 +208,6 @@ fn prefill_shares(by_backend: &BTreeMap<String, u64>) -> (Option<f64>, Option<f6
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn percentile_interpolates() {
-        let v = [4.0, 1.0, 3.0, 2.0];
-        assert_eq!(percentile(&v, 0.0), Some(1.0));
-        assert_eq!(percentile(&v, 100.0), Some(4.0));
-        assert_eq!(percentile(&v, 50.0), Some(2.5));
-        assert!((percentile(&v, 90.0).unwrap() - 3.7).abs() < 1e-9);
-        assert_eq!(percentile(&[], 50.0), None);
-        assert_eq!(percentile(&[7.0], 99.0), Some(7.0));
-        let hundred: Vec<f64> = (1..=101).map(f64::from).collect();
-        assert_eq!(percentile(&hundred, 99.0), Some(100.0));
-    }
 
     fn rec(send: f64, ttft: f64, backend: &str, prompt: u64, cached: u64) -> RequestRecord {
         RequestRecord {

@@ -133,6 +133,7 @@ impl OpenLoop for LadderSchedule {
                 oracle_hit: hit,
                 oracle_total: sys + self.cfg.question_tokens as f64,
                 agent: Default::default(),
+                tenancy: Default::default(),
             },
         })
     }

@@ -5,16 +5,48 @@
 //! and single-turn prompts) are driven by the runner's workers instead.
 
 use std::io::Read as _;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::record::ChatRequest;
+use sharegpt::Conversation;
 
 pub mod ladder;
 pub mod mooncake;
 pub mod multi_model;
+pub mod noisy_neighbor;
 pub mod prompts;
 pub mod shapes;
 pub mod sharegpt;
+pub mod tenancy;
+
+/// Where a closed loop's workers take their conversations from, in order; `None` ends them.
+/// A generated workload may build each one when asked: a flood of 30k-token prompts, all made
+/// up front, would hold gigabytes.
+pub trait Conversations: Send + Sync {
+    fn get(&self, i: usize) -> Option<Conversation>;
+}
+
+impl Conversations for Vec<Conversation> {
+    fn get(&self, i: usize) -> Option<Conversation> {
+        self.as_slice().get(i).cloned()
+    }
+}
+
+/// Closed-loop workers sharing one source of conversations: a tenant's, or a phase's.
+pub struct Pool {
+    pub convs: Arc<dyn Conversations>,
+    pub workers: u32,
+}
+
+impl Pool {
+    pub fn new(convs: Vec<Conversation>, workers: u32) -> Self {
+        Pool {
+            convs: Arc::new(convs),
+            workers,
+        }
+    }
+}
 
 /// One open-loop request and its due time (wall clock, from the run start).
 #[derive(Debug, Clone)]

@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{read_jsonl, OpenLoop, Scheduled};
-use crate::replay::record::{ChatRequest, Message};
+use crate::replay::record::{ChatRequest, Message, Tenancy};
 use crate::replay::rng::filler;
 
 pub const BLOCK_TOKENS: u64 = 512;
@@ -29,6 +29,8 @@ pub struct TraceRecord {
     pub hash_ids: Vec<u64>,
     #[serde(default)]
     pub session_id: Option<String>,
+    #[serde(flatten)]
+    pub tenancy: Tenancy,
 }
 
 pub fn load(path: &Path) -> Result<Vec<TraceRecord>, String> {
@@ -108,6 +110,7 @@ impl OpenLoop for MooncakeSchedule {
                 oracle_hit: hit,
                 oracle_total: total,
                 agent: Default::default(),
+                tenancy: rec.tenancy.clone(),
             },
         })
     }
@@ -124,6 +127,7 @@ mod tests {
             output_length: 8,
             hash_ids: ids.to_vec(),
             session_id: None,
+            tenancy: Tenancy::default(),
         }
     }
 
@@ -159,7 +163,7 @@ mod tests {
                 "{\"timestamp\": 1000, \"input_length\": 1024, \"output_length\": 4, \"hash_ids\": [1, 2]}\n",
                 "{\"timestamp\": 0, \"input_length\": 1536, \"output_length\": 4, \"hash_ids\": [1, 2, 3]}\n",
                 "\n",
-                "{\"timestamp\": 2000, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [4, 5], \"session_id\": \"s\"}\n",
+                "{\"timestamp\": 2000, \"input_length\": 600, \"output_length\": 4, \"hash_ids\": [4, 5], \"session_id\": \"s\", \"tenant\": \"t\", \"slo_ttft_ms\": 500}\n",
             ),
         )
         .unwrap();
@@ -170,6 +174,12 @@ mod tests {
         assert_eq!(all.len(), 3);
         assert_eq!(all[1].at, Duration::from_millis(500));
         assert_eq!(all[2].req.session.as_deref(), Some("s"));
+        let t = &all[2].req.tenancy;
+        assert_eq!(
+            (t.tenant.as_deref(), t.priority, t.slo_ttft_ms),
+            (Some("t"), None, Some(500))
+        );
+        assert_eq!(all[0].req.tenancy, Tenancy::default());
         let hit: f64 = all.iter().map(|x| x.req.oracle_hit).sum();
         let total: f64 = all.iter().map(|x| x.req.oracle_total).sum();
         // 7 blocks, 5 distinct ids.

@@ -70,6 +70,7 @@ mod tests {
                 model: None,
                 system: None,
                 agent: Default::default(),
+                tenancy: Default::default(),
             })
             .collect()
     }

@@ -10,7 +10,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::read_jsonl;
-use crate::replay::record::{ChatRequest, Message};
+use crate::replay::record::{ChatRequest, Message, Tenancy};
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 pub struct Prompt {
@@ -18,6 +18,9 @@ pub struct Prompt {
     /// Absent (as aiperf allows): `--max-output-tokens`.
     #[serde(default)]
     pub output_length: Option<u64>,
+    /// `tenant`, `priority`, `slo_ttft_ms`, each optional (aiperf ignores them).
+    #[serde(flatten)]
+    pub tenancy: Tenancy,
 }
 
 pub fn load(path: &Path) -> Result<Vec<Prompt>, String> {
@@ -56,6 +59,7 @@ pub fn requests(prompts: Vec<Prompt>, default_max_tokens: u32) -> Vec<ChatReques
                 oracle_hit: hit,
                 oracle_total: total,
                 agent: Default::default(),
+                tenancy: p.tenancy,
             }
         })
         .collect()
@@ -86,7 +90,8 @@ mod tests {
             prompts[0],
             Prompt {
                 text: "alpha beta".into(),
-                output_length: Some(128)
+                output_length: Some(128),
+                tenancy: Tenancy::default(),
             }
         );
         assert_eq!(prompts[1].output_length, None);
@@ -103,6 +108,34 @@ mod tests {
         assert_eq!(reqs[1].oracle_hit, 0.0);
         assert_eq!(reqs[2].oracle_hit, reqs[2].oracle_total);
         assert_eq!(reqs[2].oracle_total, 10.0);
+    }
+
+    #[test]
+    fn tenant_priority_and_deadline_are_optional_fields() {
+        let p = tmp_file(
+            "tenants.jsonl",
+            "{\"text\": \"a\", \"tenant\": \"gold\", \"priority\": -1, \"slo_ttft_ms\": 800}\n\
+             {\"text\": \"b\"}\n",
+        );
+        let reqs = requests(load(&p).unwrap(), 8);
+        std::fs::remove_file(&p).ok();
+        assert_eq!(
+            reqs[0].tenancy,
+            Tenancy {
+                tenant: Some("gold".into()),
+                priority: Some(-1),
+                slo_ttft_ms: Some(800)
+            }
+        );
+        assert_eq!(reqs[1].tenancy, Tenancy::default());
+        // A priority that is not an integer is a bad line, not a silently default one.
+        let p = tmp_file(
+            "bad-priority.jsonl",
+            "{\"text\": \"a\", \"priority\": \"high\"}\n",
+        );
+        let err = load(&p).unwrap_err();
+        std::fs::remove_file(&p).ok();
+        assert!(err.contains(":1: bad record"), "{err}");
     }
 
     #[test]

@@ -69,6 +69,7 @@ pub fn documents(
                 model: None,
                 system: Some("You are a careful reader. Answer from the document.".into()),
                 agent: Default::default(),
+                tenancy: Default::default(),
             }
         })
         .collect();
@@ -127,6 +128,7 @@ pub fn prefix_groups(
                 oracle_hit: if u == 0 { 0.0 } else { system.len() as f64 },
                 oracle_total: total,
                 agent: Default::default(),
+                tenancy: Default::default(),
             });
         }
     }
@@ -201,6 +203,7 @@ pub fn agentic(shape: &AgentShape) -> Vec<Conversation> {
                 model: None,
                 system: Some(manual.clone()),
                 agent: agent.clone(),
+                tenancy: Default::default(),
             }
         })
         .collect()

@@ -13,7 +13,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::read_jsonl;
-use crate::replay::record::{AgentTurn, ChatRequest, Message, ToolCall};
+use crate::replay::record::{AgentTurn, ChatRequest, Message, Tenancy, ToolCall};
 
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Turn {
@@ -41,6 +41,9 @@ pub struct Conversation {
     /// An agent session's options (`agentic`): tools, stored answers.
     #[serde(skip)]
     pub agent: AgentTurn,
+    /// Optional `tenant`, `priority` and `slo_ttft_ms` fields, sent with every turn.
+    #[serde(flatten)]
+    pub tenancy: Tenancy,
 }
 
 pub fn load(path: &Path) -> Result<Vec<Conversation>, String> {
@@ -116,6 +119,7 @@ impl Chat {
                 think: std::time::Duration::from_millis(turn.think_ms),
                 ..self.conv.agent.clone()
             },
+            tenancy: self.conv.tenancy.clone(),
         })
     }
 
@@ -189,7 +193,31 @@ mod tests {
             model: None,
             system: None,
             agent: Default::default(),
+            tenancy: Tenancy::default(),
         }
+    }
+
+    #[test]
+    fn a_conversations_tenancy_goes_with_every_turn() {
+        let p = std::env::temp_dir().join(format!("kvbench-conv-{}.jsonl", std::process::id()));
+        std::fs::write(
+            &p,
+            "{\"session_id\": \"s\", \"tenant\": \"gold\", \"priority\": 1, \"turns\": [\
+             {\"text\": \"a\", \"output_length\": 1}, {\"text\": \"b\", \"output_length\": 1}]}\n",
+        )
+        .unwrap();
+        let convs = load(&p).unwrap();
+        std::fs::remove_file(&p).ok();
+        let mut chat = Chat::new(convs[0].clone(), 8);
+        let first = chat.next_request().unwrap();
+        chat.record_reply("x".into());
+        let second = chat.next_request().unwrap();
+        let gold = Tenancy {
+            tenant: Some("gold".into()),
+            priority: Some(1),
+            slo_ttft_ms: None,
+        };
+        assert_eq!((first.tenancy, second.tenancy), (gold.clone(), gold));
     }
 
     #[test]
