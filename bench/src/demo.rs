@@ -77,6 +77,8 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         steady_priority: None,
         steady_slo_ms: None,
         sheddable: None,
+        solo: false,
+        all_flood: false,
     };
     compare::run(args).await
 }

@@ -211,6 +211,12 @@ pub struct CompareArgs {
     /// noisy_neighbor: the share of the flood's requests sent sheddable (`replay --sheddable`).
     #[arg(long)]
     pub sheddable: Option<f64>,
+    /// noisy_neighbor: the steady tenants alone (`replay --solo`).
+    #[arg(long)]
+    pub solo: bool,
+    /// noisy_neighbor: every tenant sends the flood's prompts (`replay --all-flood`).
+    #[arg(long)]
+    pub all_flood: bool,
 }
 
 impl CompareArgs {
@@ -282,6 +288,12 @@ impl CompareArgs {
                 self.steady_slo_ms.map(|ms| ms.to_string()),
             );
             flag("--sheddable", self.sheddable.map(|s| s.to_string()));
+            if self.solo {
+                out.push("--solo".to_owned());
+            }
+            if self.all_flood {
+                out.push("--all-flood".to_owned());
+            }
         } else {
             flag("--tenants", self.tenants.as_ref().map(|m| m.spec.clone()));
         }

@@ -229,6 +229,14 @@ pub struct ReplayArgs {
     /// noisy_neighbor: the share of the flood's requests sent sheddable (priority -1), 0 to 1.
     #[arg(long, default_value_t = 0.0)]
     pub sheddable: f64,
+    /// noisy_neighbor: the steady tenants alone, without the flood: the baseline the flood's
+    /// effect on them is judged against.
+    #[arg(long)]
+    pub solo: bool,
+    /// noisy_neighbor: every tenant sends the flood's long prompts, each with its own worker
+    /// count: all want more than their share, the case fairness (Jain's index) is judged on.
+    #[arg(long)]
+    pub all_flood: bool,
 }
 
 impl ReplayArgs {
@@ -348,6 +356,8 @@ impl ReplayArgs {
             steady_priority: self.steady_priority,
             steady_slo_ms: self.steady_slo_ms,
             sheddable: self.sheddable,
+            solo: self.solo,
+            all_flood: self.all_flood,
             seed: self.seed,
         }
     }

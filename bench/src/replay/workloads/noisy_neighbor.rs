@@ -44,6 +44,10 @@ pub struct NoisyShape {
     pub steady_slo_ms: Option<u64>,
     /// The share of the flood's requests sent at priority -1 (sheddable), in [0, 1].
     pub sheddable: f64,
+    /// The steady tenants alone: no flood (the baseline).
+    pub solo: bool,
+    /// Every tenant sends the flood's prompts.
+    pub all_flood: bool,
     pub seed: u64,
 }
 
@@ -53,6 +57,9 @@ impl NoisyShape {
     }
 
     pub fn flood_workers(&self) -> u32 {
+        if self.solo {
+            return 0;
+        }
         self.steady_workers() * FLOOD_FACTOR
     }
 
@@ -77,7 +84,7 @@ impl NoisyShape {
                 };
                 let source = TenantSource {
                     name,
-                    flood,
+                    long: flood || self.all_flood,
                     tenancy,
                     sheddable: if flood { self.sheddable } else { 0.0 },
                     seed: mix(self.seed ^ ((k as u64 + 1) << 40)),
@@ -91,6 +98,7 @@ impl NoisyShape {
                     },
                 }
             })
+            .filter(|p| p.workers > 0)
             .collect()
     }
 }
@@ -98,7 +106,8 @@ impl NoisyShape {
 /// One tenant's endless stream of single-turn conversations.
 struct TenantSource {
     name: String,
-    flood: bool,
+    /// Sends the flood's long prompts.
+    long: bool,
     tenancy: Tenancy,
     sheddable: f64,
     seed: u64,
@@ -107,7 +116,7 @@ struct TenantSource {
 impl Conversations for TenantSource {
     fn get(&self, i: usize) -> Option<Conversation> {
         let mut rng = Rng::new(mix(self.seed ^ i as u64));
-        let (tokens, output) = if self.flood {
+        let (tokens, output) = if self.long {
             let (lo, hi) = FLOOD_TOKENS;
             (lo + rng.below(hi - lo + 1), FLOOD_OUTPUT)
         } else {
@@ -149,6 +158,8 @@ mod tests {
             steady_priority: None,
             steady_slo_ms: None,
             sheddable: 0.0,
+            solo: false,
+            all_flood: false,
             seed: 1,
         }
     }
@@ -163,6 +174,23 @@ mod tests {
         assert_eq!(workers, [40, 4, 4, 4, 4]);
         // Fewer workers than tenants still gives every tenant one.
         assert_eq!(shape(3).pools()[1].workers, 1);
+        // Solo: the same steady tenants, no flood.
+        let solo = NoisyShape {
+            solo: true,
+            ..shape(14)
+        };
+        let workers: Vec<u32> = solo.pools().iter().map(|p| p.workers).collect();
+        assert_eq!(workers, [1, 1, 1, 1]);
+        // All flood: every tenant's prompts are the flood's, the worker counts unchanged.
+        let all = NoisyShape {
+            all_flood: true,
+            ..shape(56)
+        };
+        let pools = all.pools();
+        assert_eq!(pools[1].workers, 4);
+        let steady = pools[1].convs.get(3).unwrap();
+        assert!(steady.turns[0].text.len() as u64 / BYTES_PER_TOKEN >= 8_000);
+        assert_eq!(steady.turns[0].output_length, FLOOD_OUTPUT);
         let tenants: Vec<Option<String>> = pools
             .iter()
             .map(|p| p.convs.get(0).unwrap().tenancy.tenant)
