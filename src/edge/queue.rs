@@ -1,9 +1,9 @@
 //! The router queue: when every eligible backend is at its hard cap
 //! (`limits.backend_max_inflight`), a request waits here until a request finishes somewhere or
 //! its deadline passes. Strict priority bands; inside a band, the tenant served least lately
-//! goes first ([`super::fair_share`]), so one tenant's flood cannot take everyone else's turn;
-//! inside a tenant, the request with the least slack to its TTFT deadline, then the cheapest,
-//! then the first come. A full queue (or band) or a passed queue TTL sheds the request (429
+//! goes first ([`super::fair_share`]), so one tenant's flood cannot take everyone else's turn
+//! (tenants served alike: the one waiting longest); inside a tenant, the request with the
+//! least slack to its TTFT deadline, then the cheapest, then the first come. A full queue (or band) or a passed queue TTL sheds the request (429
 //! with `Retry-After`), and a sheddable one (priority below 0) is shed at once rather than
 //! queued.
 //!
@@ -172,25 +172,65 @@ impl<'a> Rank<'a> {
             .or_insert_with(|| fair.attained(tenant, now))
     }
 
-    /// `Less`: `a` goes first. Higher band, then the less served tenant, then the earlier
-    /// latest start (a request without a deadline after every one with), then the cheaper,
-    /// then the earlier arrival.
-    fn order(&mut self, a: Key<'_>, b: Key<'_>) -> Ordering {
-        let by_band = b.priority.cmp(&a.priority);
-        if by_band != Ordering::Equal {
-            return by_band;
-        }
-        let (sa, sb) = (self.attained(a.tenant), self.attained(b.tenant));
+    /// Inside one tenant's band: the least slack first (a request without a deadline after
+    /// every one with), then the cheapest, then the earliest.
+    fn within(a: &Key<'_>, b: &Key<'_>) -> Ordering {
         let by_slack = match (a.latest_start, b.latest_start) {
             (Some(x), Some(y)) => x.cmp(&y),
             (Some(_), None) => Ordering::Less,
             (None, Some(_)) => Ordering::Greater,
             (None, None) => Ordering::Equal,
         };
-        sa.total_cmp(&sb)
-            .then(by_slack)
-            .then(a.cost.cmp(&b.cost))
-            .then(a.seq.cmp(&b.seq))
+        by_slack.then(a.cost.cmp(&b.cost)).then(a.seq.cmp(&b.seq))
+    }
+
+    /// Among the tenants' (bands') first requests, each with the arrival of its tenant's
+    /// longest-waiting request: the higher band, then the less served tenant, then the tenant
+    /// waiting longest. Tenants are ordered by their service and their wait alone, never by
+    /// their requests' deadlines or sizes: those only order a tenant's own requests.
+    fn across(&mut self, (a, a_since): (&Key<'_>, u64), (b, b_since): (&Key<'_>, u64)) -> Ordering {
+        let by_band = b.priority.cmp(&a.priority);
+        if by_band != Ordering::Equal {
+            return by_band;
+        }
+        let (sa, sb) = (self.attained(a.tenant), self.attained(b.tenant));
+        sa.total_cmp(&sb).then(a_since.cmp(&b_since))
+    }
+
+    /// Which of `keys` the queue lets go first: each tenant's (and band's) first request by
+    /// [`Rank::within`], and of those the first by [`Rank::across`].
+    fn first(&mut self, keys: &[Key<'_>]) -> Option<usize> {
+        // (head, the group's earliest arrival)
+        let mut heads: Vec<(usize, u64)> = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            let same =
+                |h: &(usize, u64)| keys[h.0].priority == k.priority && keys[h.0].tenant == k.tenant;
+            match heads.iter_mut().find(|h| same(h)) {
+                Some(h) => {
+                    if Self::within(k, &keys[h.0]).is_lt() {
+                        h.0 = i;
+                    }
+                    h.1 = h.1.min(k.seq);
+                }
+                None => heads.push((i, k.seq)),
+            }
+        }
+        heads
+            .into_iter()
+            .min_by(|a, b| self.across((&keys[a.0], a.1), (&keys[b.0], b.1)))
+            .map(|h| h.0)
+    }
+
+    /// Whether `w` goes before `me` (arriving now), as a prediction of the wait: the higher
+    /// bands, the requests of tenants served less, and `me`'s tenant's requests before it.
+    fn ahead_of(&mut self, w: &Key<'_>, me: &Key<'_>) -> bool {
+        if w.priority != me.priority {
+            return w.priority > me.priority;
+        }
+        if w.tenant == me.tenant {
+            return Self::within(w, me).is_lt();
+        }
+        self.attained(w.tenant) <= self.attained(me.tenant)
     }
 }
 
@@ -330,13 +370,8 @@ impl Admission {
         let mut rank = Rank::new(&self.fair);
         loop {
             q.waiters.retain(Waiter::live);
-            let best = q
-                .waiters
-                .iter()
-                .enumerate()
-                .min_by(|(_, a), (_, b)| rank.order(a.key(), b.key()))
-                .map(|(i, _)| i);
-            let Some(i) = best else {
+            let keys: Vec<Key<'_>> = q.waiters.iter().map(Waiter::key).collect();
+            let Some(i) = rank.first(&keys) else {
                 return;
             };
             let w = q.waiters.swap_remove(i);
@@ -357,7 +392,7 @@ impl Admission {
         let me = who.key(u64::MAX);
         q.waiters
             .iter()
-            .filter(|w| w.live() && rank.order(w.key(), me).is_lt())
+            .filter(|w| w.live() && rank.ahead_of(&w.key(), &me))
             .count()
     }
 
@@ -371,15 +406,17 @@ impl Admission {
             return Before::Woken;
         }
         let mut rank = Rank::new(&self.fair);
-        let me = who.key(ticket);
-        let first = q
+        let mut keys: Vec<Key<'_>> = q
             .waiters
             .iter()
-            .any(|w| w.live() && w.seq != ticket && rank.order(w.key(), me).is_lt());
-        if first {
-            Before::Waiter
-        } else {
+            .filter(|w| w.live() && w.seq != ticket)
+            .map(Waiter::key)
+            .collect();
+        keys.push(who.key(ticket));
+        if rank.first(&keys) == Some(keys.len() - 1) {
             Before::Nobody
+        } else {
+            Before::Waiter
         }
     }
 
@@ -785,5 +822,49 @@ mod tests {
         assert_eq!(e.dropped_reason, Some("queue_timeout"));
         assert!(e.message.contains("300 ms"), "{}", e.message);
         assert!(start.elapsed() < Duration::from_secs(1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tenants_served_alike_go_by_arrival_whatever_their_sizes() {
+        // Nobody charged (fair share weights 0): first come first served across tenants, a
+        // tenant's cheaper request ahead of its own dearer one only.
+        let a = Arc::new(Admission::register(&Registry::new()).unwrap());
+        let far = Instant::now() + Duration::from_secs(60);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for (name, tenant, cost) in [
+            ("a-big", "a", 20_000),
+            ("b-small", "b", 500),
+            ("a-small", "a", 400),
+            ("c-small", "c", 300),
+        ] {
+            let (a, order) = (a.clone(), order.clone());
+            let t = a.ticket();
+            tasks.push(tokio::spawn(async move {
+                let w = Who {
+                    cost,
+                    ..who(0, tenant)
+                };
+                a.wait(&w, t, far, 10, None).await.unwrap();
+                order.lock().unwrap().push(name);
+            }));
+            tokio::task::yield_now().await;
+        }
+        // A newcomer of a tenant served alike would wait behind all four.
+        assert_eq!(a.ahead(&who(0, "d")), 4);
+        for _ in 0..4 {
+            a.wake_one();
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        // Tenant a has waited longest (its first request arrived first): its two go first, the
+        // cheaper one ahead; then b, then c, in arrival order.
+        assert_eq!(
+            *order.lock().unwrap(),
+            vec!["a-small", "a-big", "b-small", "c-small"]
+        );
     }
 }
