@@ -435,9 +435,15 @@ impl ProxyHttp for Router {
             if let (Some(_), Some(t)) = (&ctx.resume.splice, &ctx.resume.transcript) {
                 tap.replying_after(&t.seen().text);
             }
+            // Split: the decode server counts the prefix it read as cached; the client's hit is
+            // the prefill server's.
+            let split = ctx.pd.params.is_some();
+            if split {
+                tap = tap.rewriting_cached(ctx.pd.prefill_cached);
+            }
             ctx.tap.usage = Some(tap);
             self.migrator().watch(ctx);
-            if ctx.route.strip_usage {
+            if ctx.route.strip_usage || split {
                 // The body will be shorter than the backend said.
                 upstream.remove_header(&http::header::CONTENT_LENGTH);
             }

@@ -134,6 +134,10 @@ pub struct UsageTap {
     pub reply: Option<String>,
     /// The tool calls an agent API's reply made, when collecting.
     pub calls: Vec<ReplyCall>,
+    /// Rewrite the client's `usage.prompt_tokens_details.cached_tokens` to this (`Some(None)`:
+    /// remove it): a disaggregated request's decode server counts the prefix it read from the
+    /// prefill server as cached.
+    rewrite_cached: Option<Option<u64>>,
 }
 
 /// Non-streamed bodies larger than this are not parsed for usage (they are passed through).
@@ -150,6 +154,17 @@ impl UsageTap {
             usage: None,
             reply: collect_reply.then(String::new),
             calls: Vec::new(),
+            rewrite_cached: None,
+        }
+    }
+
+    /// Rewrite the cached tokens of the client's usage to `cached` (chat and completions;
+    /// none: remove the figure, as vllm-router does when the prefill server reports none).
+    /// A non-streamed body is then held whole until it ends.
+    pub fn rewriting_cached(self, cached: Option<u64>) -> UsageTap {
+        UsageTap {
+            rewrite_cached: Some(cached),
+            ..self
         }
     }
 
@@ -188,6 +203,10 @@ impl UsageTap {
 
     /// Inspect (and for streams, possibly rewrite) one body chunk on its way to the client.
     pub fn filter(&mut self, body: &mut Option<Bytes>, end_of_stream: bool) {
+        if let (false, Some(cached)) = (self.stream, self.rewrite_cached) {
+            self.hold_and_rewrite(body, end_of_stream, cached);
+            return;
+        }
         if !self.stream {
             if let Some(b) = body.as_ref() {
                 if self.pending.len() + b.len() <= MAX_BUFFERED_BODY {
@@ -233,9 +252,18 @@ impl UsageTap {
                 self.text_of(json);
             }
             if let Some(json) = event_data(event).filter(|j| contains(j, b"\"usage\"")) {
-                if let Some((usage, usage_only)) = self.usage_of(json) {
+                if let Some((mut usage, usage_only)) = self.usage_of(json) {
+                    if let Some(c) = self.rewrite_cached {
+                        usage.cached_tokens = c.unwrap_or(0);
+                    }
                     self.usage = Some(usage);
                     if usage_only && self.strip {
+                        continue;
+                    }
+                    if let Some(json) = self.rewrite_cached.and_then(|c| with_cached(json, c)) {
+                        out.extend_from_slice(b"data: ");
+                        out.extend_from_slice(&json);
+                        out.extend_from_slice(b"\n\n");
                         continue;
                     }
                 }
@@ -244,6 +272,58 @@ impl UsageTap {
         }
         *body = Some(out.freeze());
     }
+}
+
+impl UsageTap {
+    /// A non-streamed body whose usage is rewritten: held until it ends, then sent rewritten
+    /// (as it came when it is too large to hold or has no usage to rewrite).
+    fn hold_and_rewrite(&mut self, body: &mut Option<Bytes>, end: bool, cached: Option<u64>) {
+        if let Some(b) = body.take() {
+            self.pending.extend_from_slice(&b);
+        }
+        if self.pending.len() > MAX_BUFFERED_BODY {
+            self.rewrite_cached = None;
+            *body = Some(self.pending.split().freeze());
+            return;
+        }
+        if !end {
+            return;
+        }
+        let whole = self.pending.split().freeze();
+        self.usage = self.usage_of(&whole).map(|(u, _)| Usage {
+            cached_tokens: cached.unwrap_or(0),
+            ..u
+        });
+        self.text_of(&whole);
+        *body = Some(with_cached(&whole, cached).map_or(whole, Bytes::from));
+    }
+}
+
+/// `json` (a chat or completions body or chunk with `usage`) with its cached prompt tokens set
+/// to `cached`, or removed; `None` when it has no usage object.
+fn with_cached(json: &[u8], cached: Option<u64>) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(json).ok()?;
+    let usage = v.get_mut("usage")?.as_object_mut()?;
+    match cached {
+        Some(c) => {
+            let details = usage
+                .entry("prompt_tokens_details")
+                .or_insert_with(|| serde_json::json!({}));
+            if !details.is_object() {
+                *details = serde_json::json!({});
+            }
+            details["cached_tokens"] = serde_json::Value::from(c);
+        }
+        None => {
+            if let Some(d) = usage
+                .get_mut("prompt_tokens_details")
+                .and_then(|d| d.as_object_mut())
+            {
+                d.remove("cached_tokens");
+            }
+        }
+    }
+    serde_json::to_vec(&v).ok()
 }
 
 pub(super) fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -527,5 +607,48 @@ mod tests {
                 completion_tokens: 0,
             })
         );
+    }
+
+    #[test]
+    fn a_split_requests_usage_says_the_prefill_servers_hit() {
+        // Streamed: the usage chunk is rewritten, the other events pass as they came.
+        let mut tap = UsageTap::new(true, false, false).rewriting_cached(Some(128));
+        let token = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let mut body = Some(Bytes::from(format!("{token}{USAGE}data: [DONE]\n\n")));
+        tap.filter(&mut body, true);
+        let out = String::from_utf8(body.unwrap().to_vec()).unwrap();
+        assert!(out.starts_with(token), "{out}");
+        assert!(out.ends_with("data: [DONE]\n\n"), "{out}");
+        let usage = out.lines().find(|l| l.contains("usage")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&usage["data: ".len()..]).unwrap();
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 128);
+        assert_eq!(v["usage"]["prompt_tokens"], 100);
+        assert_eq!(tap.usage.unwrap().cached_tokens, 128);
+
+        // Not streamed: held whole, then rewritten; no figure from the prefill server removes
+        // the decode server's.
+        let mut tap = UsageTap::new(false, false, false).rewriting_cached(None);
+        let whole = br#"{"choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":7}}}"#;
+        let mut first = Some(Bytes::from_static(&whole[..20]));
+        tap.filter(&mut first, false);
+        assert!(first.is_none(), "held until the body ends");
+        let mut rest = Some(Bytes::from_static(&whole[20..]));
+        tap.filter(&mut rest, true);
+        let v: serde_json::Value = serde_json::from_slice(&rest.unwrap()).unwrap();
+        assert!(
+            v["usage"]["prompt_tokens_details"]
+                .get("cached_tokens")
+                .is_none(),
+            "{v}"
+        );
+        assert_eq!(v["choices"][0]["message"]["content"], "x");
+        assert_eq!(tap.usage.unwrap().cached_tokens, 0);
+        // A body without usage goes as it came.
+        assert!(with_cached(b"{\"choices\":[]}", Some(3)).is_none());
+        let v: serde_json::Value = serde_json::from_slice(
+            &with_cached(br#"{"usage":{"prompt_tokens":5}}"#, Some(3)).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 3);
     }
 }
