@@ -10,6 +10,7 @@ use super::engine::lora::LoraConfig;
 use super::engine::profile::{fleet_profiles, Profile, ProfileName};
 use super::error::SimError;
 use super::faults::{check_rate, Faults};
+use super::pd::{PdConfig, PdProtocol, Role};
 use super::text::tokenizer::PromptTokenizer;
 
 const DEFAULT_TTFT_MS: f64 = 20.0;
@@ -105,6 +106,29 @@ pub struct SimArgs {
     /// else to the rank with the fewest requests in flight. Engine mode only.
     #[arg(long, default_value_t = 1)]
     pub dp_size: u16,
+    /// This server's part in a prefill/decode-disaggregated fleet, for /debug/state and the
+    /// logs: as vLLM's kv_both, any server serves any request, whatever its role.
+    #[arg(long, value_enum, default_value_t = Role::Both)]
+    pub role: Role,
+    /// How P and D hand a request over: vllm_nixl is vLLM's NixlConnector
+    /// (`kv_transfer_params` in the request and in the prefill server's answer).
+    #[arg(long, value_enum, default_value_t = PdProtocol::VllmNixl)]
+    pub pd_protocol: PdProtocol,
+    /// Bandwidth of one KV transfer from a prefill server, GB/s (10^9 bytes a second, model
+    /// time).
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_transfer_gbps: f64,
+    /// Bytes of KV per token a transfer moves [default: the profile's model: 131072 for
+    /// Llama-3-8B, 23040 for SmolLM2-135M].
+    #[arg(long)]
+    pub kv_bytes_per_token: Option<u64>,
+    /// Fixed cost of one KV transfer, model milliseconds.
+    #[arg(long, default_value_t = 2.0)]
+    pub kv_transfer_base_ms: f64,
+    /// A prefill server frees the blocks it holds for a decode server after this many model
+    /// seconds unread (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    #[arg(long, default_value_t = 480.0)]
+    pub pd_abort_timeout_s: f64,
 }
 
 /// Ranks one server may run.
@@ -184,6 +208,7 @@ impl SimArgs {
                 "--dp-size runs several engines: it cannot go with --ttft-ms or --itl-ms",
             ));
         }
+        let pd = self.pd_config()?;
         let listen = self.listen_addrs(host, fleet.len())?;
         let kv_events = self.kv_events_plan(host, fleet.len(), fixed)?;
         let tokenizer = match &self.tokenizer {
@@ -214,6 +239,7 @@ impl SimArgs {
                 load: scaled(self.lora_load_ms, self.time_scale),
             },
             dp_size: usize::from(self.dp_size),
+            pd,
         };
         let configs = fleet
             .iter()
@@ -226,6 +252,38 @@ impl SimArgs {
             configs,
             listen,
             kv_events,
+        })
+    }
+
+    fn pd_config(&self) -> Result<PdConfig, SimError> {
+        let gbps = self.kv_transfer_gbps;
+        if !(gbps.is_finite() && gbps > 0.0) {
+            return Err(SimError::new(format!(
+                "--kv-transfer-gbps must be > 0, got {gbps}"
+            )));
+        }
+        if self.kv_bytes_per_token == Some(0) {
+            return Err(SimError::new("--kv-bytes-per-token must be at least 1"));
+        }
+        let base = self.kv_transfer_base_ms;
+        if !(base.is_finite() && base >= 0.0) {
+            return Err(SimError::new(format!(
+                "--kv-transfer-base-ms must be >= 0, got {base}"
+            )));
+        }
+        let timeout = self.pd_abort_timeout_s;
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(SimError::new(format!(
+                "--pd-abort-timeout-s must be > 0, got {timeout}"
+            )));
+        }
+        Ok(PdConfig {
+            role: self.role,
+            protocol: self.pd_protocol,
+            transfer_gbps: gbps,
+            kv_bytes_per_token: self.kv_bytes_per_token,
+            transfer_base_s: base / 1e3,
+            abort_timeout: scaled(timeout * 1e3, self.time_scale),
         })
     }
 
@@ -557,6 +615,55 @@ mod tests {
         ];
         let forced = parse_argv(&[&["--base-port", "0"][..], &all].concat()).unwrap();
         assert!(forced.configs.iter().all(|c| c.engine == Engine::Sglang));
+    }
+
+    #[test]
+    fn pd_flags_default_to_vllms_and_are_checked() {
+        let plan = parse(&[]).unwrap();
+        let pd = plan.configs[0].pd;
+        assert_eq!((pd.role, pd.protocol), (Role::Both, PdProtocol::VllmNixl));
+        assert_eq!((pd.transfer_gbps, pd.transfer_base_s), (25.0, 0.002));
+        assert_eq!(pd.kv_bytes_per_token, None);
+        assert_eq!(pd.abort_timeout, std::time::Duration::from_secs(480));
+        let plan = parse(&[
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "vllm_nixl",
+            "--kv-transfer-gbps",
+            "0.5",
+            "--kv-bytes-per-token",
+            "4096",
+            "--kv-transfer-base-ms",
+            "0",
+            "--pd-abort-timeout-s",
+            "30",
+            "--time-scale",
+            "10",
+        ])
+        .unwrap();
+        let pd = plan.configs[2].pd;
+        assert_eq!(pd.role, Role::Prefill);
+        assert_eq!(pd.transfer_gbps, 0.5);
+        assert_eq!(pd.kv_bytes_per_token, Some(4096));
+        assert_eq!(pd.transfer_base_s, 0.0);
+        // Model seconds, waited on the wall clock like everything else.
+        assert_eq!(pd.abort_timeout, std::time::Duration::from_secs(3));
+        assert_eq!(
+            parse(&["--role", "decode"]).unwrap().configs[0].pd.role,
+            Role::Decode
+        );
+        for bad in [
+            &["--role", "router"][..],
+            &["--pd-protocol", "sglang_bootstrap"],
+            &["--kv-transfer-gbps", "0"],
+            &["--kv-transfer-gbps", "inf"],
+            &["--kv-bytes-per-token", "0"],
+            &["--kv-transfer-base-ms", "-1"],
+            &["--pd-abort-timeout-s", "0"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

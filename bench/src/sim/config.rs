@@ -7,6 +7,7 @@ use std::time::Duration;
 use super::engine::lora::LoraConfig;
 use super::engine::profile::{Profile, ProfileName};
 use super::faults::Faults;
+use super::pd::PdConfig;
 use super::text::tokenizer::PromptTokenizer;
 
 /// Which engine's metric names `/metrics` speaks (and, for llama.cpp, its `/props` and
@@ -55,6 +56,9 @@ pub struct SimConfig {
     pub lora: LoraConfig,
     /// Engines (data-parallel ranks) behind the server's port, each of `profile` (`--dp-size`).
     pub dp_size: usize,
+    /// P/D disaggregation (`--role`, `--pd-protocol`, `--kv-transfer-*`,
+    /// `--pd-abort-timeout-s`).
+    pub pd: PdConfig,
 }
 
 impl SimConfig {
@@ -74,6 +78,7 @@ impl SimConfig {
             tokenizer: Arc::default(),
             lora: LoraConfig::default(),
             dp_size: 1,
+            pd: PdConfig::default(),
         }
     }
 

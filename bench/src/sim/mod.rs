@@ -31,6 +31,9 @@
 //!   `/debug/*`, so kvroute's integration tests can see what each backend received.
 //! - `--kv-events PORT`: each engine publishes its KV pool's changes as vLLM's KV cache
 //!   events, on vLLM's ZMQ PUB and replay sockets (`kvevents`, `kvpublish`).
+//! - Prefill/decode disaggregation after vLLM's NixlConnector (`pd`): a prefill request holds
+//!   its prompt's blocks for a decode server, which reads them in model time and finds its
+//!   prefix cached; `--role`, `--kv-transfer-gbps` and the others set it up.
 //!
 //! # How to use
 //! `kvbench sim --servers 2 --base-port 0` prints one `kvbench-sim listening ADDR index I` line
@@ -70,9 +73,13 @@
 //!     (`--tokenizer`).
 //!   - `generate`: filler text, token timing and the reply's block hashes.
 //!
+//! - `pd/`, prefill/decode disaggregation: `params` (`kv_transfer_params`), `held` (the
+//!   prefill side's held blocks), `transfer` (the decode side's notice to the prefill
+//!   server), `stats`; the HTTP glue is `api::pd`, the pool's part `engine::scheduler`.
+//!
 //! Imports between these modules go one way only, from the endpoints (`api`) down through
-//! `text` to `engine`, which imports neither, so that any module can be read and tested
-//! knowing only the ones below it.
+//! `pd` and `text` to `engine`, which imports none of them, so that any module can be read
+//! and tested knowing only the ones below it.
 
 mod api;
 mod cli;
@@ -80,10 +87,13 @@ mod config;
 mod engine;
 mod error;
 mod faults;
+mod pd;
 mod text;
 
 #[cfg(test)]
 mod e2e_tests;
+#[cfg(test)]
+mod pd_e2e_tests;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -118,6 +128,18 @@ pub async fn run(args: SimArgs) -> Result<(), SimError> {
             log::info!(
                 "kvbench-sim: prompt tokens counted by {:?}",
                 config.tokenizer
+            );
+            let pd = &config.pd;
+            log::info!(
+                "kvbench-sim: role {:?}, P/D protocol {:?}, KV transfers {} GB/s + {} ms, \
+                 {} bytes a token, held blocks expire after {:?} (wall)",
+                pd.role,
+                pd.protocol,
+                pd.transfer_gbps,
+                pd.transfer_base_s * 1e3,
+                pd.kv_bytes_per_token
+                    .unwrap_or(config.profile.kv_bytes_per_token),
+                pd.abort_timeout
             );
         }
         profiles.push(config.profile.name.as_str());

@@ -12,6 +12,7 @@ use serde_json::json;
 
 use super::metrics;
 use super::state::ServerState;
+use crate::sim::config::Engine;
 use crate::sim::error::ApiError;
 use crate::sim::faults::FaultUpdate;
 
@@ -54,6 +55,10 @@ pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
     // A scrape starts llama.cpp's next interval (its throughput gauges).
     let snapshot = s.stats.scrape(blocks);
     let mut text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
+    // vLLM's NixlConnector metrics; the other engines have their own P/D, not modelled.
+    if cfg.engine == Engine::Vllm {
+        text.push_str(&metrics::render_pd(&cfg.model, &s.pd.stats.snapshot()));
+    }
     if !cfg.lora.adapters.is_empty() {
         if let Ok(lora) = s.lora.slots.lock() {
             text.push_str(&metrics::render_lora(&cfg.lora, &lora));
@@ -174,6 +179,8 @@ pub async fn state(State(s): State<Arc<ServerState>>) -> Response {
         obj.insert("prefill_tokens_per_s".into(), json!(rate));
         obj.insert("slow_start".into(), json!(s.in_slow_start()));
         obj.insert("faults".into(), json!(s.faults()));
+        obj.insert("role".into(), json!(s.config.pd.role));
+        obj.insert("pd".into(), s.pd.state());
         match &s.engine {
             Some(engine) => {
                 let e = engine.state();

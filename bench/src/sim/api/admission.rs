@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use super::response::Usage;
 use super::state::ServerState;
 use crate::sim::engine::kvcache::{salt_seed, seeded_block_hashes, BLOCK_TOKENS};
+use crate::sim::engine::scheduler::KvTransfer;
 use crate::sim::error::ApiError;
 use crate::sim::faults::{hits, FAIL_SALT, HANG_SALT};
 use crate::sim::text::openai::{self, Endpoint, SimRequest};
@@ -25,8 +26,11 @@ pub struct Admitted {
     /// Chained hashes of the prompt's full blocks, from `seed` (the request's salt).
     pub blocks: Vec<u64>,
     pub seed: u64,
-    /// The engine rank the request's `X-Data-Parallel-Rank` pins it to (`--dp-size`).
+    /// The engine rank the request's `X-Data-Parallel-Rank` pins it to (`--dp-size`), or
+    /// the rank a decode request's transfer went to.
     pub dp_rank: Option<usize>,
+    /// P/D disaggregation's part (`api::pd`): a hold to keep, blocks to import.
+    pub kv_transfer: KvTransfer,
 }
 
 pub async fn admit(
@@ -91,6 +95,7 @@ pub async fn admit(
         blocks,
         seed,
         dp_rank: None,
+        kv_transfer: KvTransfer::default(),
     })
 }
 

@@ -10,6 +10,10 @@
 //! A profile with a per-request context (llama.cpp's slot, `cpu-smollm2`) refuses a prompt
 //! that fills it, as llama.cpp does, and cuts the output where the context is full. A server
 //! speaking llama.cpp adds its `timings` beside `usage`, in model milliseconds.
+//!
+//! P/D: a prefill request's hold and a decode request's transferred blocks go to the engine
+//! with the request (`KvTransfer`); the engine reports the blocks it held with the last token,
+//! and a whole answer names them in `kv_transfer_params`.
 
 use std::sync::Arc;
 
@@ -76,6 +80,8 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         let hashes = reply_hashes(endpoint, prompt, &a.blocks, a.seed, reply, tokenizer);
         (hashes, Arc::default())
     };
+    // The held blocks are the prompt's leading ones: their hashes, for the answer.
+    let hold = a.kv_transfer.hold.clone().map(|id| (id, a.blocks.clone()));
     let req = NewRequest {
         prompt_tokens,
         hashes: a.blocks,
@@ -83,6 +89,7 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
         max_tokens: n,
         tokens,
         salt: a.req.cache_salt.clone(),
+        kv_transfer: a.kv_transfer,
     };
     let Some(rx) = engine.submit(req, a.dp_rank) else {
         return ApiError::unavailable("kvbench-sim: engine stopped").into_response();
@@ -122,7 +129,13 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     }
     usage.cached_tokens = watcher.cached_tokens();
     let timings = llamacpp.then(|| watcher.timings());
-    Json(answer_body::whole(&answer, &reply_text, usage, timings)).into_response()
+    let mut body = answer_body::whole(&answer, &reply_text, usage, timings);
+    if let (Some((id, hashes)), Some(obj)) = (hold, body.as_object_mut()) {
+        let held = watcher.rx.borrow().held_blocks.min(hashes.len());
+        let params = crate::sim::pd::prefill_answer(&s.pd, &id, &hashes[..held]);
+        obj.insert("kv_transfer_params".into(), params);
+    }
+    Json(body).into_response()
 }
 
 fn engine_gone() -> Response {

@@ -2,6 +2,10 @@
 //! parse, hang and failure faults, prefix-cache lookup), then answered: in engine mode by the
 //! server's engine (`engine_answer`), in fixed-timing mode here, with the first token after the
 //! TTFT and then one token per inter-token interval.
+//!
+//! P/D disaggregation (`pd`) wraps both: a decode request reads its prompt's blocks from the
+//! prefill server between admission and serving; a prefill request's blocks are held when it
+//! finishes, and its whole answer names them in `kv_transfer_params`.
 
 use std::sync::Arc;
 
@@ -17,6 +21,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::admission::{admit, Admitted};
 use super::answer_body;
 use super::engine_answer;
+use super::pd;
 use super::reqlog::Entry;
 use super::response::{Answer, Timings, Usage};
 use super::sse::{sse_response, StreamWriter};
@@ -58,10 +63,13 @@ pub fn body_hash_hex(body: &[u8]) -> String {
     format!("{:016x}", xxh3_64(body))
 }
 
-/// Only the body's `priority`, for the request log (the engine itself does not schedule by it).
+/// The body's fields read before admission: `priority`, for the request log (the engine
+/// itself does not schedule by it), and P/D's `kv_transfer_params`. Values, so that a
+/// malformed one loses only itself.
 #[derive(serde::Deserialize)]
-struct PriorityField {
-    priority: Option<i64>,
+struct EarlyFields {
+    priority: Option<serde_json::Value>,
+    kv_transfer_params: Option<serde_json::Value>,
 }
 
 pub(super) async fn handle(
@@ -82,13 +90,21 @@ pub(super) async fn handle(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let dp_rank = entry.dp_rank.as_deref().and_then(|r| r.trim().parse().ok());
-    entry.priority = serde_json::from_slice::<PriorityField>(&body)
-        .ok()
-        .and_then(|p| p.priority);
+    let early = serde_json::from_slice::<EarlyFields>(&body).ok();
+    entry.priority = early
+        .as_ref()
+        .and_then(|f| f.priority.as_ref())
+        .and_then(serde_json::Value::as_i64);
+    let params = early.and_then(|f| f.kv_transfer_params);
+    let incoming = pd::classify(&s, endpoint, params.as_ref(), headers);
     let seq = s.log().push(entry);
     let mut res = match admit(&s, seq, endpoint, &body).await {
         Ok(mut admitted) => {
             admitted.dp_rank = dp_rank;
+            admitted.kv_transfer.hold = incoming.hold;
+            if let Some(guard) = incoming.pull {
+                pd::pull(&s, &mut admitted, guard).await;
+            }
             // An adapter not loaded is loaded first: its load time is part of the TTFT.
             let (adapter, wait) =
                 AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model).await;
@@ -159,6 +175,7 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
         rendered: answer
             .rendered_reply(&reply_text)
             .or_else(|| (first > 0).then(|| reply_text.clone())),
+        hold: a.kv_transfer.hold.take(),
     };
     if stream {
         let cut_at = gen.state.faults().cut_point(a.seq, gen.state.index, n);
@@ -180,10 +197,15 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
     }
     gen.token(0).await;
     gen.rest(n).await;
-    gen.replied(n);
+    let held = gen.replied(n);
     let timings = gen.timings(a.usage.cached_tokens, n);
     drop(gen.running);
-    Json(answer_body::whole(&answer, &reply_text, a.usage, timings)).into_response()
+    let mut body = answer_body::whole(&answer, &reply_text, a.usage, timings);
+    if let (Some((id, blocks)), Some(obj)) = (held, body.as_object_mut()) {
+        let params = crate::sim::pd::prefill_answer(&gen.state.pd, &id, &blocks);
+        obj.insert("kv_transfer_params".into(), params);
+    }
+    Json(body).into_response()
 }
 
 /// One request on the simulated engine: holds its KV blocks (the running gauge) until dropped.
@@ -203,6 +225,8 @@ struct Generation {
     /// The reply as the next turn sends it back, when that is not its text (a tool call).
     rendered: Option<String>,
     running: Gauge,
+    /// P/D: the id to hold the prompt's blocks under for a decode server, once done.
+    hold: Option<String>,
 }
 
 impl Generation {
@@ -254,8 +278,9 @@ impl Generation {
 
     /// The whole reply is out: the next turn will send it back after this prompt, so its
     /// blocks are cached too, as the engine mode's pool does. Prompt and reply go in together
-    /// so that the cache's LRU order keeps the prompt's head the most recent.
-    fn replied(&mut self, n: u64) {
+    /// so that the cache's LRU order keeps the prompt's head the most recent. A prefill for a
+    /// decode server then holds its prompt's blocks: returned with the id they are held under.
+    fn replied(&mut self, n: u64) -> Option<(String, Vec<u64>)> {
         let decode = n.saturating_sub(1) as f64 * self.itl_seconds();
         self.state.stats.predicted(n, decode);
         let prompt = std::mem::take(&mut self.prompt);
@@ -265,6 +290,7 @@ impl Generation {
             .rendered
             .as_deref()
             .map_or(Reply::Filler(n), Reply::Rendered);
+        let prompt_blocks = blocks.len();
         blocks.extend(reply_hashes(
             self.endpoint,
             &prompt,
@@ -274,6 +300,9 @@ impl Generation {
             tokenizer,
         ));
         self.state.kv().insert(&blocks);
+        let id = self.hold.take()?;
+        let held = pd::hold_fixed(&self.state, id.clone(), &blocks[..prompt_blocks]);
+        Some((id, held))
     }
 }
 
@@ -309,7 +338,9 @@ impl TokenStream {
             self.gen.token(i).await;
             let last = i + 1 == self.n;
             if last {
-                self.gen.replied(self.n);
+                // A streamed answer carries no `kv_transfer_params`: the hold waits for
+                // its timeout unless a decode server learns of it some other way.
+                let _ = self.gen.replied(self.n);
             }
             let text = token_text(self.first + i);
             return Some(Ok(self.writer.token(&text, i == 0, last, self.start)));

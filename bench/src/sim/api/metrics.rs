@@ -21,6 +21,7 @@ use crate::sim::config::Engine;
 use crate::sim::engine::kv_events::kvpublish::KvEventCounters;
 use crate::sim::engine::lora::{LoraConfig, LoraSlots};
 use crate::sim::engine::stats::{Histogram, Snapshot};
+use crate::sim::pd::PdSnapshot;
 
 /// Prometheus text exposition (version 0.0.4) in `engine`'s metric names.
 /// vLLM's LoRA gauge (`vllm:lora_requests_info`: its value the time of the sample, its labels
@@ -56,6 +57,27 @@ pub fn render_kv_events(ranks: &[&KvEventCounters]) -> String {
     t.counter("kvbench_kv_events_published", "", sum(|c| &c.published));
     t.counter("kvbench_kv_events_dropped", "", sum(|c| &c.dropped));
     t.counter("kvbench_kv_events_overflow", "", sum(|c| &c.overflow));
+    t.out
+}
+
+/// vLLM's NixlConnector families: the reading side's transfer times (model seconds) and
+/// sizes and its failed reads and notices, the holding side's expired requests.
+pub fn render_pd(model: &str, s: &PdSnapshot) -> String {
+    let label = format!("model_name=\"{}\"", escape_label(model));
+    let mut t = Text::default();
+    t.histogram("vllm:nixl_xfer_time_seconds", &label, &s.xfer_time);
+    t.histogram("vllm:nixl_bytes_transferred", &label, &s.bytes);
+    t.counter(
+        "vllm:nixl_num_failed_transfers",
+        &label,
+        s.failed_transfers_total,
+    );
+    t.counter(
+        "vllm:nixl_num_failed_notifications",
+        &label,
+        s.failed_notifications_total,
+    );
+    t.counter("vllm:nixl_num_kv_expired_reqs", &label, s.expired_total);
     t.out
 }
 

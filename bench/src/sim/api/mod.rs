@@ -1,8 +1,9 @@
 //! The OpenAI-compatible HTTP face of one simulated server (with OpenAI's Responses and
-//! Anthropic's Messages APIs beside chat): its router and endpoints,
-//! admission (where the fault knobs strike), answer bodies as JSON or SSE, `/metrics` text and
-//! the request log. Every request enters here and is handed to the engine or, in fixed-timing
-//! mode, answered on this side's own clock, so the engine never sees a connection.
+//! Anthropic's Messages APIs beside chat): its router and endpoints, admission (where the
+//! fault knobs strike), answer bodies as JSON or SSE, `/metrics` text, the request log, and
+//! P/D disaggregation's glue (`pd`). Every request enters here and is handed to the engine
+//! or, in fixed-timing mode, answered on this side's own clock, so the engine never sees a
+//! connection.
 
 mod admin;
 mod admission;
@@ -12,6 +13,7 @@ pub(super) mod inference;
 mod messages;
 mod messages_answer;
 mod metrics;
+mod pd;
 mod reqlog;
 mod response;
 mod response_store;

@@ -11,6 +11,7 @@ use axum::Router;
 
 use super::admin;
 use super::inference;
+use super::pd;
 use super::state::ServerState;
 use super::{messages, responses};
 use crate::sim::config::{Engine, SimConfig};
@@ -57,6 +58,8 @@ pub fn router(state: Arc<ServerState>) -> Router {
             post(admin::set_faults).get(admin::get_faults),
         )
         .route("/debug/state", get(admin::state))
+        // The stand-in for NIXL's read notification, from decode servers (`pd`).
+        .route(crate::sim::pd::NOTIFY_PATH, post(pd::notify))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::map_response_with_state(
@@ -89,7 +92,9 @@ pub fn spawn(
     use axum::serve::ListenerExt;
 
     let addr = listener.local_addr()?;
-    let app = router(Arc::new(ServerState::new(index, addr, config, kv_events)));
+    let state = Arc::new(ServerState::new(index, addr, config, kv_events));
+    pd::spawn_expiry(&state);
+    let app = router(state);
     // Nagle plus delayed ACK would hold back small SSE events by tens of milliseconds.
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {

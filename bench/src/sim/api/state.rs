@@ -16,8 +16,9 @@ use crate::sim::engine::kv_events::kvpublish::Publisher;
 use crate::sim::engine::kvcache::KvCache;
 use crate::sim::engine::lora::Lora;
 use crate::sim::engine::stats::Stats;
-use crate::sim::engine::task::EngineHandle;
+use crate::sim::engine::task::{EngineHandle, HoldReport};
 use crate::sim::faults::Faults;
+use crate::sim::pd::Pd;
 
 pub struct ServerState {
     pub index: usize,
@@ -38,6 +39,9 @@ pub struct ServerState {
     pub lora: Arc<Lora>,
     /// Finished Responses answers, for `previous_response_id` and `/v1/responses/{id}`.
     pub responses: Arc<ResponseStore>,
+    /// P/D disaggregation: what this server holds for decode servers, what it read from
+    /// prefill servers.
+    pub pd: Arc<Pd>,
 }
 
 impl ServerState {
@@ -57,8 +61,17 @@ impl ServerState {
             config.dp_size
         };
         let stats = Arc::new(Stats::with_ranks(ranks));
+        let pd = Arc::new(Pd::new(
+            config.pd,
+            index,
+            addr,
+            config.profile.kv_bytes_per_token,
+        ));
         let engine = (!config.fixed_timing).then(|| {
-            EngineHandle::spawn(config.profile, config.time_scale, stats.clone(), kv_events)
+            let pd = pd.clone();
+            let holds = Arc::new(move |h: HoldReport| pd.held.hold(h.key, h.rank, h.hashes, None));
+            let (profile, scale) = (config.profile, config.time_scale);
+            EngineHandle::spawn(profile, scale, stats.clone(), kv_events, holds)
         });
         Self {
             index,
@@ -73,6 +86,7 @@ impl ServerState {
             addr_header: header_value(&addr.to_string()),
             lora: Arc::default(),
             responses: Arc::new(ResponseStore::new(STORE_CAPACITY)),
+            pd,
             config,
         }
     }

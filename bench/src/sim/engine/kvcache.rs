@@ -7,6 +7,10 @@
 //! cached, as in vLLM. The set is bounded by the KV pool's size and evicts least recently used
 //! blocks. Later work grows this into the full pool (reference counts held by running requests,
 //! preemption); the API below is the part the serving code depends on.
+//!
+//! P/D disaggregation pins blocks here (`pin`) as the engine's pool references them: a pinned
+//! block still counts against the capacity and still hits, but leaves the LRU order, so it is
+//! never evicted, until `unpin` puts it back as the most recently used.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -75,6 +79,8 @@ pub struct KvCache {
     /// Lazy deletion keeps touch O(1); `compact` bounds the garbage.
     order: VecDeque<(u64, u64)>,
     tick: u64,
+    /// Pinned blocks (not in `last_use`) and how many pins each has.
+    pinned: HashMap<u64, u32>,
 }
 
 impl KvCache {
@@ -84,15 +90,22 @@ impl KvCache {
             last_use: HashMap::new(),
             order: VecDeque::new(),
             tick: 0,
+            pinned: HashMap::new(),
         }
+    }
+
+    fn contains(&self, h: &u64) -> bool {
+        self.last_use.contains_key(h) || self.pinned.contains_key(h)
+    }
+
+    /// Number of leading blocks of `hashes` already cached, without touching them.
+    pub fn lookup(&self, hashes: &[u64]) -> usize {
+        hashes.iter().take_while(|h| self.contains(h)).count()
     }
 
     /// Number of leading blocks of `hashes` already cached; those blocks count as used now.
     pub fn match_prefix(&mut self, hashes: &[u64]) -> usize {
-        let hit = hashes
-            .iter()
-            .take_while(|h| self.last_use.contains_key(h))
-            .count();
+        let hit = self.lookup(hashes);
         self.touch_all(&hashes[..hit]);
         hit
     }
@@ -101,16 +114,47 @@ impl KvCache {
     /// blocks past capacity.
     pub fn insert(&mut self, hashes: &[u64]) {
         self.touch_all(hashes);
-        while self.last_use.len() > self.capacity_blocks {
-            self.evict_one();
-        }
+        self.shrink_to_capacity();
+    }
+
+    fn shrink_to_capacity(&mut self) {
+        while self.len() > self.capacity_blocks && self.evict_one() {}
         if self.order.len() > 2 * self.capacity_blocks + 1024 {
             self.compact();
         }
     }
 
+    /// Blocks cached, pinned or not.
     pub fn len(&self) -> usize {
-        self.last_use.len()
+        self.last_use.len() + self.pinned.len()
+    }
+
+    /// Pins the leading cached blocks of `hashes` and returns them: they stay until `unpin`.
+    pub fn pin(&mut self, hashes: &[u64]) -> Vec<u64> {
+        let n = self.lookup(hashes);
+        for &h in &hashes[..n] {
+            // Its entries in `order` go stale, as after a touch.
+            self.last_use.remove(&h);
+            *self.pinned.entry(h).or_insert(0) += 1;
+        }
+        hashes[..n].to_vec()
+    }
+
+    /// Drops one pin from each of `hashes` (as `pin` returned them); a block with none left
+    /// is the most recently used again, its prefix's head most recent of all.
+    pub fn unpin(&mut self, hashes: &[u64]) {
+        let mut free = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            if let Some(n) = self.pinned.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pinned.remove(h);
+                    free.push(*h);
+                }
+            }
+        }
+        self.touch_all(&free);
+        self.shrink_to_capacity();
     }
 
     /// Touches the tail first so a prompt's first blocks are the most recent: when eviction
@@ -118,19 +162,24 @@ impl KvCache {
     /// (vLLM frees a request's blocks in reverse order for the same reason).
     fn touch_all(&mut self, hashes: &[u64]) {
         for &h in hashes.iter().rev() {
+            if self.pinned.contains_key(&h) {
+                continue;
+            }
             self.tick += 1;
             self.last_use.insert(h, self.tick);
             self.order.push_back((h, self.tick));
         }
     }
 
-    fn evict_one(&mut self) {
+    /// False when nothing is left to evict (every cached block is pinned).
+    fn evict_one(&mut self) -> bool {
         while let Some((h, tick)) = self.order.pop_front() {
             if self.last_use.get(&h) == Some(&tick) {
                 self.last_use.remove(&h);
-                return;
+                return true;
             }
         }
+        false
     }
 
     fn compact(&mut self) {
@@ -203,6 +252,38 @@ mod tests {
         assert_eq!(kv.match_prefix(&h), 4);
         // A prompt that diverges in its first block shares nothing.
         assert_eq!(kv.match_prefix(&block_hashes(&text(64 * 4, 1))), 0);
+    }
+
+    #[test]
+    fn pinned_blocks_hit_count_and_outlive_eviction_until_unpinned() {
+        let mut kv = KvCache::new(4);
+        let a = block_hashes(&text(64 * 3, 0));
+        kv.insert(&a);
+        assert_eq!(kv.pin(&a[..2]), a[..2]);
+        assert_eq!(kv.pin(&a[..2]), a[..2], "two holds of one prefix");
+        // Past capacity: only unpinned blocks go, even those used after the pinned ones.
+        for i in 1..20u8 {
+            kv.insert(&block_hashes(&text(64 * 3, i)));
+        }
+        assert_eq!((kv.len(), kv.lookup(&a)), (4, 2));
+        kv.unpin(&a[..2]);
+        assert_eq!(kv.match_prefix(&a), 2, "one pin left");
+        kv.unpin(&a[..2]);
+        // Unpinned, the prefix is the most recent: the next insert evicts older blocks first.
+        kv.insert(&block_hashes(&text(64, 99)));
+        assert_eq!(kv.lookup(&a), 2);
+        for i in 1..=10u8 {
+            kv.insert(&block_hashes(&text(64 * 2, i)));
+        }
+        assert_eq!(kv.lookup(&a), 0);
+        assert_eq!(kv.len(), 4);
+        // A pinned cache over capacity gives back what it can and no more.
+        let mut full = KvCache::new(2);
+        let b = block_hashes(&text(64 * 2, 1));
+        full.insert(&b);
+        full.pin(&b);
+        full.insert(&block_hashes(&text(64, 2)));
+        assert_eq!((full.len(), full.lookup(&b)), (2, 2));
     }
 
     #[test]

@@ -153,7 +153,28 @@ impl KvPool {
     /// block that cannot be had, since nothing past a hole in the chain is reachable. A name
     /// the pool already has (a concurrent identical request) is held rather than duplicated,
     /// which also keeps it from being evicted by the allocations after it.
-    pub fn release_finished(&mut self, mut held: Vec<Option<u64>>, from: usize, names: &[u64]) {
+    pub fn release_finished(&mut self, held: Vec<Option<u64>>, from: usize, names: &[u64]) {
+        let held = self.name_into(held, from, names);
+        self.release(&held);
+    }
+
+    /// Brings in blocks computed elsewhere (a P/D transfer), as `release_finished` names a
+    /// reply's: each of `names` in turn is referenced if the pool has it, else allocated
+    /// (evicting unreferenced blocks) and named, stopping at the first that cannot be had.
+    /// Unlike there, the blocks stay referenced (returned, for `release`) until the request
+    /// they were brought in for is admitted and takes its own references.
+    pub fn import(&mut self, names: &[u64]) -> Vec<Option<u64>> {
+        self.name_into(Vec::new(), 0, names)
+    }
+
+    /// The naming of `release_finished` and `import`: block `from + k` of `held` becomes
+    /// `names[k]`, allocated past the end of `held`; returns `held`, every block referenced.
+    fn name_into(
+        &mut self,
+        mut held: Vec<Option<u64>>,
+        from: usize,
+        names: &[u64],
+    ) -> Vec<Option<u64>> {
         for (j, &h) in (from..).zip(names) {
             if j > held.len() {
                 break;
@@ -180,7 +201,7 @@ impl KvPool {
                 held.push(Some(h));
             }
         }
-        self.release(&held);
+        held
     }
 
     /// Drops a request's blocks (`None` = anonymous). Released in reverse so that a prompt's
@@ -301,6 +322,30 @@ mod tests {
         );
         assert!(pool.take_changes().is_empty());
         assert_eq!(pool.hashed_blocks(), [1, 2].into());
+    }
+
+    /// A transfer's blocks: named (or shared, when the pool has them), referenced until the
+    /// caller lets go, then cached like any released prefix; a full pool stops the chain.
+    #[test]
+    fn import_names_and_holds_until_released() {
+        let mut pool = KvPool::new(4);
+        assert!(pool.allocate(1));
+        assert!(pool.promote(1));
+        pool.release(&[Some(1)]);
+        pool.record_changes();
+        let held = pool.import(&[1, 2, 3]);
+        assert_eq!(held, [Some(1), Some(2), Some(3)]);
+        assert_eq!((pool.used(), pool.cached()), (3, 3));
+        assert_eq!(
+            pool.take_changes(),
+            [PoolChange::Named(2), PoolChange::Named(3)]
+        );
+        // Referenced, so not evictable: one block is left, and the chain stops there.
+        assert!(!pool.allocate(2));
+        assert_eq!(pool.import(&[7, 8]), [Some(7)]);
+        pool.release(&held);
+        pool.release(&[Some(7)]);
+        assert_eq!((pool.used(), pool.lookup(&[1, 2, 3])), (0, 3));
     }
 
     #[test]

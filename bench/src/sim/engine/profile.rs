@@ -50,6 +50,9 @@ pub struct Profile {
     /// The context of one request, prompt plus output: llama.cpp's per-slot `n_ctx`
     /// (`-c` divided among the slots). None: only the pool bounds a request (vLLM).
     pub max_seq_tokens: Option<u64>,
+    /// Bytes of KV one token keeps (K and V, every layer): what a P/D transfer moves per
+    /// token (`pd`, `--kv-bytes-per-token` overrides it).
+    pub kv_bytes_per_token: u64,
 }
 
 /// The real llama.cpp fleet kvroute is tested against: `llama-server` 0.6.0 (PyPI
@@ -112,6 +115,11 @@ pub mod cpu_smollm2 {
     pub const T_KV_NS: f64 = 4_000.0;
 }
 
+/// Llama-3-8B's KV per token, the model of the three GPU profiles: K and V (2) x 32 layers x
+/// 8 KV heads (grouped-query attention) x 128 dims x 2 bytes (bf16) = 131,072 bytes, the
+/// 128 KiB of `shared/bench.md`. The GPU does not change it, so A100 and L40S keep it too.
+pub const LLAMA3_8B_KV_BYTES_PER_TOKEN: u64 = 2 * 32 * 8 * 128 * 2;
+
 /// One row of `TABLE`.
 struct Row {
     name: ProfileName,
@@ -123,6 +131,7 @@ struct Row {
     max_num_seqs: usize,
     max_num_batched_tokens: u64,
     max_seq_tokens: Option<u64>,
+    kv_bytes_per_token: u64,
 }
 
 /// vLLM's scheduler defaults, shared by the GPU profiles.
@@ -148,6 +157,7 @@ const fn gpu(
         max_num_seqs: VLLM_MAX_NUM_SEQS,
         max_num_batched_tokens: VLLM_MAX_NUM_BATCHED_TOKENS,
         max_seq_tokens: None,
+        kv_bytes_per_token: LLAMA3_8B_KV_BYTES_PER_TOKEN,
     }
 }
 
@@ -168,6 +178,8 @@ const TABLE: [Row; 4] = [
         max_num_seqs: cpu_smollm2::SLOTS,
         max_num_batched_tokens: cpu_smollm2::N_BATCH,
         max_seq_tokens: Some(cpu_smollm2::SLOT_CTX),
+        // SmolLM2-135M, f16 as llama.cpp keeps it (`cpu_smollm2::KV_BYTES_PER_TOKEN`).
+        kv_bytes_per_token: cpu_smollm2::KV_BYTES_PER_TOKEN,
     },
 ];
 
@@ -277,6 +289,7 @@ impl Profile {
             max_num_seqs: row.max_num_seqs,
             max_num_batched_tokens: row.max_num_batched_tokens,
             max_seq_tokens: row.max_seq_tokens,
+            kv_bytes_per_token: row.kv_bytes_per_token,
         }
     }
 
@@ -335,6 +348,15 @@ mod tests {
         assert!((0.015..0.019).contains(&t), "{t}");
         assert_eq!(p.with_kv_tokens(1000).kv_blocks, 62);
         assert_eq!(Profile::get(ProfileName::A100Llama8b).kv_blocks, 15_625);
+    }
+
+    /// What a P/D transfer moves per token: the model's KV, whatever the GPU.
+    #[test]
+    fn kv_bytes_per_token_is_the_models() {
+        for name in [H100Llama8b, A100Llama8b, L40sLlama8b] {
+            assert_eq!(Profile::get(name).kv_bytes_per_token, 131_072);
+        }
+        assert_eq!(Profile::get(CpuSmollm2).kv_bytes_per_token, 23_040);
     }
 
     #[test]

@@ -33,6 +33,13 @@
 //!
 //! KV events (`record_kv_events`): each step also returns the pool's changes as vLLM's KV
 //! events (`kvevents`), in the order they happened.
+//!
+//! P/D disaggregation (`NewRequest::kv_transfer`, after vLLM's NixlConnector): on the prefill
+//! side a finished request can leave its prompt's full blocks referenced under a key
+//! (`StepOutcome::held`) until `release_held`: pinned, counted as used, never evicted. On the
+//! decode side a request can arrive with its prompt's leading blocks already transferred: they
+//! are named in the pool as it is queued and referenced by it until it is admitted, where its
+//! prefix lookup finds them; they count as cached tokens but not as prefix-cache hits.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -55,6 +62,23 @@ pub struct NewRequest {
     pub tokens: Arc<[u8]>,
     /// The request's `cache_salt`: the KV events name it in the first block's extra keys.
     pub salt: Option<String>,
+    /// P/D disaggregation's part (none for a plain request).
+    pub kv_transfer: KvTransfer,
+}
+
+/// What P/D disaggregation asks of the engine for one request.
+#[derive(Debug, Clone, Default)]
+pub struct KvTransfer {
+    /// Prefill side: when the request finishes, keep its prompt's full blocks referenced
+    /// under this key until `release_held` (vLLM's delayed free for a remote decode).
+    pub hold: Option<String>,
+    /// Decode side: the leading prompt blocks brought in before the request is queued (its
+    /// local hits and the transferred blocks after them), held for it until it is admitted,
+    /// as vLLM allocates the blocks of a request waiting for remote KV.
+    pub import_blocks: usize,
+    /// Of those, the blocks read from the prefill server: vLLM counts them as external hits,
+    /// so the prefix-cache hit counters leave them out (`usage` still reports them cached).
+    pub transferred_blocks: usize,
 }
 
 impl NewRequest {
@@ -83,6 +107,8 @@ struct Seq {
     prefill_computed: u64,
     /// Model clock at the end of the step that emitted the first token.
     first_token_at: Option<f64>,
+    /// Imported blocks (`KvTransfer::import_blocks`) held while the request waits.
+    imported: Vec<Option<u64>>,
 }
 
 impl Seq {
@@ -101,6 +127,8 @@ pub struct Admission {
     pub id: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Of `cached_tokens`, those a P/D transfer brought (not prefix-cache hits).
+    pub transferred_tokens: u64,
 }
 
 /// A request emitted a token this step; `generated` counts all its tokens so far.
@@ -120,6 +148,15 @@ pub struct Prefilled {
     pub seconds: f64,
     /// Prompt tokens computed, not served from the prefix cache.
     pub computed_tokens: u64,
+}
+
+/// A finished request's prompt blocks kept referenced for a remote decode
+/// (`KvTransfer::hold`): the pool's blocks of its prompt's leading full blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub id: u64,
+    pub key: String,
+    pub hashes: Vec<u64>,
 }
 
 /// A request emitted its last token this step.
@@ -143,6 +180,8 @@ pub struct StepOutcome {
     pub emitted: Vec<Emitted>,
     pub prefilled: Vec<Prefilled>,
     pub finished: Vec<Finished>,
+    /// Finished requests whose prompt blocks stay held, until `release_held`.
+    pub held: Vec<Held>,
     /// The step's changes to the pool's named blocks, in order (with `record_kv_events`).
     pub kv_events: Vec<KvEvent>,
 }
@@ -195,6 +234,7 @@ impl Scheduler {
     pub fn add(&mut self, req: NewRequest) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
+        let imported = self.import(&req);
         self.waiting.push_back(Seq {
             id,
             req,
@@ -205,8 +245,36 @@ impl Scheduler {
             prefill_start: None,
             prefill_computed: 0,
             first_token_at: None,
+            imported,
         });
         id
+    }
+
+    /// Names and references the leading prompt blocks a P/D transfer brought in; their KV
+    /// events are the request's own blocks, so they are absorbed with its chain now.
+    fn import(&mut self, req: &NewRequest) -> Vec<Option<u64>> {
+        let n = req.kv_transfer.import_blocks.min(req.hashes.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        let held = self.pool.import(&req.hashes[..n]);
+        if let Some(events) = &mut self.events {
+            events.absorb(&mut self.pool, Some((&req.chain(), 0)));
+        }
+        held
+    }
+
+    /// Drops the references of a hold (`StepOutcome::held`): the blocks stay cached,
+    /// evictable like any released prefix.
+    pub fn release_held(&mut self, hashes: &[u64]) {
+        let held: Vec<Option<u64>> = hashes.iter().copied().map(Some).collect();
+        self.pool.release(&held);
+    }
+
+    /// Leading blocks of `hashes` the pool holds now (a decode server's local prefix, before
+    /// it asks for the rest).
+    pub fn lookup(&self, hashes: &[u64]) -> usize {
+        self.pool.lookup(hashes)
     }
 
     /// Drops a request whose client went away, wherever it is.
@@ -215,7 +283,9 @@ impl Scheduler {
             let seq = self.running.remove(i);
             self.pool.release(&seq.held);
         } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            self.waiting.remove(i);
+            if let Some(seq) = self.waiting.remove(i) {
+                self.pool.release(&seq.imported);
+            }
         }
     }
 
@@ -303,7 +373,7 @@ impl Scheduler {
         if let Some(longest) = self.running.iter().map(|s| s.computed).max() {
             self.counters.max_seq_tokens = self.counters.max_seq_tokens.max(longest);
         }
-        let finished = self.finish_done();
+        let finished = self.finish_done(&mut out.held);
         if let Some(events) = &mut self.events {
             // Evictions after the last naming.
             events.absorb(&mut self.pool, None);
@@ -391,16 +461,26 @@ impl Scheduler {
             };
             seq.held = seq.req.hashes[..hit].iter().copied().map(Some).collect();
             seq.held.resize(hit + new_blocks, None);
+            // Its own references are taken: the import's can go.
+            let imported = std::mem::take(&mut seq.imported);
+            self.pool.release(&imported);
             seq.computed = hit_tokens;
             seq.prefill_start.get_or_insert(self.clock);
             if seq.cached_tokens.is_none() {
                 seq.cached_tokens = Some(hit_tokens);
+                // The hit is the local blocks, then the transferred ones.
+                let kv = &seq.req.kv_transfer;
+                let local = kv.import_blocks.saturating_sub(kv.transferred_blocks) as u64;
+                let transferred = hit_tokens
+                    .saturating_sub(local * BLOCK_TOKENS)
+                    .min(kv.transferred_blocks as u64 * BLOCK_TOKENS);
                 self.counters.prefix_queries += seq.req.prompt_tokens;
-                self.counters.prefix_hits += hit_tokens;
+                self.counters.prefix_hits += hit_tokens - transferred;
                 out.admitted.push(Admission {
                     id: seq.id,
                     prompt_tokens: seq.req.prompt_tokens,
                     cached_tokens: hit_tokens,
+                    transferred_tokens: transferred,
                 });
             }
             out.prefill_tokens += n;
@@ -411,7 +491,9 @@ impl Scheduler {
     }
 
     /// Releases the requests that emitted their last token: (id, tokens, first token's time).
-    fn finish_done(&mut self) -> Vec<(u64, u64, Option<f64>)> {
+    /// A request to be held for a remote decode first takes a reference on its prompt's full
+    /// blocks (before its own go, so none can be evicted in between) and is added to `held`.
+    fn finish_done(&mut self, held_out: &mut Vec<Held>) -> Vec<(u64, u64, Option<f64>)> {
         let pool = &mut self.pool;
         let events = &mut self.events;
         let mut finished = Vec::new();
@@ -419,6 +501,16 @@ impl Scheduler {
             let done = seq.generated >= seq.req.max_tokens;
             if done {
                 finished.push((seq.id, seq.generated, seq.first_token_at));
+                if let Some(key) = seq.req.kv_transfer.hold.take() {
+                    let n = pool.lookup(&seq.req.hashes);
+                    let hashes = seq.req.hashes[..n].to_vec();
+                    pool.acquire(&hashes);
+                    held_out.push(Held {
+                        id: seq.id,
+                        key,
+                        hashes,
+                    });
+                }
                 let held = std::mem::take(&mut seq.held);
                 let from = seq.req.hashes.len();
                 pool.release_finished(held, from, &seq.req.reply_hashes);

@@ -27,6 +27,7 @@ fn request(seed: u64, prompt_tokens: u64, max_tokens: u64) -> NewRequest {
         max_tokens,
         tokens: Arc::default(),
         salt: None,
+        kv_transfer: Default::default(),
     }
 }
 
@@ -61,6 +62,7 @@ fn chat_counted_by(messages: &Value, max_tokens: u64, tokenizer: &PromptTokenize
         max_tokens,
         tokens: Arc::default(),
         salt: None,
+        kv_transfer: Default::default(),
     }
 }
 
@@ -551,4 +553,75 @@ fn cpu_smollm2_caches_the_slots_and_the_ram_cache() {
     let oldest = hit(&mut s, 1);
     assert!(oldest < 3_584, "{oldest}");
     assert_eq!(s.counters().preemptions, 0);
+}
+
+/// P/D, prefill side: a finished request asked to hold keeps its prompt's full blocks
+/// referenced (used, never evicted) until they are released, then they are cached as usual.
+#[test]
+fn a_held_prompt_is_pinned_until_released() {
+    // 100 blocks.
+    let mut s = Scheduler::new(h100().with_kv_tokens(1_600));
+    let mut req = request(1, 800, 1);
+    let hashes = req.hashes.clone();
+    req.kv_transfer.hold = Some("r1".into());
+    s.add(req);
+    let mut held = Vec::new();
+    while !s.is_idle() {
+        held.extend(s.step().held);
+    }
+    assert_eq!(held.len(), 1);
+    assert_eq!((held[0].key.as_str(), &held[0].hashes), ("r1", &hashes));
+    assert_eq!(s.pool().used(), 50);
+    // Two requests that each need 49 of the other 50 blocks: the second evicts the first's
+    // cached blocks, never the held ones.
+    for seed in [2, 3] {
+        let id = s.add(request(seed, 784, 1));
+        let (_, seen) = run(&mut s, 10);
+        assert!(seen[&id].finished);
+        assert_eq!((s.pool().used(), s.lookup(&hashes)), (50, 50));
+    }
+    s.release_held(&hashes);
+    assert_eq!(s.pool().used(), 0);
+    s.add(request(4, 1_500, 1));
+    run(&mut s, 10);
+    assert!(s.lookup(&hashes) < 50, "released blocks are evictable");
+}
+
+/// P/D, decode side: transferred blocks are named as the request is queued, held for it
+/// while it waits, and found by its admission: cached tokens, but not prefix-cache hits.
+#[test]
+fn imported_blocks_are_cached_for_the_request_but_not_counted_as_hits() {
+    let mut s = Scheduler::new(h100().with_kv_tokens(1_600));
+    let mut local = request(5, 800, 1);
+    local.hashes.truncate(10);
+    local.prompt_tokens = 160;
+    s.add(local);
+    run(&mut s, 10);
+    let before = s.counters();
+    // 10 blocks were local already; 40 more are read from the prefill server.
+    let mut req = request(5, 800, 4);
+    req.kv_transfer.import_blocks = 50;
+    req.kv_transfer.transferred_blocks = 40;
+    let hashes = req.hashes.clone();
+    let id = s.add(req);
+    assert_eq!(s.pool().used(), 50, "held while waiting");
+    assert_eq!(s.lookup(&hashes), 50);
+    let out = s.step();
+    let a = out.admitted.iter().find(|a| a.id == id).unwrap();
+    // vLLM recomputes the last token: 49 of the 50 blocks are reused, 10 local, 39 read.
+    assert_eq!((a.cached_tokens, a.transferred_tokens), (784, 624));
+    let c = s.counters();
+    assert_eq!(c.prefix_hits - before.prefix_hits, 160);
+    assert_eq!(c.prefix_queries - before.prefix_queries, 800);
+    while !s.is_idle() {
+        s.step();
+    }
+    assert_eq!(s.pool().used(), 0);
+    // A request aborted while waiting gives its imported blocks back.
+    let mut req = request(6, 320, 1);
+    req.kv_transfer.import_blocks = 20;
+    let id = s.add(req);
+    assert_eq!(s.pool().used(), 20);
+    s.abort(id);
+    assert_eq!(s.pool().used(), 0);
 }

@@ -94,7 +94,7 @@ impl Histogram {
         }
     }
 
-    fn observe(&mut self, v: f64) {
+    pub fn observe(&mut self, v: f64) {
         self.observe_n(v, 1);
     }
 
@@ -279,7 +279,18 @@ impl Stats {
         }
     }
 
-    /// Marks a request waiting (held by a hang fault) until the guard drops.
+    /// Counts `kv_blocks` as in use until the guard drops: fixed timing's prompt blocks held
+    /// for a remote decode (the engine's pool counts its own).
+    pub fn start_holding(self: &Arc<Self>, kv_blocks: u64) -> Gauge {
+        self.blocks_in_use.fetch_add(kv_blocks, Relaxed);
+        Gauge {
+            stats: self.clone(),
+            kind: GaugeKind::Holding(kv_blocks),
+        }
+    }
+
+    /// Marks a request waiting (held by a hang fault, or for its KV transfer) until the
+    /// guard drops.
     pub fn start_waiting(self: &Arc<Self>) -> Gauge {
         self.waiting.fetch_add(1, Relaxed);
         Gauge {
@@ -342,6 +353,7 @@ impl Stats {
 
 enum GaugeKind {
     Running(u64),
+    Holding(u64),
     Waiting,
 }
 
@@ -355,6 +367,9 @@ impl Drop for Gauge {
         match self.kind {
             GaugeKind::Running(blocks) => {
                 self.stats.running.fetch_sub(1, Relaxed);
+                self.stats.blocks_in_use.fetch_sub(blocks, Relaxed);
+            }
+            GaugeKind::Holding(blocks) => {
                 self.stats.blocks_in_use.fetch_sub(blocks, Relaxed);
             }
             GaugeKind::Waiting => {

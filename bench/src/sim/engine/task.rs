@@ -19,6 +19,12 @@
 //! pool, step clock and publisher, behind its one HTTP port, as vLLM's `--data-parallel-size`
 //! with its internal load balancer. A request goes to the rank its `X-Data-Parallel-Rank`
 //! header names, else to the rank with the fewest requests in flight (ties rotate).
+//!
+//! P/D disaggregation: besides requests, the task takes a hold's release and a prefix lookup
+//! (`Command`), between steps or while idle. A request finished with a hold is reported to the
+//! server's `HoldSink` from the engine task itself, before its last token is delivered: a hold
+//! is known even when its client is already gone, as vLLM keeps the blocks of a finished
+//! request whose answer nobody reads until they expire.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -26,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep_until, Instant};
 
 use super::kv_events::kvpublish::{KvEventCounters, Publisher};
@@ -47,12 +53,34 @@ pub struct Progress {
     pub prompt_seconds: f64,
     /// Model seconds from the first token to the last; set with the last token.
     pub decode_seconds: f64,
+    /// Prompt blocks held for a remote decode (`KvTransfer::hold`); set with the last token.
+    pub held_blocks: usize,
 }
 
 pub struct Submission {
     pub req: NewRequest,
     pub progress: watch::Sender<Progress>,
 }
+
+/// What an engine task is asked to do.
+enum Command {
+    Submit(Submission),
+    /// Drop a hold's references (`Scheduler::release_held`).
+    Release(Vec<u64>),
+    /// How many leading blocks of these the pool holds.
+    Lookup(Vec<u64>, oneshot::Sender<usize>),
+}
+
+/// A finished request's prompt blocks, held on engine rank `rank` under `key`.
+#[derive(Debug)]
+pub struct HoldReport {
+    pub key: String,
+    pub rank: usize,
+    pub hashes: Vec<u64>,
+}
+
+/// Where engine tasks report holds (`HoldReport`), called from the task between steps.
+pub type HoldSink = Arc<dyn Fn(HoldReport) + Send + Sync>;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct EngineState {
@@ -84,7 +112,7 @@ pub struct EngineHandle {
 
 /// One data-parallel rank: an engine task.
 struct Rank {
-    tx: mpsc::UnboundedSender<Submission>,
+    tx: mpsc::UnboundedSender<Command>,
     gauges: Arc<EngineGauges>,
     kv_events: Option<Arc<KvEventCounters>>,
 }
@@ -95,18 +123,21 @@ const LATE: Duration = Duration::from_millis(2);
 
 impl EngineHandle {
     /// Spawns one engine task per rank (`stats.engine` holds their gauges) on the current
-    /// runtime; rank r publishes its KV events into `kv_events[r]` when given.
+    /// runtime; rank r publishes its KV events into `kv_events[r]` when given, and every
+    /// rank reports its holds to `holds`.
     pub fn spawn(
         profile: Profile,
         time_scale: f64,
         stats: Arc<Stats>,
         mut kv_events: Vec<Publisher>,
+        holds: HoldSink,
     ) -> Self {
         let mut publishers = kv_events.drain(..).map(Some);
         let ranks = stats
             .engine
             .iter()
-            .map(|gauges| {
+            .enumerate()
+            .map(|(rank, gauges)| {
                 let kv_events = publishers.next().flatten();
                 let (tx, rx) = mpsc::unbounded_channel();
                 let mut sched = Scheduler::new(profile);
@@ -122,6 +153,8 @@ impl EngineHandle {
                     stats: stats.clone(),
                     time_scale,
                     kv_events,
+                    rank,
+                    holds: holds.clone(),
                 };
                 tokio::spawn(engine.run());
                 Rank {
@@ -168,17 +201,45 @@ impl EngineHandle {
         req: NewRequest,
         rank: Option<usize>,
     ) -> Option<watch::Receiver<Progress>> {
-        let r = self.ranks.get(
-            rank.filter(|&r| r < self.ranks.len())
-                .unwrap_or_else(|| self.least_loaded()),
-        )?;
+        let r = self.ranks.get(self.pick_rank(rank))?;
         let (progress, rx) = watch::channel(Progress::default());
         r.gauges.assigned.fetch_add(1, Relaxed);
-        if r.tx.send(Submission { req, progress }).is_err() {
+        if r.tx
+            .send(Command::Submit(Submission { req, progress }))
+            .is_err()
+        {
             r.gauges.assigned.fetch_sub(1, Relaxed);
             return None;
         }
         Some(rx)
+    }
+
+    /// The rank a request goes to: `rank` if this engine has it, else the least loaded.
+    /// A decode request picks it before its transfer, so the transfer lands where it runs.
+    pub fn pick_rank(&self, rank: Option<usize>) -> usize {
+        rank.filter(|&r| r < self.ranks.len())
+            .unwrap_or_else(|| self.least_loaded())
+    }
+
+    /// Drops a hold on rank `rank` (`HoldReport`); its blocks stay cached.
+    pub fn release(&self, rank: usize, hashes: Vec<u64>) {
+        if let Some(r) = self.ranks.get(rank) {
+            // Err only when the task is gone, and its pool with it.
+            let _ = r.tx.send(Command::Release(hashes));
+        }
+    }
+
+    /// Leading blocks of `hashes` rank `rank`'s pool holds, asked between its steps
+    /// (0 if the task is gone).
+    pub async fn lookup(&self, rank: usize, hashes: Vec<u64>) -> usize {
+        let Some(r) = self.ranks.get(rank) else {
+            return 0;
+        };
+        let (tx, rx) = oneshot::channel();
+        if r.tx.send(Command::Lookup(hashes, tx)).is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
     }
 
     fn least_loaded(&self) -> usize {
@@ -224,26 +285,29 @@ impl EngineHandle {
 
 struct Engine {
     sched: Scheduler,
-    rx: mpsc::UnboundedReceiver<Submission>,
+    rx: mpsc::UnboundedReceiver<Command>,
     senders: HashMap<u64, watch::Sender<Progress>>,
     gauges: Arc<EngineGauges>,
     stats: Arc<Stats>,
     time_scale: f64,
     kv_events: Option<Publisher>,
+    /// This task's data-parallel rank, which its holds name.
+    rank: usize,
+    holds: HoldSink,
 }
 
 impl Engine {
     async fn run(mut self) {
         let mut deadline = Instant::now();
         loop {
-            while let Ok(sub) = self.rx.try_recv() {
-                self.add(sub);
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.command(cmd);
             }
             self.drop_disconnected();
             if self.sched.is_idle() {
                 self.publish();
                 match self.rx.recv().await {
-                    Some(sub) => self.add(sub),
+                    Some(cmd) => self.command(cmd),
                     None => return,
                 }
                 deadline = Instant::now();
@@ -261,7 +325,9 @@ impl Engine {
                 publisher.publish(&out.kv_events);
             }
             for a in &out.admitted {
-                self.stats.admitted(a.prompt_tokens, a.cached_tokens);
+                // Transferred blocks are cached for the request, not prefix-cache hits.
+                let hits = a.cached_tokens - a.transferred_tokens;
+                self.stats.admitted(a.prompt_tokens, hits);
                 if let Some(tx) = self.senders.get(&a.id) {
                     // No wake-up: the client only needs this with its first token.
                     tx.send_if_modified(|p| {
@@ -280,6 +346,20 @@ impl Engine {
                         false
                     });
                 }
+            }
+            for h in out.held {
+                if let Some(tx) = self.senders.get(&h.id) {
+                    // No wake-up: it comes with the last token, below.
+                    tx.send_if_modified(|v| {
+                        v.held_blocks = h.hashes.len();
+                        false
+                    });
+                }
+                (self.holds)(HoldReport {
+                    key: h.key,
+                    rank: self.rank,
+                    hashes: h.hashes,
+                });
             }
             for f in &out.finished {
                 self.stats.predicted(f.tokens, f.decode_seconds);
@@ -306,9 +386,21 @@ impl Engine {
         }
     }
 
-    fn add(&mut self, sub: Submission) {
-        let id = self.sched.add(sub.req);
-        self.senders.insert(id, sub.progress);
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(sub) => {
+                let id = self.sched.add(sub.req);
+                self.senders.insert(id, sub.progress);
+            }
+            Command::Release(hashes) => {
+                self.sched.release_held(&hashes);
+                // No step may follow (an idle engine): the pool's gauges must show it now.
+                self.publish();
+            }
+            Command::Lookup(hashes, reply) => {
+                let _ = reply.send(self.sched.lookup(&hashes));
+            }
+        }
     }
 
     fn drop_disconnected(&mut self) {

@@ -164,6 +164,7 @@ fn request(prompt: &[u8], max_tokens: u64, tokenizer: &PromptTokenizer) -> NewRe
         max_tokens,
         tokens,
         salt: None,
+        kv_transfer: Default::default(),
     }
 }
 
@@ -353,4 +354,66 @@ fn one_event_per_run_reuse_is_silent_and_parents_link() {
     let out = s.step();
     assert_eq!(out.admitted[0].cached_tokens, 16 * 3);
     assert_eq!(stored(&out.kv_events), [(fresh, Some(chain[2]))]);
+}
+
+/// P/D: blocks brought in by a transfer are stored (with their token ids) in the step after
+/// the request is queued, a held prompt is never removed while held, and the events still
+/// give a consumer exactly the pool's named blocks, through eviction of both once let go.
+#[test]
+fn transferred_and_held_blocks_keep_the_events_in_step() {
+    let tok = PromptTokenizer::default();
+    let mut s = Scheduler::new(Profile::get(ProfileName::H100Llama8b).with_kv_tokens(16 * 12));
+    s.record_kv_events();
+    let mut held = HashSet::new();
+    let mut tally = Tally::default();
+    let prompt = |seed: u8| -> Vec<u8> {
+        (0..64 * 4 + 8)
+            .map(|i| b'a' + ((i + seed as usize) % 26) as u8)
+            .collect()
+    };
+    // Prefill side: 4 blocks held past the request's end.
+    let mut p = request(&prompt(0), 1, &tok);
+    p.kv_transfer.hold = Some("p".into());
+    s.add(p);
+    let mut pinned = Vec::new();
+    while !s.is_idle() {
+        let out = s.step();
+        apply(&mut held, &out.kv_events, &mut tally);
+        pinned.extend(out.held.into_iter().flat_map(|h| h.hashes));
+    }
+    assert_eq!(pinned.len(), 4);
+    // Decode side: a prompt whose 4 blocks were read elsewhere.
+    let mut d = request(&prompt(1), 1, &tok);
+    d.kv_transfer.import_blocks = 4;
+    d.kv_transfer.transferred_blocks = 4;
+    let read = d.hashes.clone();
+    s.add(d);
+    let out = s.step();
+    assert_eq!(stored(&out.kv_events[..1]), [(read, None)]);
+    apply(&mut held, &out.kv_events, &mut tally);
+    assert_eq!(held, s.pool().hashed_blocks());
+    // Pressure from other prompts: the held blocks stay, the rest come and go in step.
+    for seed in 2..8 {
+        s.add(request(&prompt(seed), 1, &tok));
+        while !s.is_idle() {
+            let out = s.step();
+            apply(&mut held, &out.kv_events, &mut tally);
+            assert_eq!(held, s.pool().hashed_blocks(), "seed {seed}");
+        }
+        assert!(pinned.iter().all(|h| held.contains(h)), "seed {seed}");
+    }
+    s.release_held(&pinned);
+    for seed in 8..12 {
+        s.add(request(&prompt(seed), 1, &tok));
+        while !s.is_idle() {
+            let out = s.step();
+            apply(&mut held, &out.kv_events, &mut tally);
+        }
+    }
+    assert_eq!(held, s.pool().hashed_blocks());
+    assert!(
+        pinned.iter().any(|h| !held.contains(h)),
+        "released, then evicted"
+    );
+    assert!(tally.removed > 8, "{tally:?}");
 }
