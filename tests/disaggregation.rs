@@ -13,6 +13,68 @@ fn chat(text: &str, stream: bool) -> Value {
            "max_tokens": 4, "stream": stream})
 }
 
+/// An engine without a KV connector: it answers every request (a prefill leg included) in
+/// full, holding nothing for a remote decode, as vLLM started without `--kv-transfer-config`
+/// does. Counts the POSTs it answered and keeps their bodies.
+struct PlainEngine {
+    addr: std::net::SocketAddr,
+    bodies: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl PlainEngine {
+    fn start() -> PlainEngine {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let bodies = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = bodies.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let seen = seen.clone();
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(stream.try_clone().unwrap());
+                    let mut line = String::new();
+                    let (mut len, mut post) = (0usize, false);
+                    while reader.read_line(&mut line).unwrap_or(0) > 0 {
+                        let l = line.trim_end().to_ascii_lowercase();
+                        if l.is_empty() {
+                            break;
+                        }
+                        post |= l.starts_with("post ");
+                        if let Some(v) = l.strip_prefix("content-length:") {
+                            len = v.trim().parse().unwrap_or(0);
+                        }
+                        line.clear();
+                    }
+                    let mut body = vec![0; len];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    if post {
+                        seen.lock().unwrap().push(body);
+                    }
+                    let answer = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"a"},"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+                    let _ = write!(
+                        stream,
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                });
+            }
+        });
+        PlainEngine { addr, bodies }
+    }
+
+    fn bodies(&self) -> Vec<Value> {
+        let bodies = self.bodies.lock().unwrap();
+        bodies
+            .iter()
+            .map(|b| serde_json::from_slice(b).unwrap())
+            .collect()
+    }
+}
+
 async fn send(kv: &Kvroute, body: &Value) -> (u16, String) {
     let r = client()
         .post(kv.url("/v1/chat/completions"))
@@ -24,8 +86,9 @@ async fn send(kv: &Kvroute, body: &Value) -> (u16, String) {
 }
 
 /// kvroute's config for a prefill server `p` and a decode server `d`. The decode server is
-/// priced at 100 prompt tokens a second, the prefill server at a million, a transfer at 200 ms:
-/// a long prompt is cheaper prefilled there and moved, a short one is served where it is.
+/// priced at 100 prompt tokens a second, the prefill server at a million, a transfer at a
+/// second: a long prompt (2,000 tokens) is cheaper prefilled there and moved, a short one (up
+/// to 100 tokens to compute) is served where it is.
 fn split_fleet(p: std::net::SocketAddr, d: std::net::SocketAddr) -> Kvroute {
     Kvroute::start_with(
         &[
@@ -38,19 +101,16 @@ fn split_fleet(p: std::net::SocketAddr, d: std::net::SocketAddr) -> Kvroute {
                 "      role: decode\n      prefill_tokens_per_s: 100\n".into(),
             ),
         ],
-        "  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 200\n",
+        "  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 1000\n",
     )
 }
 
-/// A prefill leg that comes back holding nothing (this engine does not speak NIXL) is not a
+/// A prefill leg that comes back holding nothing (this engine has no KV connector) is not a
 /// hung decode: the request is served whole on its decode server, counted, and the prefill
 /// server got exactly the NIXL prefill body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_leg_holding_nothing_is_served_whole_on_the_decode_server() {
-    let (p, d) = (
-        Sim::start(&["--ttft-ms", "1"]),
-        Sim::start(&["--ttft-ms", "1"]),
-    );
+    let (p, d) = (PlainEngine::start(), Sim::start(&["--ttft-ms", "1"]));
     let kv = split_fleet(p.addr, d.addr);
     let long = format!("summarise {}", "lorem ipsum dolor sit amet ".repeat(300));
     let body = chat(&long, false);
@@ -58,15 +118,15 @@ async fn a_prefill_leg_holding_nothing_is_served_whole_on_the_decode_server() {
     assert_eq!(status, 200, "{text}");
     assert!(text.contains("chat.completion"), "{text}");
 
-    let prefilled = p.requests();
+    let prefilled = p.bodies();
     assert_eq!(prefilled.len(), 1, "{prefilled:?}");
     let expected = kvroute::request::nixl::prefill_body(body.to_string().as_bytes()).unwrap();
     assert_eq!(
-        prefilled[0]["body_xxh3"],
-        format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&expected)),
-        "the prefill server gets the NIXL prefill body"
+        prefilled[0],
+        serde_json::from_slice::<Value>(&expected).unwrap()
     );
-    assert_eq!(prefilled[0]["stream"], false);
+    assert_eq!(prefilled[0]["max_tokens"], 1);
+    assert_eq!(prefilled[0]["kv_transfer_params"]["do_remote_decode"], true);
     // Served whole on the decode server, with the client's own body.
     let decoded = d.requests();
     assert_eq!(decoded.len(), 1);
@@ -94,12 +154,12 @@ async fn a_prefill_leg_holding_nothing_is_served_whole_on_the_decode_server() {
     // server never serves one whole.
     let (status, _) = send(&kv, &chat(&format!("again {long}"), true)).await;
     assert_eq!(status, 200);
-    assert_eq!(p.requests().len(), 2);
+    assert_eq!(p.bodies().len(), 2);
     for i in 0..4 {
         let (status, _) = send(&kv, &chat(&format!("hello {i}"), false)).await;
         assert_eq!(status, 200);
     }
-    assert_eq!(p.requests().len(), 2);
+    assert_eq!(p.bodies().len(), 2);
     assert_eq!(d.requests().len(), 6);
     let text = kv.metrics();
     assert_eq!(
@@ -133,6 +193,78 @@ async fn a_failed_prefill_leg_leaves_the_request_whole() {
     assert_eq!((p.requests().len(), d.requests().len()), (1, 1));
     assert_eq!(
         kv.metric_sum("kvroute_pd_prefill_legs_total", &[("outcome", "failed")]),
+        1.0
+    );
+}
+
+/// The whole protocol against engines that speak it: the prefill server holds the prompt's
+/// blocks under the id both legs carry, the decode server reads them and streams the reply,
+/// the client's usage says the prefill server's cache hit (not the prefix the decode server
+/// read), and nothing stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_request_is_prefilled_moved_and_decoded() {
+    let nixl = |role| {
+        [
+            "--ttft-ms",
+            "1",
+            "--role",
+            role,
+            "--pd-protocol",
+            "vllm_nixl",
+        ]
+    };
+    let (p, d) = (Sim::start(&nixl("prefill")), Sim::start(&nixl("decode")));
+    let kv = split_fleet(p.addr, d.addr);
+    let long = format!("summarise {}", "lorem ipsum dolor sit amet ".repeat(300));
+    let mut body = chat(&long, true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, text) = send(&kv, &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("[DONE]"), "{text}");
+    let usage: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find_map(|v| v.get("usage").filter(|u| u.is_object()).cloned())
+        .expect("a usage chunk");
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 1000, "{usage}");
+    // Nothing was cached on the prefill server: the client's hit is 0, whatever the decode
+    // server read.
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+
+    let state = |s: &Sim| -> Value {
+        let (_, body) = http_get(s.addr, "/debug/state");
+        serde_json::from_slice(&body).unwrap()
+    };
+    let (ps, ds) = (state(&p), state(&d));
+    assert_eq!(ds["pd"]["transfers_total"], 1, "{ds}");
+    assert!(
+        ds["pd"]["transfer_tokens_total"].as_u64().unwrap() > 1000,
+        "{ds}"
+    );
+    assert_eq!(ds["pd"]["failed_transfers_total"], 0, "{ds}");
+    assert_eq!(ps["pd"]["released_total"], 1, "{ps}");
+    assert_eq!(ps["pd"]["held_requests"], 0, "{ps}");
+    let text = kv.metrics();
+    assert_eq!(
+        metric_sum(&text, "kvroute_pd_prefill_legs_total", &[("outcome", "ok")]),
+        1.0
+    );
+    // The next turn's history sits on the decode server: served there whole.
+    let mut next = body.clone();
+    next["messages"] = json!([
+        {"role": "user", "content": long},
+        {"role": "assistant", "content": "tok0 tok1 tok2 tok3"},
+        {"role": "user", "content": "and in one line?"}
+    ]);
+    let (status, _) = send(&kv, &next).await;
+    assert_eq!(status, 200);
+    assert_eq!(p.requests().len(), 1, "the follow-up is not split");
+    assert_eq!(
+        kv.metric_sum("kvroute_pd_decisions_total", &[("outcome", "whole")]),
         1.0
     );
 }

@@ -152,6 +152,10 @@ async fn send(ctx: &mut Ctx, p: usize) -> Leg {
         return Leg::Failed;
     };
     ctx.pd.prefill_cached = parsed.cached_tokens;
+    // The prefill server computed the prompt and keeps it cached once the decode server has
+    // read it: a later request sharing the prefix can be prefilled there from it.
+    let token_blocks = ctx.route.exact.as_ref().map_or(&[][..], |e| &e.blocks);
+    fleet.record(p, &profile.prefix_blocks, token_blocks, None);
     match parsed.params {
         Some(params) => {
             ctx.pd.params = Some(params);
