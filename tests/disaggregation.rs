@@ -268,3 +268,68 @@ async fn a_split_request_is_prefilled_moved_and_decoded() {
         1.0
     );
 }
+
+/// A client that goes away while its prefill leg runs leaves no blocks held on the prefill
+/// server past the moment kvroute finds it gone: the decode leg is still sent (the prefill
+/// server holds the prompt for it), cut with the client, and the decode server's abort
+/// notifies the prefill server, which frees the blocks at once rather than after its abort
+/// timeout (480 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_mid_prefill_leaves_nothing_held() {
+    let (p, d) = (
+        Sim::start(&[
+            "--ttft-ms",
+            "400",
+            "--role",
+            "prefill",
+            "--pd-protocol",
+            "vllm_nixl",
+        ]),
+        // A read of ~50 s: only the cut ends it within the test.
+        Sim::start(&[
+            "--ttft-ms",
+            "1",
+            "--itl-ms",
+            "50",
+            "--role",
+            "decode",
+            "--pd-protocol",
+            "vllm_nixl",
+            "--kv-transfer-gbps",
+            "0.005",
+        ]),
+    );
+    let kv = split_fleet(p.addr, d.addr);
+    let long = format!("summarise {}", "lorem ipsum dolor sit amet ".repeat(300));
+    let mut body = chat(&long, true);
+    body["max_tokens"] = json!(200);
+    let gone = client()
+        .post(kv.url("/v1/chat/completions"))
+        .json(&body)
+        .timeout(std::time::Duration::from_millis(150))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client left before any answer");
+    let state = |s: &Sim| -> Value {
+        let (_, body) = http_get(s.addr, "/debug/state");
+        serde_json::from_slice(&body).unwrap()
+    };
+    // The prefill leg ends (400 ms), the decode leg starts reading and is cut: nothing held.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let ps = state(&p);
+        if ps["pd"]["released_total"] == 1 && ps["pd"]["held_requests"] == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the prefill server still holds the blocks: {ps}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(state(&p)["pd"]["expired_total"], 0);
+    assert_eq!(
+        kv.metric_sum("kvroute_pd_prefill_legs_total", &[("outcome", "ok")]),
+        1.0
+    );
+}

@@ -17,6 +17,58 @@ pub struct Answer {
 }
 
 impl Fleet {
+    /// `POST path` with a JSON `body` and `headers` to backend `i`, then hang up after at most
+    /// `wait`: the engine gets the whole request and then finds its client gone, as when a
+    /// client leaves (a decode leg whose client left before it was sent: the decode server's
+    /// abort tells the prefill server to free what it holds for it).
+    pub async fn send_and_cut(
+        &self,
+        i: usize,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+        wait: Duration,
+    ) -> Result<(), String> {
+        let b = self
+            .backends
+            .get(i)
+            .ok_or_else(|| format!("no backend {i}"))?;
+        let mut peer = b.peer();
+        let timeout = Duration::from_secs(5);
+        peer.options.connection_timeout = Some(timeout);
+        peer.options.write_timeout = Some(timeout);
+        let host = if peer.sni.is_empty() {
+            peer._address.to_string()
+        } else {
+            peer.sni.clone()
+        };
+        let e = |e: Box<pingora::Error>| e.to_string();
+        let mut session = probe_session(&peer).await.map_err(e)?;
+        let mut req = RequestHeader::build("POST", path.as_bytes(), None).map_err(e)?;
+        req.insert_header("Host", host).map_err(e)?;
+        req.insert_header(http::header::CONTENT_TYPE, "application/json")
+            .map_err(e)?;
+        req.insert_header(http::header::CONTENT_LENGTH, body.len().to_string())
+            .map_err(e)?;
+        if let Some(a) = b.engine_auth.as_deref() {
+            req.insert_header(http::header::AUTHORIZATION, a)
+                .map_err(e)?;
+        }
+        for (k, v) in headers {
+            req.insert_header(k.to_string(), *v).map_err(e)?;
+        }
+        session
+            .write_request_header(Box::new(req))
+            .await
+            .map_err(e)?;
+        session.write_body(&body).await.map_err(e)?;
+        session.finish_body().await.map_err(e)?;
+        let _ = tokio::time::timeout(wait, session.read_response()).await;
+        // Dropped, not released: the connection closes under the request.
+        drop(session);
+        Ok(())
+    }
+
     /// `POST path` with a JSON `body` and `headers` to backend `i`; its answer, bounded by
     /// `timeout` and `max_bytes`.
     pub async fn post_json(

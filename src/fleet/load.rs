@@ -78,6 +78,28 @@ impl Fleet {
         }
     }
 
+    /// Seconds a split request's first token takes beyond the cost model's prediction (0 until
+    /// split requests have shown it; never below 0).
+    pub fn pd_overhead_s(&self) -> f64 {
+        f64::from_bits(self.pd_overhead.load(Ordering::Relaxed)).max(0.0)
+    }
+
+    /// A split request's first token came `error_s` after (or, negative, before) its
+    /// prediction: the learned overhead moves toward it.
+    pub fn observe_pd_overhead(&self, error_s: f64) {
+        if !error_s.is_finite() {
+            return;
+        }
+        // A tenth each, bounded: a few dozen split requests set it, one outlier does not.
+        let e = error_s.clamp(-1.0, 5.0);
+        let _ = self
+            .pd_overhead
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let old = f64::from_bits(bits);
+                Some((old + 0.1 * (e - old)).to_bits())
+            });
+    }
+
     /// A request finished with `tokens` of output: the fleet's typical reply moves toward it.
     pub fn observe_output(&self, tokens: u64) {
         // A tenth each: a few dozen replies set it, one outlier does not.

@@ -11,8 +11,12 @@
 //! whole       = est_ttft(d, P - m(d)) + stall(d, P - m(d))
 //! split(p)    = est_ttft(p, P - m(p)) + stall(p, P - m(p))
 //!               + transfer(P - m(d)) + slot_wait(d) + step(d)
-//! transfer(n) = n * kv_bytes_per_token / bandwidth + base
+//! transfer(n) = n * kv_bytes_per_token / bandwidth + base + overhead
 //! ```
+//!
+//! `overhead` is learned: how much later than predicted split requests' first tokens came (the
+//! two legs' own round trips, the decode server's admission after its read), so that a split
+//! that saves a few milliseconds of prefill is not paid for with more.
 //!
 //! The request is split on the prefill server with the lowest `split(p)` when that is below
 //! `whole`. A follow-up turn whose history sits on its decode server has little left to
@@ -45,6 +49,11 @@ pub struct PdChoice {
     pub whole_s: f64,
     /// The cost of the best split, when any prefill server could take it.
     pub split_s: Option<f64>,
+    /// The best split's predicted TTFT (its cost without the stall on the prefill server's
+    /// streams): what the first token is checked against.
+    pub split_ttft_s: Option<f64>,
+    /// The tokens the best split's prefill server computes (those it lacks).
+    pub prefill_tokens: u64,
     /// The best split's KV transfer time, seconds.
     pub transfer_s: f64,
     /// The tokens the transfer moves (those the decode server lacks).
@@ -78,17 +87,17 @@ pub fn decide(
         .map(|p| {
             let b = &snap.backends[p];
             let n = prompt - matched(p);
-            (
-                p,
-                est_ttft_s(b, n) + stall_s(b, n, decode_stall_weight) + after_s,
-            )
+            let ttft = est_ttft_s(b, n) + after_s;
+            (p, ttft + stall_s(b, n, decode_stall_weight), ttft, n)
         })
         // Ties go to the lower index: the decision is deterministic.
         .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
     PdChoice {
-        prefill: best.filter(|&(_, s)| s < whole_s).map(|(p, _)| p),
+        prefill: best.filter(|b| b.1 < whole_s).map(|b| b.0),
         whole_s,
-        split_s: best.map(|(_, s)| s),
+        split_s: best.map(|b| b.1),
+        split_ttft_s: best.map(|b| b.2),
+        prefill_tokens: best.map_or(0, |b| b.3),
         transfer_s,
         transfer_tokens: local,
     }
@@ -174,5 +183,39 @@ mod tests {
         let loads = [busy_decoder(32)];
         let c = decide_on(&loads, &[0], 30_000);
         assert_eq!((c.prefill, c.split_s), (None, None));
+    }
+
+    #[test]
+    fn the_learned_overhead_keeps_a_short_prefill_beside_busy_streams_whole() {
+        // 300 tokens to compute beside 10 streams at the default stall weight (0.1): 12 ms of
+        // prefill, 12 ms of stall.
+        let loads = [busy_decoder(10), BackendLoad::idle()];
+        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..2)
+            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
+            .collect();
+        let ring = Ring::new(&addrs);
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &ring,
+            matched: &[0, 0],
+        };
+        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, &|p| p != 0);
+        assert_eq!(
+            c.prefill,
+            Some(1),
+            "free of overhead, the split saves the stall: {c:?}"
+        );
+        // Split requests showed their first tokens 30 ms later than predicted.
+        let slow = Transfer {
+            base_s: TRANSFER.base_s + 0.030,
+            ..TRANSFER
+        };
+        let c = decide(&snap, 0, 300, 0.1, &slow, &|p| p != 0);
+        assert_eq!(c.prefill, None, "{c:?}");
+        // A long prompt still goes: the overhead is small beside its stall.
+        let c = decide(&snap, 0, 20_000, 0.1, &slow, &|p| p != 0);
+        assert_eq!(c.prefill, Some(1), "{c:?}");
+        assert_eq!(c.prefill_tokens, 20_000);
+        assert!(c.split_ttft_s.unwrap() < c.split_s.unwrap() + 1e-9);
     }
 }

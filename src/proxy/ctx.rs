@@ -97,6 +97,8 @@ pub(super) struct Disagg {
     pub prefill_cached: Option<u64>,
     /// Prefill servers that failed this request.
     pub failed: Vec<usize>,
+    /// When the prefill leg was sent: a split request's first token is timed from it.
+    pub leg_started: Option<Instant>,
 }
 
 /// A request's TTFT deadline, judged once before it first queues or is placed.

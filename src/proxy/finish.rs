@@ -24,6 +24,7 @@ pub(super) fn end_request(
         // A slot freed up: the router queue's best waiter may go.
         edge.queue.wake_one();
     }
+    super::pd::release_orphaned_prefill(ctx);
     let status = session.response_written().map_or(0, |r| r.status.as_u16());
     let backend = ctx.backend_name();
     let elapsed = ctx
@@ -63,6 +64,9 @@ pub(super) fn end_request(
                 b.observe_adapter_load(took);
             }
         }
+    }
+    if let (Some(first), 200) = (ctx.tap.first_byte, status) {
+        super::pd::observe_first_token(ctx, first);
     }
     if let (Some(slo), Some(t), 200) = (ctx.route.slo, ttft, status) {
         let met = t.as_millis() <= u128::from(slo.ttft_ms);

@@ -16,19 +16,31 @@ use crate::edge::EdgeState;
 use crate::placement::disagg::Transfer;
 use crate::request::{nixl, Endpoint, RequestProfile};
 
-/// The id both legs carry: vLLM's prefill server holds the blocks under it, and the decode
-/// server's notification frees them by it (toy_proxy_server.py sends one uuid on both).
-pub const REQUEST_ID_HEADER: &str = "x-request-id";
+use crate::request::nixl::REQUEST_ID_HEADER;
 /// A prefill leg's answer is one token and its usage: anything larger is not one.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
 
-/// What moving the KV costs, as `kvroute.disaggregation` says.
-pub(super) fn transfer(d: &DisaggregationConfig) -> Transfer {
+/// What moving the KV costs: as `kvroute.disaggregation` says, plus the overhead split
+/// requests have shown beyond it.
+pub(super) fn transfer(d: &DisaggregationConfig, learned_overhead_s: f64) -> Transfer {
     Transfer {
         bytes_per_token: d.kv_bytes_per_token as f64,
         bytes_per_s: d.transfer_gbytes_per_s * 1e9,
-        base_s: d.transfer_base_ms / 1000.0,
+        base_s: d.transfer_base_ms / 1000.0 + learned_overhead_s,
     }
+}
+
+/// A split request's first token: the learned overhead moves toward how late it came.
+pub(super) fn observe_first_token(ctx: &Ctx, first: Instant) {
+    let (Some(started), Some(predicted), Some(_)) = (
+        ctx.pd.leg_started,
+        ctx.pd.choice.and_then(|c| c.split_ttft_s),
+        ctx.pd.params.as_ref(),
+    ) else {
+        return;
+    };
+    let took = first.saturating_duration_since(started).as_secs_f64();
+    ctx.generation.fleet.observe_pd_overhead(took - predicted);
 }
 
 /// May this request be split? vLLM's prefill/decode protocol speaks chat and completions; a
@@ -89,6 +101,7 @@ pub(super) async fn prefill_leg(edge: &EdgeState, m: &ProxyMetrics, ctx: &mut Ct
     let generation = ctx.generation.clone();
     let fleet = &generation.fleet;
     let started = Instant::now();
+    ctx.pd.leg_started = Some(started);
     let outcome = send(ctx, p).await;
     m.pd_legs.with_label_values(&[outcome.as_str()]).inc();
     m.pd_prefill_seconds
@@ -106,6 +119,42 @@ pub(super) async fn prefill_leg(edge: &EdgeState, m: &ProxyMetrics, ctx: &mut Ct
     edge.queue.wake_one();
 }
 
+/// The request ends with its prefill leg done and its decode leg never answered (the client
+/// left first): the prefill server holds the prompt's blocks for a decode that will not come,
+/// and vLLM's would keep them for its abort timeout (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480
+/// s). The decode leg is sent anyway and cut at once: the decode server's abort notifies the
+/// prefill server, which frees them (vLLM sends an empty-block notification for a request
+/// aborted before its read).
+pub(super) fn release_orphaned_prefill(ctx: &Ctx) {
+    let (Some(d), Some(_), false) = (
+        ctx.attempts.backend,
+        ctx.pd.params.as_ref(),
+        ctx.attempts.upstream_responded,
+    ) else {
+        return;
+    };
+    let (Some(id), Some(profile)) = (ctx.pd.request_id.clone(), ctx.route.profile.as_ref()) else {
+        return;
+    };
+    let Some(body) = super::upstream_request::attempt_body(ctx) else {
+        return;
+    };
+    let fleet = ctx.generation.fleet.clone();
+    let path = profile.endpoint.path();
+    tokio::spawn(async move {
+        let headers = [(REQUEST_ID_HEADER, id.as_str())];
+        match fleet
+            .send_and_cut(d, path, &headers, body, Duration::from_millis(50))
+            .await
+        {
+            Ok(()) => log::debug!("decode leg {id}: sent and cut, its client gone"),
+            Err(e) => log::warn!(
+                "decode leg {id} could not be sent after its client left ({e}): the prefill server holds its blocks until its own timeout"
+            ),
+        }
+    });
+}
+
 async fn send(ctx: &mut Ctx, p: usize) -> Leg {
     let generation = ctx.generation.clone();
     let (fleet, cfg) = (&generation.fleet, &generation.config);
@@ -118,7 +167,7 @@ async fn send(ctx: &mut Ctx, p: usize) -> Leg {
     let prefill = ctx
         .pd
         .choice
-        .map_or(profile.est_prompt_tokens, |c| c.transfer_tokens);
+        .map_or(profile.est_prompt_tokens, |c| c.prefill_tokens);
     let expected = fleet.expected(p, 0.0, 1);
     let cap = (cfg.limits.backend_max_inflight, None);
     // Held until the prefill server answers: its work in flight counts there meanwhile.

@@ -44,7 +44,7 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()>
     // Both legs of a disaggregated request carry one id: the decode server's notification
     // frees the prefill server's blocks by it.
     if let (Some(id), Some(_)) = (&ctx.pd.request_id, &ctx.pd.params) {
-        upstream.insert_header(super::pd::REQUEST_ID_HEADER, id.as_str())?;
+        upstream.insert_header(nixl::REQUEST_ID_HEADER, id.as_str())?;
     }
     // The client's key is kvroute's to check, not the engine's to see: an engine behind
     // access control gets its own key, or none.
@@ -72,7 +72,7 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()>
 /// aborts one without `--enable-priority-scheduling` when started with
 /// `--abort-on-priority-when-disabled` (server_args): only where the operator says the engine
 /// takes it.
-fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
+pub(super) fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
     let i = ctx.attempts.backend?;
     // Routed requests only: their bodies are JSON objects kvroute has parsed.
     ctx.route.profile.as_ref()?;

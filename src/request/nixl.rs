@@ -9,6 +9,10 @@
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
+/// The id both legs carry: vLLM's prefill server holds the blocks under it, and the decode
+/// server's notification frees them by it (toy_proxy_server.py sends one uuid on both).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
 /// The prefill leg's body: `body` (a chat or completions request) for one token, not
 /// streamed, its KV held for a remote decode. `None` when `body` is not a JSON object.
 pub fn prefill_body(body: &[u8]) -> Option<Bytes> {
