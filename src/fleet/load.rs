@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::charge::{Expected, InflightGuard};
 use super::roster::Fleet;
+use crate::placement::disagg::Bias;
 use crate::placement::BackendLoad;
 
 impl Fleet {
@@ -78,26 +79,32 @@ impl Fleet {
         }
     }
 
-    /// Seconds a split request's first token takes beyond the cost model's prediction (0 until
-    /// split requests have shown it; never below 0).
-    pub fn pd_overhead_s(&self) -> f64 {
-        f64::from_bits(self.pd_overhead.load(Ordering::Relaxed)).max(0.0)
+    /// How far from their predictions the first tokens of whole and of split requests came
+    /// (0 until some have shown it).
+    pub fn pd_bias(&self) -> Bias {
+        let read = |i: usize| f64::from_bits(self.pd_bias[i].load(Ordering::Relaxed));
+        Bias {
+            whole_s: read(0),
+            split_s: read(1),
+        }
     }
 
-    /// A split request's first token came `error_s` after (or, negative, before) its
-    /// prediction: the learned overhead moves toward it.
-    pub fn observe_pd_overhead(&self, error_s: f64) {
+    /// A whole (`split` false) or split request's first token came `error_s` after (negative:
+    /// before) its prediction: that path's bias moves toward it.
+    pub fn observe_pd_error(&self, split: bool, error_s: f64) {
         if !error_s.is_finite() {
             return;
         }
-        // A tenth each, bounded: a few dozen split requests set it, one outlier does not.
+        // A tenth each, bounded: a few dozen requests set it, one outlier does not.
         let e = error_s.clamp(-1.0, 5.0);
-        let _ = self
-            .pd_overhead
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+        let _ = self.pd_bias[usize::from(split)].fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |bits| {
                 let old = f64::from_bits(bits);
                 Some((old + 0.1 * (e - old)).to_bits())
-            });
+            },
+        );
     }
 
     /// A request finished with `tokens` of output: the fleet's typical reply moves toward it.

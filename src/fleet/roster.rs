@@ -63,9 +63,9 @@ pub struct Fleet {
     /// until one finished): `max_tokens` is a ceiling, and a chat's reply most often ends
     /// far below it, so a slot is expected to free up sooner than `max_tokens` says.
     pub(super) typical_output: AtomicU64,
-    /// What a split request's first token took beyond its prediction, seconds (f64 bits): the
-    /// legs' own costs (two requests, the decode server's read) the transfer model lacks.
-    pub(super) pd_overhead: AtomicU64,
+    /// How much later than predicted the first tokens of whole and of split requests came, in
+    /// a disaggregated fleet, seconds (f64 bits; see `placement::disagg::Bias`).
+    pub(super) pd_bias: [AtomicU64; 2],
     pools: PoolCache,
     read_ahead: Option<Arc<ReadAhead>>,
 }
@@ -319,7 +319,7 @@ impl Fleet {
             // the next scrape (until then it would lose every placement to them).
             explore_rate,
             typical_output: AtomicU64::new(0),
-            pd_overhead: AtomicU64::new(0),
+            pd_bias: [AtomicU64::new(0), AtomicU64::new(0)],
             pools: PoolCache::default(),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),

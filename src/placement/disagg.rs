@@ -11,12 +11,15 @@
 //! whole       = est_ttft(d, P - m(d)) + stall(d, P - m(d))
 //! split(p)    = est_ttft(p, P - m(p)) + stall(p, P - m(p))
 //!               + transfer(P - m(d)) + slot_wait(d) + step(d)
-//! transfer(n) = n * kv_bytes_per_token / bandwidth + base + overhead
+//! transfer(n) = n * kv_bytes_per_token / bandwidth + base
 //! ```
 //!
-//! `overhead` is learned: how much later than predicted split requests' first tokens came (the
-//! two legs' own round trips, the decode server's admission after its read), so that a split
-//! that saves a few milliseconds of prefill is not paid for with more.
+//! Each path's TTFT carries a learned bias ([`Bias`]): how much later (or sooner) than
+//! predicted the first tokens of requests served that way came. A split pays the two legs'
+//! own round trips and the decode server's admission after its read, which the model does
+//! not price; a whole request's prediction is pessimistic where the queue it counts drains
+//! faster than priced. Compared raw, a split that saves a few milliseconds would be paid for
+//! with more.
 //!
 //! The request is split on the prefill server with the lowest `split(p)` when that is below
 //! `whole`. A follow-up turn whose history sits on its decode server has little left to
@@ -47,10 +50,14 @@ pub struct PdChoice {
     pub prefill: Option<usize>,
     /// The cost of serving it whole on the decode server, seconds.
     pub whole_s: f64,
+    /// Its predicted TTFT served whole (the cost without the stall), as the cost model
+    /// prices it before the learned bias: what a whole request's first token is checked
+    /// against.
+    pub whole_ttft_s: f64,
     /// The cost of the best split, when any prefill server could take it.
     pub split_s: Option<f64>,
     /// The best split's predicted TTFT (its cost without the stall on the prefill server's
-    /// streams): what the first token is checked against.
+    /// streams), before the learned bias: what the first token is checked against.
     pub split_ttft_s: Option<f64>,
     /// The tokens the best split's prefill server computes (those it lacks).
     pub prefill_tokens: u64,
@@ -65,6 +72,15 @@ fn stall_s(b: &BackendLoad, tokens: u64, weight: f64) -> f64 {
     weight * b.decoding as f64 * tokens as f64 / b.prefill_rate.max(1.0)
 }
 
+/// How far the first tokens of whole and of split requests have come from their predictions,
+/// seconds (positive: later), learned: each path is judged by what it has shown, so neither is
+/// chosen for the other's optimism.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Bias {
+    pub whole_s: f64,
+    pub split_s: f64,
+}
+
 /// Split or serve whole the request of `prompt` tokens placed on decode server `d`;
 /// `prefill_ok(p)`: `p` may prefill it (its role, health, cap, not `d`).
 pub fn decide(
@@ -73,12 +89,14 @@ pub fn decide(
     prompt: u64,
     decode_stall_weight: f64,
     transfer: &Transfer,
+    bias: Bias,
     prefill_ok: &dyn Fn(usize) -> bool,
 ) -> PdChoice {
     let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0).min(prompt);
     let dec = &snap.backends[d];
     let local = prompt - matched(d);
-    let whole_s = est_ttft_s(dec, local) + stall_s(dec, local, decode_stall_weight);
+    let whole_ttft_s = est_ttft_s(dec, local);
+    let whole_s = (whole_ttft_s + bias.whole_s).max(0.0) + stall_s(dec, local, decode_stall_weight);
     let transfer_s = transfer.seconds(local);
     // Once the KV is there, the decode server still admits the request and runs a step.
     let after_s = transfer_s + dec.slot_wait_s + dec.decode_step_s;
@@ -88,13 +106,15 @@ pub fn decide(
             let b = &snap.backends[p];
             let n = prompt - matched(p);
             let ttft = est_ttft_s(b, n) + after_s;
-            (p, ttft + stall_s(b, n, decode_stall_weight), ttft, n)
+            let cost = (ttft + bias.split_s).max(0.0) + stall_s(b, n, decode_stall_weight);
+            (p, cost, ttft, n)
         })
         // Ties go to the lower index: the decision is deterministic.
         .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
     PdChoice {
         prefill: best.filter(|b| b.1 < whole_s).map(|b| b.0),
         whole_s,
+        whole_ttft_s,
         split_s: best.map(|b| b.1),
         split_ttft_s: best.map(|b| b.2),
         prefill_tokens: best.map_or(0, |b| b.3),
@@ -126,7 +146,9 @@ mod tests {
             matched,
         };
         // Backend 0 decodes; the others prefill.
-        decide(&snap, 0, prompt, 1.0, &TRANSFER, &|p| p != 0)
+        decide(&snap, 0, prompt, 1.0, &TRANSFER, Bias::default(), &|p| {
+            p != 0
+        })
     }
 
     fn busy_decoder(streams: u64) -> BackendLoad {
@@ -186,7 +208,7 @@ mod tests {
     }
 
     #[test]
-    fn the_learned_overhead_keeps_a_short_prefill_beside_busy_streams_whole() {
+    fn learned_biases_keep_a_short_prefill_beside_busy_streams_whole() {
         // 300 tokens to compute beside 10 streams at the default stall weight (0.1): 12 ms of
         // prefill, 12 ms of stall.
         let loads = [busy_decoder(10), BackendLoad::idle()];
@@ -199,21 +221,28 @@ mod tests {
             ring: &ring,
             matched: &[0, 0],
         };
-        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, &|p| p != 0);
+        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, Bias::default(), &|p| p != 0);
         assert_eq!(
             c.prefill,
             Some(1),
             "free of overhead, the split saves the stall: {c:?}"
         );
         // Split requests showed their first tokens 30 ms later than predicted.
-        let slow = Transfer {
-            base_s: TRANSFER.base_s + 0.030,
-            ..TRANSFER
+        let slow = Bias {
+            whole_s: 0.0,
+            split_s: 0.030,
         };
-        let c = decide(&snap, 0, 300, 0.1, &slow, &|p| p != 0);
+        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, slow, &|p| p != 0);
+        assert_eq!(c.prefill, None, "{c:?}");
+        // Whole requests 15 ms sooner than predicted: the same.
+        let quick = Bias {
+            whole_s: -0.015,
+            split_s: 0.0,
+        };
+        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, quick, &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
         // A long prompt still goes: the overhead is small beside its stall.
-        let c = decide(&snap, 0, 20_000, 0.1, &slow, &|p| p != 0);
+        let c = decide(&snap, 0, 20_000, 0.1, &TRANSFER, slow, &|p| p != 0);
         assert_eq!(c.prefill, Some(1), "{c:?}");
         assert_eq!(c.prefill_tokens, 20_000);
         assert!(c.split_ttft_s.unwrap() < c.split_s.unwrap() + 1e-9);

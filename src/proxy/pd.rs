@@ -20,27 +20,39 @@ use crate::request::nixl::REQUEST_ID_HEADER;
 /// A prefill leg's answer is one token and its usage: anything larger is not one.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
 
-/// What moving the KV costs: as `kvroute.disaggregation` says, plus the overhead split
-/// requests have shown beyond it.
-pub(super) fn transfer(d: &DisaggregationConfig, learned_overhead_s: f64) -> Transfer {
+/// What moving the KV costs, as `kvroute.disaggregation` says.
+pub(super) fn transfer(d: &DisaggregationConfig) -> Transfer {
     Transfer {
         bytes_per_token: d.kv_bytes_per_token as f64,
         bytes_per_s: d.transfer_gbytes_per_s * 1e9,
-        base_s: d.transfer_base_ms / 1000.0 + learned_overhead_s,
+        base_s: d.transfer_base_ms / 1000.0,
     }
 }
 
-/// A split request's first token: the learned overhead moves toward how late it came.
+/// The first token of a request the disaggregation decision judged: its path's learned bias
+/// moves toward how far from the prediction it came. A split request is timed from its
+/// prefill leg, a whole one from its dispatch; a split that fell back to whole teaches
+/// neither.
 pub(super) fn observe_first_token(ctx: &Ctx, first: Instant) {
-    let (Some(started), Some(predicted), Some(_)) = (
-        ctx.pd.leg_started,
-        ctx.pd.choice.and_then(|c| c.split_ttft_s),
-        ctx.pd.params.as_ref(),
-    ) else {
+    let Some(choice) = ctx.pd.choice else {
         return;
     };
-    let took = first.saturating_duration_since(started).as_secs_f64();
-    ctx.generation.fleet.observe_pd_overhead(took - predicted);
+    let fleet = &ctx.generation.fleet;
+    match (choice.prefill, &ctx.pd.params) {
+        (Some(_), Some(_)) => {
+            if let (Some(started), Some(predicted)) = (ctx.pd.leg_started, choice.split_ttft_s) {
+                let took = first.saturating_duration_since(started).as_secs_f64();
+                fleet.observe_pd_error(true, took - predicted);
+            }
+        }
+        (None, _) => {
+            if let Some(sent) = ctx.charge.dispatched {
+                let took = first.saturating_duration_since(sent).as_secs_f64();
+                fleet.observe_pd_error(false, took - choice.whole_ttft_s);
+            }
+        }
+        (Some(_), None) => {}
+    }
 }
 
 /// May this request be split? vLLM's prefill/decode protocol speaks chat and completions; a

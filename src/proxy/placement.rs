@@ -166,7 +166,8 @@ impl Placer<'_> {
                     d.backend,
                     profile.est_prompt_tokens,
                     params.decode_stall_weight,
-                    &pd::transfer(dis, fleet.pd_overhead_s()),
+                    &pd::transfer(dis),
+                    fleet.pd_bias(),
                     &prefills,
                 )
             });
