@@ -75,7 +75,7 @@ pub(super) fn rewrite(upstream: &mut RequestHeader, ctx: &mut Ctx) -> Result<()>
 pub(super) fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
     let i = ctx.attempts.backend?;
     // Routed requests only: their bodies are JSON objects kvroute has parsed.
-    ctx.route.profile.as_ref()?;
+    let profile = ctx.route.profile.as_ref()?;
     let body = ctx.route.body.as_ref()?;
     let sign = match ctx.generation.config.backends.get(i)?.engine_priority {
         EnginePriority::None => None,
@@ -83,8 +83,7 @@ pub(super) fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
         EnginePriority::LowerFirst => Some(-1),
     };
     let params = ctx.pd.params.as_ref();
-    let clients_params = memchr::memmem::find(body, b"\"kv_transfer_params\"").is_some();
-    if sign.is_none() && params.is_none() && !clients_params {
+    if sign.is_none() && params.is_none() && !profile.has_kv_transfer_params {
         return None;
     }
     let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;

@@ -69,6 +69,9 @@ pub struct RequestProfile {
     pub include_usage: bool,
     /// The body has a `stream_options` object (so kvroute must not add one).
     pub has_stream_options: bool,
+    /// The body names `kv_transfer_params` (an engine's prefill/decode handover, which only
+    /// kvroute may give it).
+    pub has_kv_transfer_params: bool,
     pub session_key: u64,
     pub session_source: SessionSource,
     /// A conversation that carries earlier replies: its start was sent before, by this kvroute
@@ -150,6 +153,7 @@ struct Conversation<'a> {
     stream: bool,
     include_usage: bool,
     has_stream_options: bool,
+    has_kv_transfer_params: bool,
     max_output: Option<u64>,
     body_keys: BodyKeys<'a>,
     /// The hash of the conversation's opening (see [`CHAT_KEY_MAX_BYTES`]).
@@ -353,6 +357,7 @@ impl Prompt<'_> {
             model: model.to_owned(),
             stream: conv.stream,
             has_stream_options: conv.has_stream_options,
+            has_kv_transfer_params: conv.has_kv_transfer_params,
             include_usage: conv.include_usage,
             session_key,
             session_source,
@@ -638,6 +643,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(b[..b.len() - 1], next.prefix_blocks[..b.len() - 1]);
+    }
+
+    #[test]
+    fn a_clients_kv_transfer_params_are_noticed() {
+        let m = json!([{"role":"user","content":"a"}]);
+        let with = chat(json!({"model":"m","messages":m,"kv_transfer_params":{"remote_host":"x"}}));
+        assert!(with.unwrap().has_kv_transfer_params);
+        let without = chat(json!({"model":"m","messages":m,"note":"kv_transfer_params"}));
+        assert!(!without.unwrap().has_kv_transfer_params);
     }
 
     #[test]

@@ -35,6 +35,9 @@ pub(super) struct Body<'a, const FAST: bool> {
     tools: Option<&'a RawValue>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
+    /// Read only for whether it is there: a client's own never reaches an engine.
+    #[serde(borrow, default)]
+    kv_transfer_params: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -78,6 +81,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
     let mut conv = Conversation {
         stream: parsed.stream.unwrap_or(false),
         has_stream_options: parsed.stream_options.is_some(),
+        has_kv_transfer_params: parsed.kv_transfer_params.is_some(),
         include_usage: parsed
             .stream_options
             .as_ref()
