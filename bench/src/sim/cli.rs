@@ -106,12 +106,17 @@ pub struct SimArgs {
     /// else to the rank with the fewest requests in flight. Engine mode only.
     #[arg(long, default_value_t = 1)]
     pub dp_size: u16,
-    /// This server's part in a prefill/decode-disaggregated fleet, for /debug/state and the
-    /// logs: as vLLM's kv_both, any server serves any request, whatever its role.
+    /// This server's part in a prefill/decode-disaggregated fleet. With vllm_nixl, for
+    /// /debug/state and the logs: as vLLM's kv_both, any server serves any request. With
+    /// sglang_bootstrap, SGLang's --disaggregation-mode: a prefill or decode server plays that
+    /// leg of a request with bootstrap fields and refuses one without (400); both serves
+    /// everything plain.
     #[arg(long, value_enum, default_value_t = Role::Both)]
     pub role: Role,
     /// How P and D hand a request over: vllm_nixl is vLLM's NixlConnector
-    /// (`kv_transfer_params` in the request and in the prefill server's answer).
+    /// (`kv_transfer_params` in the request and in the prefill server's answer, legs one after
+    /// the other); sglang_bootstrap is SGLang's (the same body to both at once, with
+    /// bootstrap_host, bootstrap_port: the prefill server's HTTP port, and bootstrap_room).
     #[arg(long, value_enum, default_value_t = PdProtocol::VllmNixl)]
     pub pd_protocol: PdProtocol,
     /// Bandwidth of one KV transfer from a prefill server, GB/s (10^9 bytes a second, model
@@ -129,6 +134,14 @@ pub struct SimArgs {
     /// seconds unread (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
     #[arg(long, default_value_t = 480.0)]
     pub pd_abort_timeout_s: f64,
+    /// sglang_bootstrap: a prefill server frees a room's blocks no decode server fetched after
+    /// this many model seconds and fails its leg (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT).
+    #[arg(long, default_value_t = 300.0)]
+    pub pd_bootstrap_timeout_s: f64,
+    /// sglang_bootstrap: a decode server fails a request whose prefill KV has not come after
+    /// this many model seconds (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).
+    #[arg(long, default_value_t = 300.0)]
+    pub pd_waiting_timeout_s: f64,
 }
 
 /// Ranks one server may run.
@@ -271,11 +284,15 @@ impl SimArgs {
                 "--kv-transfer-base-ms must be >= 0, got {base}"
             )));
         }
-        let timeout = self.pd_abort_timeout_s;
-        if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(SimError::new(format!(
-                "--pd-abort-timeout-s must be > 0, got {timeout}"
-            )));
+        let timeouts = [
+            ("--pd-abort-timeout-s", self.pd_abort_timeout_s),
+            ("--pd-bootstrap-timeout-s", self.pd_bootstrap_timeout_s),
+            ("--pd-waiting-timeout-s", self.pd_waiting_timeout_s),
+        ];
+        for (flag, timeout) in timeouts {
+            if !(timeout.is_finite() && timeout > 0.0) {
+                return Err(SimError::new(format!("{flag} must be > 0, got {timeout}")));
+            }
         }
         Ok(PdConfig {
             role: self.role,
@@ -283,7 +300,9 @@ impl SimArgs {
             transfer_gbps: gbps,
             kv_bytes_per_token: self.kv_bytes_per_token,
             transfer_base_s: base / 1e3,
-            abort_timeout: scaled(timeout * 1e3, self.time_scale),
+            abort_timeout: scaled(self.pd_abort_timeout_s * 1e3, self.time_scale),
+            bootstrap_timeout: scaled(self.pd_bootstrap_timeout_s * 1e3, self.time_scale),
+            waiting_timeout: scaled(self.pd_waiting_timeout_s * 1e3, self.time_scale),
         })
     }
 
@@ -625,6 +644,23 @@ mod tests {
         assert_eq!((pd.transfer_gbps, pd.transfer_base_s), (25.0, 0.002));
         assert_eq!(pd.kv_bytes_per_token, None);
         assert_eq!(pd.abort_timeout, std::time::Duration::from_secs(480));
+        assert_eq!(pd.bootstrap_timeout, std::time::Duration::from_secs(300));
+        assert_eq!(pd.waiting_timeout, std::time::Duration::from_secs(300));
+        let sglang = parse(&[
+            "--pd-protocol",
+            "sglang_bootstrap",
+            "--pd-bootstrap-timeout-s",
+            "20",
+            "--pd-waiting-timeout-s",
+            "5",
+            "--time-scale",
+            "10",
+        ])
+        .unwrap();
+        let pd = sglang.configs[0].pd;
+        assert_eq!(pd.protocol, PdProtocol::SglangBootstrap);
+        assert_eq!(pd.bootstrap_timeout, std::time::Duration::from_secs(2));
+        assert_eq!(pd.waiting_timeout, std::time::Duration::from_millis(500));
         let plan = parse(&[
             "--role",
             "prefill",
@@ -655,7 +691,9 @@ mod tests {
         );
         for bad in [
             &["--role", "router"][..],
-            &["--pd-protocol", "sglang_bootstrap"],
+            &["--pd-protocol", "sglang"],
+            &["--pd-bootstrap-timeout-s", "0"],
+            &["--pd-waiting-timeout-s", "-1"],
             &["--kv-transfer-gbps", "0"],
             &["--kv-transfer-gbps", "inf"],
             &["--kv-bytes-per-token", "0"],

@@ -93,6 +93,8 @@ mod text;
 #[cfg(test)]
 mod e2e_tests;
 #[cfg(test)]
+mod pd_bootstrap_e2e_tests;
+#[cfg(test)]
 mod pd_e2e_tests;
 
 use std::io::Write;

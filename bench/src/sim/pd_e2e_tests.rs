@@ -12,14 +12,14 @@ use super::api::server;
 use super::config::SimConfig;
 use super::pd::{PdConfig, Role};
 
-struct Server {
-    base: String,
-    port: u16,
-    http: reqwest::Client,
+pub(super) struct Server {
+    pub base: String,
+    pub port: u16,
+    pub http: reqwest::Client,
 }
 
 impl Server {
-    async fn start(mut config: SimConfig, pd: PdConfig) -> Self {
+    pub async fn start(mut config: SimConfig, pd: PdConfig) -> Self {
         config.pd = pd;
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = server::spawn(listener, 0, Arc::new(config), Vec::new()).unwrap();
@@ -30,7 +30,7 @@ impl Server {
         }
     }
 
-    async fn post(&self, path: &str, body: &Value, request_id: &str) -> reqwest::Response {
+    pub async fn post(&self, path: &str, body: &Value, request_id: &str) -> reqwest::Response {
         self.http
             .post(format!("{}{path}", self.base))
             .header("X-Request-Id", request_id)
@@ -40,24 +40,24 @@ impl Server {
             .unwrap()
     }
 
-    async fn json(&self, path: &str, body: &Value, request_id: &str) -> Value {
+    pub async fn json(&self, path: &str, body: &Value, request_id: &str) -> Value {
         let res = self.post(path, body, request_id).await;
         assert_eq!(res.status(), 200, "{path}");
         res.json().await.unwrap()
     }
 
-    async fn state(&self) -> Value {
+    pub async fn state(&self) -> Value {
         let res = self.http.get(format!("{}/debug/state", self.base));
         res.send().await.unwrap().json().await.unwrap()
     }
 
-    async fn metrics(&self) -> String {
+    pub async fn metrics(&self) -> String {
         let res = self.http.get(format!("{}/metrics", self.base));
         res.send().await.unwrap().text().await.unwrap()
     }
 
     /// Polls `/debug/state` until `done` holds of it; panics after 5 s.
-    async fn until(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+    pub async fn until(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let state = self.state().await;
@@ -70,7 +70,7 @@ impl Server {
     }
 }
 
-fn role(role: Role) -> PdConfig {
+pub(super) fn role(role: Role) -> PdConfig {
     PdConfig {
         role,
         ..PdConfig::default()
@@ -99,7 +99,7 @@ fn decode_leg(body: &Value, params: &Value) -> Value {
 }
 
 /// The one sample named `name` (labels ignored).
-fn sample(text: &str, name: &str) -> f64 {
+pub(super) fn sample(text: &str, name: &str) -> f64 {
     let line = text
         .lines()
         .find(|l| {
@@ -111,7 +111,7 @@ fn sample(text: &str, name: &str) -> f64 {
 }
 
 /// A streamed answer's usage (the chunk with `usage`).
-async fn streamed_usage(res: reqwest::Response) -> Value {
+pub(super) async fn streamed_usage(res: reqwest::Response) -> Value {
     assert_eq!(res.status(), 200);
     let mut text = String::new();
     let mut body = res.bytes_stream();

@@ -55,9 +55,16 @@ pub async fn metrics(State(s): State<Arc<ServerState>>) -> Response {
     // A scrape starts llama.cpp's next interval (its throughput gauges).
     let snapshot = s.stats.scrape(blocks);
     let mut text = metrics::render(cfg.engine, &cfg.model, &snapshot, blocks);
-    // vLLM's NixlConnector metrics; the other engines have their own P/D, not modelled.
-    if cfg.engine == Engine::Vllm {
-        text.push_str(&metrics::render_pd(&cfg.model, &s.pd.stats.snapshot()));
+    // vLLM's NixlConnector metrics, SGLang's disaggregation gauges and counters; llama.cpp
+    // has no P/D.
+    match cfg.engine {
+        Engine::Vllm => text.push_str(&metrics::render_pd(&cfg.model, &s.pd.stats.snapshot())),
+        Engine::Sglang => {
+            let held = s.pd.held.counts().0;
+            let snapshot = s.pd.stats.snapshot();
+            text.push_str(&metrics::render_sglang_pd(&cfg.model, held, &snapshot));
+        }
+        Engine::Llamacpp => {}
     }
     if !cfg.lora.adapters.is_empty() {
         if let Ok(lora) = s.lora.slots.lock() {

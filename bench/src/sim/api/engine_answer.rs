@@ -130,7 +130,9 @@ pub async fn serve(s: Arc<ServerState>, a: Admitted, answer: Answer, arrived: In
     usage.cached_tokens = watcher.cached_tokens();
     let timings = llamacpp.then(|| watcher.timings());
     let mut body = answer_body::whole(&answer, &reply_text, usage, timings);
-    if let (Some((id, hashes)), Some(obj)) = (hold, body.as_object_mut()) {
+    // SGLang's prefill answer names nothing: D asks for the room (`pd_bootstrap`).
+    let vllm = s.pd.config.protocol == crate::sim::pd::PdProtocol::VllmNixl;
+    if let (true, Some((id, hashes)), Some(obj)) = (vllm, hold, body.as_object_mut()) {
         let held = watcher.rx.borrow().held_blocks.min(hashes.len());
         let params = crate::sim::pd::prefill_answer(&s.pd, &id, &hashes[..held]);
         obj.insert("kv_transfer_params".into(), params);

@@ -5,7 +5,8 @@
 //!
 //! P/D disaggregation (`pd`) wraps both: a decode request reads its prompt's blocks from the
 //! prefill server between admission and serving; a prefill request's blocks are held when it
-//! finishes, and its whole answer names them in `kv_transfer_params`.
+//! finishes, and its whole answer names them in `kv_transfer_params` (vLLM), or is held back
+//! until the decode server has read them (SGLang, `pd_bootstrap`).
 
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use super::admission::{admit, Admitted};
 use super::answer_body;
 use super::engine_answer;
 use super::pd;
+use super::pd_bootstrap::{self, Leg};
 use super::reqlog::Entry;
 use super::response::{Answer, Timings, Usage};
 use super::sse::{sse_response, StreamWriter};
@@ -32,6 +34,7 @@ use crate::sim::engine::lora::AdapterUse;
 use crate::sim::engine::stats::Gauge;
 use crate::sim::faults::{stream_fault, StreamFault};
 use crate::sim::text::generate::{continued_text, reply_hashes, token_text, Reply, Schedule};
+use crate::sim::text::ids::random_id;
 use crate::sim::text::openai::Endpoint;
 
 pub const BODY_HASH_HEADER: HeaderName = HeaderName::from_static("x-kvbench-body-xxh3");
@@ -64,12 +67,14 @@ pub fn body_hash_hex(body: &[u8]) -> String {
 }
 
 /// The body's fields read before admission: `priority`, for the request log (the engine
-/// itself does not schedule by it), and P/D's `kv_transfer_params`. Values, so that a
-/// malformed one loses only itself.
+/// itself does not schedule by it), and P/D's `kv_transfer_params` or `bootstrap_*`. Values,
+/// so that a malformed one loses only itself.
 #[derive(serde::Deserialize)]
 struct EarlyFields {
     priority: Option<serde_json::Value>,
     kv_transfer_params: Option<serde_json::Value>,
+    #[serde(flatten)]
+    bootstrap: pd_bootstrap::Fields,
 }
 
 pub(super) async fn handle(
@@ -95,29 +100,33 @@ pub(super) async fn handle(
         .as_ref()
         .and_then(|f| f.priority.as_ref())
         .and_then(serde_json::Value::as_i64);
+    let leg = pd_bootstrap::classify(&s, endpoint, early.as_ref().map(|f| &f.bootstrap));
     let params = early.and_then(|f| f.kv_transfer_params);
     let incoming = pd::classify(&s, endpoint, params.as_ref(), headers);
     let seq = s.log().push(entry);
-    let mut res = match admit(&s, seq, endpoint, &body).await {
-        Ok(mut admitted) => {
-            admitted.dp_rank = dp_rank;
-            admitted.kv_transfer.hold = incoming.hold;
-            if let Some(guard) = incoming.pull {
-                pd::pull(&s, &mut admitted, guard).await;
-            }
-            // An adapter not loaded is loaded first: its load time is part of the TTFT.
-            let (adapter, wait) =
-                AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model).await;
-            if !wait.is_zero() {
-                tokio::time::sleep(wait).await;
-            }
-            let res = serve(s.clone(), admitted, arrived).await;
-            match adapter {
-                Some(a) => held_until_body_ends(res, a),
-                None => res,
-            }
-        }
+    let request_id = headers.get("x-request-id").and_then(|v| v.to_str().ok());
+    let mut res = match leg {
         Err(e) => e.into_response(),
+        Ok(leg) => match admit(&s, seq, endpoint, &body).await {
+            Ok(mut admitted) => {
+                admitted.dp_rank =
+                    dp_rank.or_else(|| leg.as_ref().and_then(|l| pd_bootstrap::rank_of(&s, l)));
+                admitted.kv_transfer.hold = incoming.hold;
+                if let Some(guard) = incoming.pull {
+                    pd::pull(&s, &mut admitted, guard).await;
+                }
+                match leg {
+                    None => answer(s.clone(), admitted, arrived).await,
+                    Some(leg) => {
+                        let rid = request_id
+                            .map(str::to_owned)
+                            .unwrap_or_else(|| random_id("kvbench-"));
+                        bootstrap_leg(&s, admitted, leg, &rid, arrived).await
+                    }
+                }
+            }
+            Err(e) => e.into_response(),
+        },
     };
     let status = res.status().as_u16();
     s.log().update(seq, |e| e.status = Some(status));
@@ -125,6 +134,42 @@ pub(super) async fn handle(
     headers.insert(BODY_HASH_HEADER, header_value(&hash));
     headers.insert(BODY_LEN_HEADER, HeaderValue::from(body.len()));
     res
+}
+
+/// Serves an admitted request (its adapter loaded first: the load is part of the TTFT).
+async fn answer(s: Arc<ServerState>, admitted: Admitted, arrived: Instant) -> Response {
+    let (adapter, wait) = AdapterUse::start(&s.lora, &s.config.lora, &admitted.req.model).await;
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
+    let res = serve(s, admitted, arrived).await;
+    match adapter {
+        Some(a) => held_until_body_ends(res, a),
+        None => res,
+    }
+}
+
+/// A leg of SGLang's protocol: P serves one token and answers once its room is read; D waits
+/// for P's KV and reads it first, or fails as SGLang does.
+async fn bootstrap_leg(
+    s: &Arc<ServerState>,
+    mut a: Admitted,
+    leg: Leg,
+    rid: &str,
+    arrived: Instant,
+) -> Response {
+    let stream = a.req.stream;
+    match leg {
+        Leg::Prefill(b) => {
+            let waiter = pd_bootstrap::start_prefill(s, &mut a, &b);
+            let res = answer(s.clone(), a, arrived).await;
+            pd_bootstrap::finish_prefill(s, res, waiter, &b, rid, stream).await
+        }
+        Leg::Decode(b) => match pd_bootstrap::decode(s, &mut a, &b, rid).await {
+            Ok(()) => answer(s.clone(), a, arrived).await,
+            Err(e) => pd_bootstrap::failure(stream, e),
+        },
+    }
 }
 
 /// A streamed answer is still running when the handler returns: `guard` is released when its
@@ -201,7 +246,8 @@ async fn serve(s: Arc<ServerState>, mut a: Admitted, arrived: Instant) -> Respon
     let timings = gen.timings(a.usage.cached_tokens, n);
     drop(gen.running);
     let mut body = answer_body::whole(&answer, &reply_text, a.usage, timings);
-    if let (Some((id, blocks)), Some(obj)) = (held, body.as_object_mut()) {
+    let vllm = gen.state.pd.config.protocol == crate::sim::pd::PdProtocol::VllmNixl;
+    if let (true, Some((id, blocks)), Some(obj)) = (vllm, held, body.as_object_mut()) {
         let params = crate::sim::pd::prefill_answer(&gen.state.pd, &id, &blocks);
         obj.insert("kv_transfer_params".into(), params);
     }

@@ -81,6 +81,31 @@ pub fn render_pd(model: &str, s: &PdSnapshot) -> String {
     t.out
 }
 
+/// SGLang's disaggregation families (`python/sglang/srt/metrics/collector.py` @
+/// 00ae9c1590d2d0bb6c0bfff39e312c34ae3dd538), from what the simulator has: P's rooms held
+/// for a decode server are its inflight queue (prefilled, transfer pending; P prefills before
+/// D connects here, so its bootstrap/prealloc queue is always empty), D's legs waiting for
+/// P's KV its prealloc queue, D's legs reading its transfer queue; the last read's speed and
+/// time; P's expired rooms as failed bootstraps, D's timed-out waits and failed reads as
+/// failed transfers.
+pub fn render_sglang_pd(model: &str, held_rooms: usize, s: &PdSnapshot) -> String {
+    let label = format!("model_name=\"{}\"", escape_label(model));
+    let mut t = Text::default();
+    t.gauge("sglang:num_prefill_prealloc_queue_reqs", &label, 0.0);
+    let inflight = held_rooms as f64;
+    t.gauge("sglang:num_prefill_inflight_queue_reqs", &label, inflight);
+    let prealloc = s.waiting_decodes as f64;
+    t.gauge("sglang:num_decode_prealloc_queue_reqs", &label, prealloc);
+    let transfer = s.transferring_decodes as f64;
+    t.gauge("sglang:num_decode_transfer_queue_reqs", &label, transfer);
+    t.gauge("sglang:kv_transfer_speed_gb_s", &label, s.last_speed_gb_s);
+    t.gauge("sglang:kv_transfer_latency_ms", &label, s.last_latency_ms);
+    t.counter("sglang:num_bootstrap_failed_reqs", &label, s.expired_total);
+    let failed = s.timed_out_waits_total + s.failed_transfers_total;
+    t.counter("sglang:num_transfer_failed_reqs", &label, failed);
+    t.out
+}
+
 pub fn render(engine: Engine, model: &str, s: &Snapshot, num_gpu_blocks: usize) -> String {
     let label = format!("model_name=\"{}\"", escape_label(model));
     let mut t = Text::default();

@@ -14,6 +14,7 @@ mod messages;
 mod messages_answer;
 mod metrics;
 mod pd;
+mod pd_bootstrap;
 mod reqlog;
 mod response;
 mod response_store;

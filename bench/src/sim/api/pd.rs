@@ -22,7 +22,7 @@ use super::admission::Admitted;
 use super::state::ServerState;
 use crate::sim::engine::kvcache::BLOCK_TOKENS;
 use crate::sim::error::ApiError;
-use crate::sim::pd::{self, Held, NotifyGuard};
+use crate::sim::pd::{self, Held, NotifyGuard, Outcome};
 use crate::sim::text::openai::Endpoint;
 
 const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -153,6 +153,7 @@ pub fn spawn_expiry(s: &Arc<ServerState>) {
                 );
                 s.pd.stats.expired();
                 release(&s, held);
+                s.pd.rooms.resolve(&id, Outcome::Expired);
             }
             let (pd, next) = (s.pd.clone(), s.pd.held.next_deadline());
             drop(s);
@@ -174,6 +175,9 @@ pub fn spawn_expiry(s: &Arc<ServerState>) {
 struct Notice {
     request_id: String,
     engine_id: Option<String>,
+    /// Sent for a decode request that ended before its read.
+    #[serde(default)]
+    aborted: bool,
 }
 
 /// `POST /kvbench/nixl/notify`: frees what is held under the notice's request id; 404 when
@@ -205,5 +209,10 @@ pub async fn notify(State(s): State<Arc<ServerState>>, body: Bytes) -> Response 
     for held in holds {
         release(&s, held);
     }
+    let outcome = match notice.aborted {
+        true => Outcome::Aborted,
+        false => Outcome::Read,
+    };
+    s.pd.rooms.resolve(&notice.request_id, outcome);
     Json(json!({"released_requests": requests, "released_blocks": blocks})).into_response()
 }

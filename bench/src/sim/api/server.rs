@@ -12,6 +12,7 @@ use axum::Router;
 use super::admin;
 use super::inference;
 use super::pd;
+use super::pd_bootstrap;
 use super::state::ServerState;
 use super::{messages, responses};
 use crate::sim::config::{Engine, SimConfig};
@@ -60,6 +61,11 @@ pub fn router(state: Arc<ServerState>) -> Router {
         .route("/debug/state", get(admin::state))
         // The stand-in for NIXL's read notification, from decode servers (`pd`).
         .route(crate::sim::pd::NOTIFY_PATH, post(pd::notify))
+        // The stand-in for SGLang's bootstrap server: decode servers ask for a room's KV.
+        .route(
+            crate::sim::pd::bootstrap::BOOTSTRAP_PATH,
+            get(pd_bootstrap::bootstrap),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::map_response_with_state(

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
 use crate::sim::engine::stats::Gauge;
@@ -31,6 +31,9 @@ pub struct HeldRequests {
     timeout: Duration,
     /// Wakes the expiry task when a hold is added (its deadline may be the nearest).
     added: Notify,
+    /// Bumped on every hold, so that any number of waiters (SGLang's decode servers asking
+    /// for a room) see one appear.
+    version: watch::Sender<u64>,
 }
 
 impl HeldRequests {
@@ -39,6 +42,7 @@ impl HeldRequests {
             by_id: Mutex::default(),
             timeout,
             added: Notify::new(),
+            version: watch::Sender::new(0),
         }
     }
 
@@ -68,6 +72,20 @@ impl HeldRequests {
         };
         self.map().entry(id).or_default().push(held);
         self.added.notify_one();
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Changes when a hold is added: subscribe, then look (`peek`), then wait for a change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    /// The hashes of the first hold under `id`, if any (it stays held).
+    pub fn peek(&self, id: &str) -> Option<Vec<u64>> {
+        self.map()
+            .get(id)
+            .and_then(|holds| holds.first())
+            .map(|h| h.hashes.clone())
     }
 
     /// Every hold under `id` (none: P does not know the request).
@@ -120,6 +138,8 @@ mod tests {
         held.hold_at("b".into(), 1, vec![4], None, t0 + s(4));
         held.hold_at("b".into(), 1, vec![5, 6], None, t0 + s(4));
         assert_eq!(held.counts(), (3, 6));
+        assert_eq!(held.peek("b"), Some(vec![4]));
+        assert_eq!(held.peek("c"), None);
         assert_eq!(held.next_deadline(), Some(t0 + s(10)));
         assert!(held.take_expired(t0 + s(9)).is_empty());
         // The first deadline passes: only "a" goes.

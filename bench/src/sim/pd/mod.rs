@@ -20,17 +20,28 @@
 //! A decode request abandoned before its read completes still notifies P (with no blocks), as
 //! vLLM does for an aborted request, so the blocks do not wait for the timeout.
 //!
+//! # SGLang's bootstrap protocol (`--pd-protocol sglang_bootstrap`)
+//! Concurrent legs with one body: see `bootstrap` for the wire and what stands in for
+//! SGLang's bootstrap server and transfer engine. The two protocols share the holds (`held`,
+//! keyed by the room there), the read (its time, the notice that frees P's copy, the import
+//! into D's cache) and the counters.
+//!
 //! # Layout
 //! - `params`: `kv_transfer_params` in requests and in P's answer.
+//! - `bootstrap`: SGLang's `bootstrap_*` fields, and D's wait for P's KV.
 //! - `held`: P's held requests, their deadlines and counts.
+//! - `rooms`: P's legs waiting for their room's outcome (SGLang answers P's leg only then).
 //! - `transfer`: D's side: which blocks to read, how long that takes, the notification.
 //! - `stats`: the counters and histograms behind `/metrics` and `/debug/state`.
 //!
 //! The engine's part (pinning at finish, importing before queueing) is in
-//! `engine::scheduler` (`KvTransfer`); the HTTP glue that ties both to a server is `api::pd`.
+//! `engine::scheduler` (`KvTransfer`); the HTTP glue that ties both to a server is `api::pd`
+//! (and `api::pd_bootstrap` for SGLang's legs).
 
+pub mod bootstrap;
 mod held;
 mod params;
+mod rooms;
 mod stats;
 mod transfer;
 
@@ -38,12 +49,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 pub use held::{Held, HeldRequests};
-pub use params::{parse, prefill_answer, Remote};
+pub use params::{block_id, parse, prefill_answer, Remote};
+pub use rooms::{Outcome, RoomWaiter, Rooms};
 pub use stats::{PdSnapshot, PdStats};
 pub use transfer::{NotifyGuard, NOTIFY_PATH};
 
-/// What a server is for in a disaggregated fleet. Informational (`/debug/state`, logs): as
-/// with vLLM's `kv_both`, any server serves any request, plain, prefill or decode.
+/// What a server is for in a disaggregated fleet. With `vllm_nixl` informational
+/// (`/debug/state`, logs): as with vLLM's `kv_both`, any server serves any request, plain,
+/// prefill or decode. With `sglang_bootstrap` it is SGLang's `--disaggregation-mode`: the
+/// legs carry the same body, so the role alone says which side a server plays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Role {
@@ -53,18 +67,22 @@ pub enum Role {
     Decode,
 }
 
-/// The wire protocol between router, P and D. One for now; SGLang's bootstrap protocol
-/// (`sglang_bootstrap`) would be the next.
+/// The wire protocol between router, P and D.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Serialize)]
 pub enum PdProtocol {
+    /// vLLM's NixlConnector: sequential legs, `kv_transfer_params`.
     #[default]
     #[value(name = "vllm_nixl")]
     #[serde(rename = "vllm_nixl")]
     VllmNixl,
+    /// SGLang's bootstrap protocol: concurrent legs, `bootstrap_host/port/room`.
+    #[value(name = "sglang_bootstrap")]
+    #[serde(rename = "sglang_bootstrap")]
+    SglangBootstrap,
 }
 
 /// P/D settings of a server (`--role`, `--pd-protocol`, `--kv-transfer-*`,
-/// `--pd-abort-timeout-s`).
+/// `--pd-abort-timeout-s`, `--pd-bootstrap-timeout-s`, `--pd-waiting-timeout-s`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PdConfig {
     pub role: Role,
@@ -75,8 +93,28 @@ pub struct PdConfig {
     pub kv_bytes_per_token: Option<u64>,
     /// Fixed cost of one transfer, model seconds.
     pub transfer_base_s: f64,
-    /// How long P holds blocks nobody reads (already time-scaled, wall clock).
+    /// How long P holds blocks nobody reads, vLLM (already time-scaled, wall clock).
     pub abort_timeout: Duration,
+    /// SGLang: how long P holds a room's blocks nobody fetches (wall clock).
+    pub bootstrap_timeout: Duration,
+    /// SGLang: how long D waits for a room's KV before failing the request (wall clock).
+    pub waiting_timeout: Duration,
+}
+
+impl PdConfig {
+    /// How long P holds blocks unread, under this server's protocol.
+    fn hold_timeout(&self) -> Duration {
+        match self.protocol {
+            PdProtocol::VllmNixl => self.abort_timeout,
+            PdProtocol::SglangBootstrap => self.bootstrap_timeout,
+        }
+    }
+
+    /// SGLang's side this server plays, if it speaks SGLang's protocol as P or D.
+    pub fn sglang_role(&self) -> Option<Role> {
+        (self.protocol == PdProtocol::SglangBootstrap && self.role != Role::Both)
+            .then_some(self.role)
+    }
 }
 
 impl Default for PdConfig {
@@ -89,6 +127,8 @@ impl Default for PdConfig {
             kv_bytes_per_token: None,
             transfer_base_s: 0.002,
             abort_timeout: Duration::from_secs(480),
+            bootstrap_timeout: Duration::from_secs(300),
+            waiting_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -104,6 +144,8 @@ pub struct Pd {
     /// Bytes of KV a token, resolved against the server's profile.
     pub kv_bytes_per_token: u64,
     pub held: HeldRequests,
+    /// SGLang: P's legs waiting to learn what became of their room.
+    pub rooms: Rooms,
     pub stats: PdStats,
     pub client: reqwest::Client,
 }
@@ -121,7 +163,8 @@ impl Pd {
             engine_id: format!("kvbench-sim-{index}-{}", addr.port()),
             addr,
             kv_bytes_per_token: config.kv_bytes_per_token.unwrap_or(profile_kv_bytes),
-            held: HeldRequests::new(config.abort_timeout),
+            held: HeldRequests::new(config.hold_timeout()),
+            rooms: Rooms::default(),
             stats: PdStats::default(),
             client,
             config,
@@ -149,6 +192,13 @@ impl Pd {
             "transfer_tokens_total": s.transfer_tokens_total,
             "failed_transfers_total": s.failed_transfers_total,
             "failed_notifications_total": s.failed_notifications_total,
+            // SGLang's bootstrap protocol: P's legs waiting for their room's outcome, D's
+            // legs waiting for P's KV (before their read) and reading it, and D's waits that
+            // ran out. Held rooms are `held_requests`, expired ones `expired_total`.
+            "waiting_prefill_legs": self.rooms.waiting(),
+            "waiting_decodes": s.waiting_decodes,
+            "transferring_decodes": s.transferring_decodes,
+            "timed_out_waits_total": s.timed_out_waits_total,
         })
     }
 }

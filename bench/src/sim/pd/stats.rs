@@ -1,6 +1,7 @@
 //! What P/D moved and lost, for `/metrics` (vLLM's NixlConnector names, rendered by
-//! `api::metrics::render_pd`) and `/debug/state`. As on vLLM, transfer times and sizes are
-//! recorded by the side that reads (D), expiries by the side that holds (P).
+//! `api::metrics::render_pd`; SGLang's by `render_sglang_pd`) and `/debug/state`. As on vLLM,
+//! transfer times and sizes are recorded by the side that reads (D), expiries by the side
+//! that holds (P).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Mutex, PoisonError};
@@ -43,6 +44,27 @@ pub struct PdStats {
     failed_notifications: AtomicU64,
     /// D: per read, model seconds and bytes.
     histograms: Mutex<(Histogram, Histogram)>,
+    /// D (SGLang): legs waiting for P's KV to exist, and legs reading it.
+    waiting_decodes: AtomicU64,
+    transferring_decodes: AtomicU64,
+    /// D (SGLang): waits that ran out (`--pd-waiting-timeout-s`); the request failed.
+    timed_out_waits: AtomicU64,
+    /// D: the last read's speed (GB/s) and time (ms), SGLang's last-value gauges.
+    last_transfer: Mutex<(f64, f64)>,
+}
+
+/// Counts one leg in a gauge while it lives.
+pub struct InGauge<'a>(&'a AtomicU64);
+
+impl Drop for InGauge<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+fn enter(gauge: &AtomicU64) -> InGauge<'_> {
+    gauge.fetch_add(1, Relaxed);
+    InGauge(gauge)
 }
 
 impl Default for PdStats {
@@ -58,6 +80,10 @@ impl Default for PdStats {
                 Histogram::new(&XFER_TIME_BUCKETS),
                 Histogram::new(&BYTES_BUCKETS),
             )),
+            waiting_decodes: AtomicU64::new(0),
+            transferring_decodes: AtomicU64::new(0),
+            timed_out_waits: AtomicU64::new(0),
+            last_transfer: Mutex::new((0.0, 0.0)),
         }
     }
 }
@@ -73,6 +99,11 @@ pub struct PdSnapshot {
     pub failed_notifications_total: u64,
     pub xfer_time: Histogram,
     pub bytes: Histogram,
+    pub waiting_decodes: u64,
+    pub transferring_decodes: u64,
+    pub timed_out_waits_total: u64,
+    pub last_speed_gb_s: f64,
+    pub last_latency_ms: f64,
 }
 
 impl PdStats {
@@ -94,6 +125,30 @@ impl PdStats {
             .unwrap_or_else(PoisonError::into_inner);
         h.0.observe(seconds);
         h.1.observe(bytes as f64);
+        drop(h);
+        let speed = if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        };
+        *self
+            .last_transfer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = (speed, seconds * 1e3);
+    }
+
+    /// A decode leg waiting for P's KV to exist.
+    pub fn waiting_decode(&self) -> InGauge<'_> {
+        enter(&self.waiting_decodes)
+    }
+
+    /// A decode leg reading P's KV.
+    pub fn transferring_decode(&self) -> InGauge<'_> {
+        enter(&self.transferring_decodes)
+    }
+
+    pub fn timed_out_wait(&self) {
+        self.timed_out_waits.fetch_add(1, Relaxed);
     }
 
     pub fn failed_transfer(&self) {
@@ -110,6 +165,10 @@ impl PdStats {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
+        let (last_speed_gb_s, last_latency_ms) = *self
+            .last_transfer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         PdSnapshot {
             released_total: self.released.load(Relaxed),
             expired_total: self.expired.load(Relaxed),
@@ -119,6 +178,11 @@ impl PdStats {
             failed_notifications_total: self.failed_notifications.load(Relaxed),
             xfer_time,
             bytes,
+            waiting_decodes: self.waiting_decodes.load(Relaxed),
+            transferring_decodes: self.transferring_decodes.load(Relaxed),
+            timed_out_waits_total: self.timed_out_waits.load(Relaxed),
+            last_speed_gb_s,
+            last_latency_ms,
         }
     }
 }

@@ -1,8 +1,9 @@
 //! D's notice to P, the stand-in for the notification a NIXL READ carries: `POST
 //! http://remote_host:remote_port/kvbench/nixl/notify` with `{"request_id", "engine_id",
-//! "blocks"}` (the blocks read; 0 for an aborted request). P frees the request's held blocks
-//! and answers 200, or 404 when it holds nothing under that id (expired, restarted, never
-//! held, or another engine).
+//! "blocks", "aborted"}` (the blocks read; 0 and `aborted` for an aborted request). P frees
+//! the request's held blocks and answers 200, or 404 when it holds nothing under that id
+//! (expired, restarted, never held, or another engine). SGLang's protocol sends the same
+//! notice, the room's key as the id: it ends the transfer P's leg waits on.
 //!
 //! The simulator only ever talks to loopback: a `remote_host` elsewhere is unreachable.
 
@@ -20,23 +21,17 @@ pub async fn notify(
     client: &reqwest::Client,
     remote: &Remote,
     blocks: usize,
+    aborted: bool,
 ) -> Result<(), String> {
-    let ip = match remote.host.as_str() {
-        "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        host => host
-            .parse::<IpAddr>()
-            .map_err(|_| format!("remote_host {host:?} is not an IP address"))?,
-    };
-    if !ip.is_loopback() {
-        return Err(format!(
-            "remote_host {ip} is not loopback: the simulator reaches no other host"
-        ));
-    }
-    let url = format!("http://{}{NOTIFY_PATH}", SocketAddr::new(ip, remote.port));
+    let url = format!(
+        "http://{}{NOTIFY_PATH}",
+        loopback_addr(&remote.host, remote.port)?
+    );
     let body = json!({
         "request_id": remote.request_id,
         "engine_id": remote.engine_id,
         "blocks": blocks,
+        "aborted": aborted,
     });
     let res = client
         .post(&url)
@@ -53,6 +48,23 @@ pub async fn notify(
             remote.request_id
         ))
     }
+}
+
+/// The address of P at `host:port`: an IP address (or `localhost`) on loopback, the only
+/// host the simulator talks to.
+pub fn loopback_addr(host: &str, port: u16) -> Result<SocketAddr, String> {
+    let ip = match host {
+        "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        host => host
+            .parse::<IpAddr>()
+            .map_err(|_| format!("host {host:?} is not an IP address"))?,
+    };
+    if !ip.is_loopback() {
+        return Err(format!(
+            "host {ip} is not loopback: the simulator reaches no other host"
+        ));
+    }
+    Ok(SocketAddr::new(ip, port))
 }
 
 /// Notifies P, with no blocks, if dropped before the read's own notice went out: a decode
@@ -80,7 +92,7 @@ impl NotifyGuard {
     /// Sends the read's notice (`blocks` read). The guard stays armed until it is answered:
     /// cut short, P gets the empty notice instead (a second notice is answered 404, harmless).
     pub async fn notify_read(&mut self, blocks: usize) -> Result<(), String> {
-        let outcome = notify(&self.client, &self.remote, blocks).await;
+        let outcome = notify(&self.client, &self.remote, blocks, false).await;
         self.armed = false;
         outcome
     }
@@ -96,7 +108,7 @@ impl Drop for NotifyGuard {
         };
         let (client, remote) = (self.client.clone(), self.remote.clone());
         runtime.spawn(async move {
-            match notify(&client, &remote, 0).await {
+            match notify(&client, &remote, 0, true).await {
                 Ok(()) => log::debug!(
                     "pd: decode request {:?} ended before its read: P told",
                     remote.request_id
