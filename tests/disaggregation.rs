@@ -197,6 +197,59 @@ async fn a_failed_prefill_leg_leaves_the_request_whole() {
     );
 }
 
+/// A prefill server that fails the leg is not the request's last chance: placed again, it is
+/// split on another prefill server (within the retry budget), which the decode server then
+/// reads from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prefill_leg_is_retried_on_another_prefill_server() {
+    let nixl = |role| {
+        [
+            "--ttft-ms",
+            "1",
+            "--role",
+            role,
+            "--pd-protocol",
+            "vllm_nixl",
+        ]
+    };
+    let failing = Sim::start(&["--ttft-ms", "1", "--fail-rate", "1"]);
+    let (p, d) = (Sim::start(&nixl("prefill")), Sim::start(&nixl("decode")));
+    let prefill = "      role: prefill\n      prefill_tokens_per_s: 1000000\n";
+    // Priced alike, the failing server is first by index: it is tried first.
+    let kv = Kvroute::start_with(
+        &[
+            (failing.addr, prefill.into()),
+            (p.addr, prefill.into()),
+            (
+                d.addr,
+                "      role: decode\n      prefill_tokens_per_s: 100\n".into(),
+            ),
+        ],
+        "  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 1000\n",
+    );
+    let long = format!("summarise {}", "lorem ipsum dolor sit amet ".repeat(300));
+    let (status, text) = send(&kv, &chat(&long, true)).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("[DONE]"), "{text}");
+    let counts = (
+        failing.requests().len(),
+        p.requests().len(),
+        d.requests().len(),
+    );
+    let m = kv.metrics();
+    assert_eq!(counts, (1, 1, 1), "{}", kv.log());
+    let count = |labels: &[(&str, &str)]| metric_sum(&m, "kvroute_pd_prefill_legs_total", labels);
+    assert_eq!(count(&[("outcome", "failed")]), 1.0);
+    assert_eq!(count(&[("outcome", "ok")]), 1.0);
+    assert_eq!(
+        metric_sum(&m, "kvroute_retries_total", &[("outcome", "retried")]),
+        1.0
+    );
+    let (_, state) = http_get(d.addr, "/debug/state");
+    let state: Value = serde_json::from_slice(&state).unwrap();
+    assert_eq!(state["pd"]["transfers_total"], 1, "{state}");
+}
+
 /// The whole protocol against engines that speak it: the prefill server holds the prompt's
 /// blocks under the id both legs carry, the decode server reads them and streams the reply,
 /// the client's usage says the prefill server's cache hit (not the prefix the decode server
@@ -332,4 +385,143 @@ async fn a_client_gone_mid_prefill_leaves_nothing_held() {
         kv.metric_sum("kvroute_pd_prefill_legs_total", &[("outcome", "ok")]),
         1.0
     );
+}
+
+fn sglang(role: &str, extra: &[&'static str]) -> Sim {
+    let mut args = vec!["--ttft-ms", "1", "--pd-protocol", "sglang_bootstrap"];
+    let role: &'static str = match role {
+        "prefill" => "prefill",
+        _ => "decode",
+    };
+    args.extend(["--role", role]);
+    args.extend_from_slice(extra);
+    Sim::start(&args)
+}
+
+/// kvroute in front of SGLang prefill servers `ps` (each its own bootstrap server on its HTTP
+/// port, as the simulator has it) and decode server `d`.
+fn sglang_fleet(ps: &[std::net::SocketAddr], d: std::net::SocketAddr) -> Kvroute {
+    let mut backends: Vec<(std::net::SocketAddr, String)> = ps
+        .iter()
+        .map(|p| {
+            (
+                *p,
+                format!("      role: prefill\n      bootstrap_port: {}\n", p.port()),
+            )
+        })
+        .collect();
+    backends.push((d, "      role: decode\n".into()));
+    Kvroute::start_with(
+        &backends,
+        "  disaggregation:\n    protocol: sglang_bootstrap\n",
+    )
+}
+
+/// SGLang's protocol: both legs at once, the same body naming the prefill server's bootstrap
+/// server and a fresh room; the decode server fetches the KV and answers the client, whose
+/// usage says the prefill server's hit. A decode server takes nothing whole, so even a short
+/// prompt is split.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_legs_go_at_once_with_one_room() {
+    let (p, d) = (sglang("prefill", &[]), sglang("decode", &[]));
+    let kv = sglang_fleet(&[p.addr], d.addr);
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let text = format!("hello {i} {}", "lorem ipsum dolor sit amet ".repeat(40));
+        let mut body = chat(&text, stream);
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let (status, text) = send(&kv, &body).await;
+        assert_eq!(status, 200, "{text}");
+        let (pr, dr) = (p.requests(), d.requests());
+        assert_eq!((pr.len(), dr.len()), (i + 1, i + 1));
+        // One body for both legs, and not the client's.
+        assert_eq!(pr[i]["body_xxh3"], dr[i]["body_xxh3"]);
+        let client = format!(
+            "{:016x}",
+            xxhash_rust::xxh3::xxh3_64(body.to_string().as_bytes())
+        );
+        assert_ne!(dr[i]["body_xxh3"], client);
+        let usage = if stream {
+            text.lines()
+                .filter_map(|l| l.strip_prefix("data: "))
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find_map(|v| v.get("usage").filter(|u| u.is_object()).cloned())
+                .expect("a usage chunk")
+        } else {
+            serde_json::from_str::<Value>(&text).unwrap()["usage"].clone()
+        };
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"], 0,
+            "{usage}"
+        );
+    }
+    let state = |s: &Sim| -> Value {
+        let (_, body) = http_get(s.addr, "/debug/state");
+        serde_json::from_slice(&body).unwrap()
+    };
+    let (ps, ds) = (state(&p), state(&d));
+    assert_eq!(ds["pd"]["transfers_total"], 2, "{ds}");
+    assert_eq!(ps["pd"]["held_requests"], 0, "{ps}");
+    let m = kv.metrics();
+    assert_eq!(
+        metric_sum(&m, "kvroute_pd_decisions_total", &[("outcome", "split")]),
+        2.0
+    );
+    assert_eq!(
+        metric_sum(&m, "kvroute_pd_prefill_legs_total", &[("outcome", "ok")]),
+        2.0
+    );
+}
+
+/// A prefill leg that fails cuts its decode leg at once (SGLang's would wait 300 s for the
+/// KV), and the request is placed again with another prefill server and a fresh room;
+/// nothing is held against the decode server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_sglang_prefill_leg_cuts_its_decode_leg_and_goes_again() {
+    let failing = sglang("prefill", &["--fail-rate", "1"]);
+    let (p, d) = (sglang("prefill", &[]), sglang("decode", &[]));
+    let kv = sglang_fleet(&[failing.addr, p.addr], d.addr);
+    let started = std::time::Instant::now();
+    let (status, text) = send(&kv, &chat("hello there", true)).await;
+    assert_eq!(status, 200, "{text}\n{}", kv.log());
+    assert!(text.contains("[DONE]"), "{text}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "the cut decode leg was waited for"
+    );
+    // The first decode leg may be cut before the decode server read it.
+    let counts = (
+        failing.requests().len(),
+        p.requests().len(),
+        d.requests().len(),
+    );
+    assert!(matches!(counts, (1, 1, 1 | 2)), "{counts:?}\n{}", kv.log());
+    let m = kv.metrics();
+    assert_eq!(
+        metric_sum(
+            &m,
+            "kvroute_pd_prefill_legs_total",
+            &[("outcome", "failed")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric_sum(
+            &m,
+            "kvroute_upstream_failures_total",
+            &[("kind", "prefill_leg")]
+        ),
+        1.0
+    );
+    let (_, body) = http_get(kv.admin, "/debug/backends");
+    let view: Value = serde_json::from_slice(&body).unwrap();
+    let d_view = view["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["role"] == "decode")
+        .cloned()
+        .unwrap();
+    assert_ne!(d_view["healthy"], false, "{d_view}");
 }

@@ -89,6 +89,15 @@ pub struct BackendConfig {
     /// What the backend does in a disaggregated fleet ([`Role`]).
     #[serde(default)]
     pub role: Role,
+    /// The port of this SGLang server's bootstrap server (its `--disaggregation-bootstrap-port`),
+    /// which decode servers fetch its KV through: `sglang_bootstrap` prefill legs name it.
+    #[serde(default = "default_bootstrap_port")]
+    pub bootstrap_port: u16,
+}
+
+/// SGLang's `--disaggregation-bootstrap-port` default (`server_args.py`).
+fn default_bootstrap_port() -> u16 {
+    8998
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -154,6 +163,12 @@ pub(super) fn validate(backends: &[BackendConfig]) -> Result<(), ConfigError> {
             return Err(err(
                 format!("kvroute.backends[{i}].kv_capacity_tokens"),
                 "must be at least 1024",
+            ));
+        }
+        if b.bootstrap_port == 0 {
+            return Err(err(
+                format!("kvroute.backends[{i}].bootstrap_port"),
+                "must be a port (1-65535)",
             ));
         }
         if !b.metrics_path.starts_with('/') {

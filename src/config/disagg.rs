@@ -49,12 +49,49 @@ pub enum PdProtocol {
     /// vLLM's NixlConnector: the prefill leg first (`max_tokens: 1`, `kv_transfer_params`
     /// asking for a remote decode), then the decode leg with the parameters it returned.
     VllmNixl,
+    /// SGLang's bootstrap protocol: both legs at once, the same body naming the prefill
+    /// server's bootstrap server and a random room the decode server fetches the KV from.
+    SglangBootstrap,
 }
 
 impl PdProtocol {
     pub fn as_str(self) -> &'static str {
         match self {
             PdProtocol::VllmNixl => "vllm_nixl",
+            PdProtocol::SglangBootstrap => "sglang_bootstrap",
+        }
+    }
+
+    /// A server of `role` can be sent a request whole. vLLM's `kv_both` servers serve any
+    /// request; SGLang's prefill- and decode-mode servers refuse one without a bootstrap room
+    /// ("Do not send requests directly to prefill or decode instances; send to the router
+    /// instead": the data-parallel controller's `follow_bootstrap_room_scheduler`), so only a
+    /// plain (`both`) SGLang server does.
+    pub fn serves_whole(self, role: Role) -> bool {
+        match self {
+            PdProtocol::VllmNixl => role.decodes(),
+            PdProtocol::SglangBootstrap => role == Role::Both,
+        }
+    }
+}
+
+/// How the split is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PdDecision {
+    /// Per request, from the cost model: whole unless a prefill server finishes it sooner.
+    #[default]
+    Cost,
+    /// Every request that can be split is (the fixed-policy baseline, and what an operator
+    /// who wants no prefill on a decode server asks for).
+    Always,
+}
+
+impl PdDecision {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PdDecision::Cost => "cost",
+            PdDecision::Always => "always",
         }
     }
 }
@@ -63,6 +100,8 @@ impl PdProtocol {
 #[serde(deny_unknown_fields)]
 pub struct DisaggregationConfig {
     pub protocol: PdProtocol,
+    #[serde(default)]
+    pub decision: PdDecision,
     /// KV cache bytes one token takes: 2 (K and V) x layers x KV heads x head size x bytes per
     /// value; 131,072 for Llama 3 8B in bf16 (32 x 8 x 128).
     #[serde(default = "default_kv_bytes_per_token")]
@@ -159,8 +198,21 @@ mod tests {
             ..d.clone()
         };
         assert!(validate_roles(&split, Some(&bad)).is_err());
-        assert!(
-            serde_yaml::from_str::<DisaggregationConfig>("protocol: sglang_bootstrap\n").is_err()
+        let s: DisaggregationConfig =
+            serde_yaml::from_str("protocol: sglang_bootstrap\ndecision: always\n").unwrap();
+        assert_eq!(
+            (s.protocol, s.decision),
+            (PdProtocol::SglangBootstrap, PdDecision::Always)
         );
+        assert_eq!(d.decision, PdDecision::Cost);
+        assert!(serde_yaml::from_str::<DisaggregationConfig>("protocol: mooncake\n").is_err());
+        assert!(serde_yaml::from_str::<DisaggregationConfig>(
+            "protocol: vllm_nixl\ndecision: never\n"
+        )
+        .is_err());
+        // SGLang's prefill and decode servers take nothing whole.
+        assert!(PdProtocol::VllmNixl.serves_whole(Role::Decode));
+        assert!(!PdProtocol::SglangBootstrap.serves_whole(Role::Decode));
+        assert!(PdProtocol::SglangBootstrap.serves_whole(Role::Both));
     }
 }

@@ -22,7 +22,7 @@ pub use backend::{
     BackendConfig, BackendTlsConfig, EngineKind, EnginePriority, DEFAULT_KV_CAPACITY_TOKENS,
     DEFAULT_PREFILL_TOKENS_PER_S,
 };
-pub use disagg::{DisaggregationConfig, PdProtocol, Role};
+pub use disagg::{DisaggregationConfig, PdDecision, PdProtocol, Role};
 pub use error::ConfigError;
 pub use file::{Config, MAX_INDEXED_BACKENDS};
 pub use headers::ResponseHeadersConfig;

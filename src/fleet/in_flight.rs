@@ -182,6 +182,35 @@ impl Watch {
     pub fn was_cut(&self) -> bool {
         self.shared.cut.load(Ordering::Relaxed)
     }
+
+    /// A handle that cuts this request's connection from elsewhere (the other leg of a
+    /// disaggregated request failed), without it being read as its backend's failure.
+    pub fn cutter(&self) -> Cutter {
+        Cutter {
+            registry: Arc::clone(&self.registry),
+            backend: self.backend,
+            id: self.id,
+        }
+    }
+}
+
+/// Cuts one registered request's connection ([`Watch::cutter`]).
+pub struct Cutter {
+    registry: Arc<InFlight>,
+    backend: SocketAddr,
+    id: u64,
+}
+
+impl Cutter {
+    /// Cut the connection unless its response is whole or it is no longer registered; true
+    /// if it was cut.
+    pub fn cut(&self) -> bool {
+        let map = self.registry.lock();
+        let Some(e) = map.get(&self.backend).and_then(|r| r.get(&self.id)) else {
+            return false;
+        };
+        e.shared.last.load(Ordering::Relaxed) != DONE && e.conn.cut()
+    }
 }
 
 impl Drop for Watch {

@@ -22,7 +22,8 @@
 //! with more.
 //!
 //! The request is split on the prefill server with the lowest `split(p)` when that is below
-//! `whole`. A follow-up turn whose history sits on its decode server has little left to
+//! `whole`, or whatever the costs when it must be (`decision: always`, or a decode server that
+//! takes nothing whole: SGLang's). A follow-up turn whose history sits on its decode server has little left to
 //! compute there, so it stays whole; a long cold prompt beside busy streams goes to a prefill
 //! server, and only the blocks the decode server lacks are moved.
 
@@ -81,17 +82,28 @@ pub struct Bias {
     pub split_s: f64,
 }
 
+/// What the decision weighs besides the fleet: the model's terms and whether a split is
+/// required.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SplitTerms {
+    pub decode_stall_weight: f64,
+    pub transfer: Transfer,
+    pub bias: Bias,
+    /// Split on the best prefill server whatever the costs (still whole when none can).
+    pub must_split: bool,
+}
+
 /// Split or serve whole the request of `prompt` tokens placed on decode server `d`;
 /// `prefill_ok(p)`: `p` may prefill it (its role, health, cap, not `d`).
 pub fn decide(
     snap: &Snapshot,
     d: usize,
     prompt: u64,
-    decode_stall_weight: f64,
-    transfer: &Transfer,
-    bias: Bias,
+    terms: &SplitTerms,
     prefill_ok: &dyn Fn(usize) -> bool,
 ) -> PdChoice {
+    let (decode_stall_weight, transfer, bias) =
+        (terms.decode_stall_weight, &terms.transfer, terms.bias);
     let matched = |i: usize| snap.matched.get(i).copied().unwrap_or(0).min(prompt);
     let dec = &snap.backends[d];
     let local = prompt - matched(d);
@@ -112,7 +124,9 @@ pub fn decide(
         // Ties go to the lower index: the decision is deterministic.
         .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
     PdChoice {
-        prefill: best.filter(|b| b.1 < whole_s).map(|b| b.0),
+        prefill: best
+            .filter(|b| terms.must_split || b.1 < whole_s)
+            .map(|b| b.0),
         whole_s,
         whole_ttft_s,
         split_s: best.map(|b| b.1),
@@ -146,9 +160,16 @@ mod tests {
             matched,
         };
         // Backend 0 decodes; the others prefill.
-        decide(&snap, 0, prompt, 1.0, &TRANSFER, Bias::default(), &|p| {
-            p != 0
-        })
+        decide(&snap, 0, prompt, &terms(1.0, Bias::default()), &|p| p != 0)
+    }
+
+    fn terms(decode_stall_weight: f64, bias: Bias) -> SplitTerms {
+        SplitTerms {
+            decode_stall_weight,
+            transfer: TRANSFER,
+            bias,
+            must_split: false,
+        }
     }
 
     fn busy_decoder(streams: u64) -> BackendLoad {
@@ -201,6 +222,34 @@ mod tests {
     }
 
     #[test]
+    fn a_required_split_goes_to_the_best_prefill_server_whatever_the_costs() {
+        let loads = [BackendLoad::idle(), busy_decoder(4), BackendLoad::idle()];
+        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..3)
+            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
+            .collect();
+        let ring = Ring::new(&addrs);
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &ring,
+            matched: &[0, 0, 0],
+        };
+        let must = SplitTerms {
+            must_split: true,
+            ..terms(0.1, Bias::default())
+        };
+        // A short prompt on an idle decoder: whole by cost, split when required, on the idle
+        // prefill server.
+        let by_cost = decide(&snap, 0, 200, &terms(0.1, Bias::default()), &|p| p != 0);
+        assert_eq!(by_cost.prefill, None, "{by_cost:?}");
+        let c = decide(&snap, 0, 200, &must, &|p| p != 0);
+        assert_eq!(c.prefill, Some(2), "{c:?}");
+        assert!(c.split_s.unwrap() > c.whole_s, "{c:?}");
+        // No prefill server can: still whole (the caller knows whether it may be).
+        let none = decide(&snap, 0, 200, &must, &|_| false);
+        assert_eq!(none.prefill, None);
+    }
+
+    #[test]
     fn without_a_prefill_server_free_the_request_is_served_whole() {
         let loads = [busy_decoder(32)];
         let c = decide_on(&loads, &[0], 30_000);
@@ -221,7 +270,7 @@ mod tests {
             ring: &ring,
             matched: &[0, 0],
         };
-        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, Bias::default(), &|p| p != 0);
+        let c = decide(&snap, 0, 300, &terms(0.1, Bias::default()), &|p| p != 0);
         assert_eq!(
             c.prefill,
             Some(1),
@@ -232,17 +281,17 @@ mod tests {
             whole_s: 0.0,
             split_s: 0.030,
         };
-        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, slow, &|p| p != 0);
+        let c = decide(&snap, 0, 300, &terms(0.1, slow), &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
         // Whole requests 15 ms sooner than predicted: the same.
         let quick = Bias {
             whole_s: -0.015,
             split_s: 0.0,
         };
-        let c = decide(&snap, 0, 300, 0.1, &TRANSFER, quick, &|p| p != 0);
+        let c = decide(&snap, 0, 300, &terms(0.1, quick), &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
         // A long prompt still goes: the overhead is small beside its stall.
-        let c = decide(&snap, 0, 20_000, 0.1, &TRANSFER, slow, &|p| p != 0);
+        let c = decide(&snap, 0, 20_000, &terms(0.1, slow), &|p| p != 0);
         assert_eq!(c.prefill, Some(1), "{c:?}");
         assert_eq!(c.prefill_tokens, 20_000);
         assert!(c.split_ttft_s.unwrap() < c.split_s.unwrap() + 1e-9);

@@ -21,7 +21,7 @@ fn req(key: u64, prompt: u64) -> RequestProfile {
         stream: true,
         include_usage: false,
         has_stream_options: false,
-        has_kv_transfer_params: false,
+        has_handover_fields: false,
         session_key: key,
         session_source: SessionSource::Content,
         has_history: false,

@@ -82,7 +82,7 @@ mod tests {
             stream: false,
             include_usage: false,
             has_stream_options: false,
-            has_kv_transfer_params: false,
+            has_handover_fields: false,
             session_key: key,
             session_source: SessionSource::Content,
             has_history: false,

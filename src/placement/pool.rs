@@ -142,7 +142,7 @@ mod tests {
                     stream: false,
                     include_usage: false,
                     has_stream_options: false,
-                    has_kv_transfer_params: false,
+                    has_handover_fields: false,
                     session_key: key.wrapping_mul(0x9E37_79B9_7F4A_7C15),
                     session_source: SessionSource::Content,
                     has_history: false,

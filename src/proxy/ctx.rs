@@ -99,6 +99,25 @@ pub(super) struct Disagg {
     pub failed: Vec<usize>,
     /// When the prefill leg was sent: a split request's first token is timed from it.
     pub leg_started: Option<Instant>,
+    /// SGLang: where the decode leg fetches the KV (both legs' bodies name it).
+    pub bootstrap: Option<crate::request::bootstrap::Bootstrap>,
+    /// SGLang: the prefill leg running beside the decode leg.
+    pub leg: Option<super::prefill_leg::PrefillLeg>,
+}
+
+impl Disagg {
+    /// The request went to its decode server split: its prefill leg was sent (vLLM: and
+    /// returned what the decode leg needs).
+    pub fn split_sent(&self) -> bool {
+        self.params.is_some() || self.leg.is_some()
+    }
+
+    /// The prompt tokens the prefill server found cached, as far as known.
+    pub fn prefill_cached(&self) -> Option<u64> {
+        self.leg
+            .as_ref()
+            .map_or(self.prefill_cached, |l| l.cached())
+    }
 }
 
 /// A request's TTFT deadline, judged once before it first queues or is placed.

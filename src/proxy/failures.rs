@@ -24,6 +24,9 @@ pub(super) enum FailureKind {
     /// kvroute cut the connection: the health check found the backend down while the request
     /// sat silent on it.
     BackendDown,
+    /// kvroute cut the decode leg: its prefill leg, sent beside it, failed (SGLang's protocol).
+    /// Nothing against the decode server.
+    PrefillLeg,
 }
 
 impl FailureKind {
@@ -33,6 +36,7 @@ impl FailureKind {
             FailureKind::Io => "io",
             FailureKind::RefusedContinuation => "refused_continuation",
             FailureKind::BackendDown => "backend_down",
+            FailureKind::PrefillLeg => "prefill_leg",
         }
     }
 }
@@ -133,15 +137,20 @@ impl FailurePolicy<'_> {
                 RetryDecision::AttemptsExhausted
             };
         }
-        if let Some(b) = ctx.attempts.backend {
-            ctx.attempts.tried.push(b);
-            if kind != FailureKind::RefusedContinuation {
-                self.report(ctx, b, Outcome::Failure);
+        match (ctx.attempts.backend, kind) {
+            (Some(_), FailureKind::PrefillLeg) | (None, _) => {}
+            (Some(b), _) => {
+                ctx.attempts.tried.push(b);
+                if kind != FailureKind::RefusedContinuation {
+                    self.report(ctx, b, Outcome::Failure);
+                }
             }
         }
+        // A prefill leg's work is lost with it, as an engine's that broke.
+        let lost_work = matches!(kind, FailureKind::Io | FailureKind::PrefillLeg);
         let decision = if ctx.attempts.count >= max_attempts {
             RetryDecision::AttemptsExhausted
-        } else if ctx.attempts.retrying.is_some() || kind != FailureKind::Io {
+        } else if ctx.attempts.retrying.is_some() || !lost_work {
             // A refused or failed connect never reached the backend, a refused continuation
             // was not started, and a hung backend's work is lost with it: retrying adds no
             // work anywhere, so it needs no budget (attempts still bound it).
@@ -160,6 +169,33 @@ impl FailurePolicy<'_> {
             .with_label_values(&[decision.as_str()])
             .inc();
         decision
+    }
+
+    /// A prefill leg failed before its decode leg was sent: `true` if the request may be
+    /// placed again (another prefill server, or whole), within the retry budget; else it is
+    /// served whole on its decode server, which computes the prompt itself.
+    pub fn retry_prefill(&self, ctx: &mut Ctx) -> bool {
+        let limits = &ctx.generation.config.limits;
+        let decision = if ctx.attempts.retrying.is_some() {
+            RetryDecision::Retried
+        } else {
+            match self
+                .edge
+                .retry_budget
+                .try_retry(limits.retry_budget_ratio, limits.retry_budget_min)
+            {
+                Some(r) => {
+                    ctx.attempts.retrying = Some(r);
+                    RetryDecision::Retried
+                }
+                None => RetryDecision::BudgetExhausted,
+            }
+        };
+        self.metrics
+            .retries
+            .with_label_values(&[decision.as_str()])
+            .inc();
+        decision == RetryDecision::Retried
     }
 
     /// The backend failed after the response started: release its charge, count the failure

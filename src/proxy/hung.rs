@@ -33,7 +33,11 @@ pub(super) fn watch(ctx: &mut Ctx, fd: RawFd, digest: Option<&Digest>, link: Opt
     let Some(addr) = fleet.backends().get(i).map(|b| b.addr) else {
         return;
     };
-    ctx.attempts.watch = Some(fleet.in_flight().watch(addr, conn));
+    let watch = fleet.in_flight().watch(addr, conn);
+    if let Some(leg) = &ctx.pd.leg {
+        leg.arm(watch.cutter());
+    }
+    ctx.attempts.watch = Some(watch);
 }
 
 /// The engine sent part of its response; `end`: all of it.

@@ -202,7 +202,7 @@ impl ProxyMetrics {
             pd_legs: counter_vec(
                 r,
                 "kvroute_pd_prefill_legs_total",
-                "Prefill legs of split requests, by outcome (ok; full: no room since the decision; failed; no_params: the engine held nothing). All but ok serve the request whole.",
+                "Prefill legs of split requests, by outcome (ok; full: no room since the decision; failed; no_params: the engine held nothing). Failed and full legs are placed again; no_params legs are served whole.",
                 &["outcome"],
             )?,
             pd_prefill_seconds: seconds_vec(

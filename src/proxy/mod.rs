@@ -22,6 +22,7 @@ use crate::request::usage::{self, UsageTap};
 use crate::request::{self, PromptText, SessionKeys, TokenEstimator, DEFAULT_BLOCK_BYTES};
 
 pub mod access_log;
+mod bootstrap_leg;
 mod ctx;
 mod deadline;
 mod engine_done;
@@ -37,6 +38,7 @@ mod passthrough;
 mod pd;
 mod peer;
 mod placement;
+mod prefill_leg;
 mod reject;
 mod stored;
 mod tenant;
@@ -74,6 +76,32 @@ impl Router {
             tokens,
             metrics,
         }
+    }
+
+    /// Send the prefill leg of a request placement split onto prefill server `p`, as its
+    /// protocol has it. `false`: the request is to be placed again (that server had no room,
+    /// or failed it and the retry budget allows another).
+    async fn split(&self, ctx: &mut Ctx, p: usize) -> bool {
+        let protocol = ctx
+            .generation
+            .config
+            .disaggregation
+            .as_ref()
+            .map(|d| d.protocol);
+        let sent = if protocol == Some(crate::config::PdProtocol::SglangBootstrap) {
+            bootstrap_leg::start(&self.edge, &self.metrics, ctx, p)
+        } else {
+            match pd::prefill_leg(&self.edge, &self.metrics, ctx, p).await {
+                pd::Leg::Ok | pd::Leg::NoParams => true,
+                pd::Leg::Full => false,
+                pd::Leg::Failed => !self.failures().retry_prefill(ctx),
+            }
+        };
+        // The decode server gets the prompt now, read or computed.
+        if let (true, Some(d)) = (sent, ctx.attempts.backend) {
+            placement::record_blocks(ctx, d);
+        }
+        sent
     }
 
     fn placer(&self) -> Placer<'_> {
@@ -331,13 +359,18 @@ impl ProxyHttp for Router {
                 ctx.charge.dispatched = Some(Instant::now());
                 ctx.charge.guard = Some(g);
                 tenant::charge_dispatch(&self.edge, ctx);
+                ctx.attempts.backend = Some(idx);
+                if let Some(p) = ctx.pd.choice.and_then(|c| c.prefill) {
+                    if !self.split(ctx, p).await {
+                        // Its prefill leg could not go: placed again, that server excluded.
+                        ctx.charge.guard = None;
+                        self.edge.queue.wake_one();
+                        continue;
+                    }
+                }
                 break idx;
             }
         };
-        ctx.attempts.backend = Some(idx);
-        if let Some(p) = ctx.pd.choice.and_then(|c| c.prefill) {
-            pd::prefill_leg(&self.edge, &self.metrics, ctx, p).await;
-        }
         let peer = peer::for_attempt(fleet, idx, cfg, session, ctx);
         Ok(Box::new(peer))
     }
@@ -437,9 +470,9 @@ impl ProxyHttp for Router {
             }
             // Split: the decode server counts the prefix it read as cached; the client's hit is
             // the prefill server's.
-            let split = ctx.pd.params.is_some();
+            let split = ctx.pd.split_sent();
             if split {
-                tap = tap.rewriting_cached(ctx.pd.prefill_cached);
+                tap = tap.rewriting_cached(ctx.pd.prefill_cached());
             }
             ctx.tap.usage = Some(tap);
             self.migrator().watch(ctx);
@@ -479,6 +512,9 @@ impl ProxyHttp for Router {
             stamp.filter(body, end_of_stream);
         }
         if let Some(tap) = ctx.tap.usage.as_mut() {
+            if let Some(leg) = &ctx.pd.leg {
+                tap.update_cached(leg.cached());
+            }
             tap.filter(body, end_of_stream);
         }
         self.migrator().on_body(ctx, body)?;
@@ -505,9 +541,11 @@ impl ProxyHttp for Router {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        let retry = self
-            .failures()
-            .after_failure(ctx, FailureKind::Connect, false);
+        let kind = match bootstrap_leg::settle(ctx) {
+            true => FailureKind::PrefillLeg,
+            false => FailureKind::Connect,
+        };
+        let retry = self.failures().after_failure(ctx, kind, false);
         e.set_retry(retry.retries());
         e
     }
@@ -534,16 +572,18 @@ impl ProxyHttp for Router {
         // the backend); one that timed out was open and unanswered: the backend is hung, and
         // the retry goes elsewhere. Once the client's stream has started, it is continued
         // elsewhere from where the client is, if it can be.
+        let prefill_failed = bootstrap_leg::settle(ctx);
         let cut = hung::was_cut(ctx);
         let retry = if !ctx.attempts.upstream_responded || session.response_written().is_none() {
             let kind = match e.etype() {
                 ErrorType::HTTPStatus(400 | 422) if ctx.resume.splice.is_some() => {
                     FailureKind::RefusedContinuation
                 }
+                _ if prefill_failed => FailureKind::PrefillLeg,
                 _ if cut => FailureKind::BackendDown,
                 _ => FailureKind::Io,
             };
-            let stale = client_reused && !ctx.attempts.timed_out && !cut;
+            let stale = client_reused && !ctx.attempts.timed_out && !cut && !prefill_failed;
             self.failures().after_failure(ctx, kind, stale).retries()
         } else {
             let written = session.body_bytes_sent() as u64;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::ctx::Ctx;
 use super::metrics::ProxyMetrics;
-use crate::config::{DisaggregationConfig, PdProtocol};
+use crate::config::DisaggregationConfig;
 use crate::edge::EdgeState;
 use crate::placement::disagg::Transfer;
 use crate::request::{nixl, Endpoint, RequestProfile};
@@ -38,8 +38,8 @@ pub(super) fn observe_first_token(ctx: &Ctx, first: Instant) {
         return;
     };
     let fleet = &ctx.generation.fleet;
-    match (choice.prefill, &ctx.pd.params) {
-        (Some(_), Some(_)) => {
+    match (choice.prefill, ctx.pd.split_sent()) {
+        (Some(_), true) => {
             if let (Some(started), Some(predicted)) = (ctx.pd.leg_started, choice.split_ttft_s) {
                 let took = first.saturating_duration_since(started).as_secs_f64();
                 fleet.observe_pd_error(true, took - predicted);
@@ -51,22 +51,16 @@ pub(super) fn observe_first_token(ctx: &Ctx, first: Instant) {
                 fleet.observe_pd_error(false, took - choice.whole_ttft_s);
             }
         }
-        (Some(_), None) => {}
+        (Some(_), false) => {}
     }
 }
 
-/// May this request be split? vLLM's prefill/decode protocol speaks chat and completions; a
-/// migrated stream's continuation is served whole where it lands.
+/// May this request be split? vLLM's and SGLang's prefill/decode protocols speak chat and
+/// completions; a migrated stream's continuation is served whole where it lands.
 pub(super) fn splittable(ctx: &Ctx, p: &RequestProfile) -> bool {
     matches!(p.endpoint, Endpoint::Chat | Endpoint::Completions)
         && ctx.resume.splice.is_none()
-        && ctx
-            .generation
-            .config
-            .disaggregation
-            .as_ref()
-            .map(|d| d.protocol)
-            == Some(PdProtocol::VllmNixl)
+        && ctx.generation.config.disaggregation.is_some()
 }
 
 /// How a prefill leg ended, as metrics name it.
@@ -108,8 +102,14 @@ fn request_id(ctx: &Ctx) -> String {
 }
 
 /// Send the prefill leg of a request placement split onto prefill server `p`; on success the
-/// decode leg's body names what it returned (`ctx.pd.params`).
-pub(super) async fn prefill_leg(edge: &EdgeState, m: &ProxyMetrics, ctx: &mut Ctx, p: usize) {
+/// decode leg's body names what it returned (`ctx.pd.params`). Otherwise `p` is not tried
+/// again for it: the caller places it again or serves it whole.
+pub(super) async fn prefill_leg(
+    edge: &EdgeState,
+    m: &ProxyMetrics,
+    ctx: &mut Ctx,
+    p: usize,
+) -> Leg {
     let generation = ctx.generation.clone();
     let fleet = &generation.fleet;
     let started = Instant::now();
@@ -123,12 +123,13 @@ pub(super) async fn prefill_leg(edge: &EdgeState, m: &ProxyMetrics, ctx: &mut Ct
     if outcome != Leg::Ok {
         ctx.pd.failed.push(p);
         log::warn!(
-            "prefill leg on {name} ended {}: the request is served whole on its decode server",
+            "prefill leg on {name} ended {}: the request is placed again, or served whole on its decode server",
             outcome.as_str()
         );
     }
     // The prefill server's slot is free again: the router queue's best waiter may go.
     edge.queue.wake_one();
+    outcome
 }
 
 /// The request ends with its prefill leg done and its decode leg never answered (the client

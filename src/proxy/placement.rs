@@ -7,6 +7,7 @@ use std::time::Instant;
 use super::ctx::{Ctx, IndexMode};
 use super::metrics::ProxyMetrics;
 use super::pd;
+use crate::config::{PdDecision, Role};
 use crate::edge::{access, EdgeState};
 use crate::error::ApiError;
 use crate::fleet::adapters::AdapterSlot;
@@ -91,8 +92,16 @@ impl Placer<'_> {
             return (!ctx.attempts.tried.contains(&i)).then_some((i, None));
         }
         let cfg = &generation.config;
-        // A prefill server serves nothing whole: it is passed over as if it had failed.
-        let excluded = excluded(cfg, &ctx.attempts.tried);
+        // A prefill server serves nothing whole: it is passed over as if it had failed. Nor,
+        // with SGLang, does a decode server: it takes only a split request, and only while a
+        // prefill server can take the other leg.
+        let split_ok = ctx
+            .route
+            .profile
+            .as_ref()
+            .is_some_and(|p| pd::splittable(ctx, p))
+            && prefill_room(ctx) == Room::Free;
+        let excluded = excluded(cfg, &ctx.attempts.tried, split_ok);
         let Some(profile) = ctx.route.profile.as_ref() else {
             ctx.attempts.reason = Some(Reason::Passthrough);
             return fleet.pick_passthrough(&excluded).map(|i| (i, None));
@@ -161,16 +170,26 @@ impl Placer<'_> {
                         && !ctx.attempts.tried.contains(&p)
                         && !ctx.pd.failed.contains(&p)
                 };
+                let role = cfg.backends.get(d.backend).map_or(Role::Both, |c| c.role);
+                let terms = disagg::SplitTerms {
+                    decode_stall_weight: params.decode_stall_weight,
+                    transfer: pd::transfer(dis),
+                    bias: fleet.pd_bias(),
+                    must_split: dis.decision == PdDecision::Always
+                        || !dis.protocol.serves_whole(role),
+                };
                 disagg::decide(
                     &snap,
                     d.backend,
                     profile.est_prompt_tokens,
-                    params.decode_stall_weight,
-                    &pd::transfer(dis),
-                    fleet.pd_bias(),
+                    &terms,
                     &prefills,
                 )
             });
+        if pd.is_some_and(|c| c.prefill.is_none()) && !whole_ok(cfg, d.backend) {
+            // Every prefill server filled up since `split_ok` was read.
+            return None;
+        }
         log::debug!(
             "placement key={:016x} source={:?} prompt_tokens~{} policy={} -> backend={} reason={} load={} bound={:?} predicted_cached={} est_ttft_ms={:.1} tried={:?}",
             profile.session_key,
@@ -215,6 +234,9 @@ impl Placer<'_> {
         };
         ctx.pd.choice = pd;
         ctx.pd.params = None;
+        ctx.pd.bootstrap = None;
+        // A running prefill leg belonged to the attempt this placement replaces.
+        ctx.pd.leg = None;
         // Only kv_aware predicts a TTFT for the load time to be read against.
         let slot = slots.get(d.backend).copied().flatten();
         ctx.charge.adapter_load_s = match (params.policy, slot) {
@@ -255,14 +277,13 @@ impl Placer<'_> {
                     Some(ctx.generation.fleet.backends()[d.backend].hold_adapter(&p.model));
             }
         }
-        if let (PolicyKind::KvAware, Some(p)) = (policy, ctx.route.profile.as_ref()) {
-            let token_blocks = ctx.route.exact.as_ref().map_or(&[][..], |e| &e.blocks);
-            ctx.generation.fleet.record(
-                d.backend,
-                &p.prefix_blocks,
-                token_blocks,
-                ctx.route.dp_rank,
-            );
+        if policy == PolicyKind::KvAware {
+            // A split request reaches its decode server only once its prefill leg went: a
+            // leg that fails leaves the decode server without the prompt, and placement
+            // must not believe otherwise when it places the request again.
+            if ctx.pd.choice.is_none_or(|c| c.prefill.is_none()) {
+                record_blocks(ctx, d.backend);
+            }
             self.metrics
                 .predicted_cached
                 .inc_by(d.predicted_cached_tokens);
@@ -348,7 +369,7 @@ impl Placer<'_> {
         let now = Instant::now();
         // Checked before every placement: health and in-flight counts only, not the whole
         // load snapshot placement builds.
-        let mut eligible = fleet
+        let eligible = fleet
             .backends()
             .iter()
             .enumerate()
@@ -356,7 +377,15 @@ impl Placer<'_> {
             .filter(|(i, _)| !ctx.attempts.tried.contains(i) && fleet.available(*i, now))
             .filter(|(i, _)| decodes(cfg, *i))
             .peekable();
-        eligible.peek().is_some() && eligible.all(|(_, b)| b.inflight() >= cap * b.weight as u64)
+        // With SGLang a decode server takes a request only with a prefill server beside it:
+        // while every prefill server is busy, the decode servers are as good as full.
+        let room = prefill_room(ctx);
+        let usable = |i: usize| whole_ok(cfg, i) || room != Room::None;
+        let mut eligible = eligible.filter(|(i, _)| usable(*i)).peekable();
+        eligible.peek().is_some()
+            && eligible.all(|(i, b)| {
+                b.inflight() >= cap * b.weight as u64 || (!whole_ok(cfg, i) && room == Room::Full)
+            })
     }
 
     /// Seconds the request would wait in the router queue with `ahead` waiters before it.
@@ -393,17 +422,83 @@ impl Placer<'_> {
     }
 }
 
-/// Backend `i` serves requests whole (`backends[].role` other than `prefill`).
+/// Believe that backend `i` now holds the request's prompt (kv_aware's index).
+pub(super) fn record_blocks(ctx: &Ctx, i: usize) {
+    if let Some(p) = ctx.route.profile.as_ref() {
+        let token_blocks = ctx.route.exact.as_ref().map_or(&[][..], |e| &e.blocks);
+        ctx.generation
+            .fleet
+            .record(i, &p.prefix_blocks, token_blocks, ctx.route.dp_rank);
+    }
+}
+
+/// Backend `i` decodes: serves requests whole or after another's prefill (`backends[].role`
+/// other than `prefill`).
 fn decodes(cfg: &crate::config::Config, i: usize) -> bool {
     cfg.backends.get(i).is_none_or(|b| b.role.decodes())
 }
 
-/// The backends a request may not be placed on: those that failed it, and prefill servers.
-fn excluded<'a>(cfg: &crate::config::Config, tried: &'a [usize]) -> std::borrow::Cow<'a, [usize]> {
+/// Backend `i` may be sent a request whole, unsplit (its role, as its engine's protocol
+/// allows).
+fn whole_ok(cfg: &crate::config::Config, i: usize) -> bool {
+    let role = cfg.backends.get(i).map_or(Role::Both, |b| b.role);
+    cfg.disaggregation
+        .as_ref()
+        .is_none_or(|d| d.protocol.serves_whole(role))
+}
+
+/// What the prefill servers leave a request's split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Room {
+    /// One that has not failed it is healthy and below its hard cap.
+    Free,
+    /// Some are healthy, all at their cap.
+    Full,
+    /// None is healthy (or each has failed it).
+    None,
+}
+
+fn prefill_room(ctx: &Ctx) -> Room {
+    let cfg = &ctx.generation.config;
+    if cfg.disaggregation.is_none() {
+        return Room::None;
+    }
+    let fleet = &ctx.generation.fleet;
+    let cap = cfg.limits.backend_max_inflight;
+    let pool = ctx.route.pool.as_ref();
+    let now = Instant::now();
+    let mut room = Room::None;
+    for (i, b) in fleet.backends().iter().enumerate() {
+        let prefills = cfg.backends.get(i).is_some_and(|c| c.role.prefills());
+        if !prefills
+            || pool.is_some_and(|p| p.local(i).is_none())
+            || ctx.attempts.tried.contains(&i)
+            || ctx.pd.failed.contains(&i)
+            || !fleet.available(i, now)
+        {
+            continue;
+        }
+        if b.inflight() < cap * b.weight as u64 {
+            return Room::Free;
+        }
+        room = Room::Full;
+    }
+    room
+}
+
+/// The backends a request may not be placed on: those that failed it, prefill servers, and
+/// servers that take no request whole unless it can be split (`split_ok`).
+fn excluded<'a>(
+    cfg: &crate::config::Config,
+    tried: &'a [usize],
+    split_ok: bool,
+) -> std::borrow::Cow<'a, [usize]> {
     if cfg.disaggregation.is_none() {
         return std::borrow::Cow::Borrowed(tried);
     }
     let mut out = tried.to_vec();
-    out.extend((0..cfg.backends.len()).filter(|&i| !decodes(cfg, i)));
+    out.extend(
+        (0..cfg.backends.len()).filter(|&i| !decodes(cfg, i) || !(split_ok || whole_ok(cfg, i))),
+    );
     std::borrow::Cow::Owned(out)
 }

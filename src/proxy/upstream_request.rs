@@ -8,7 +8,7 @@ use pingora::{Error, ErrorType, Result};
 
 use super::ctx::Ctx;
 use crate::config::EnginePriority;
-use crate::request::nixl;
+use crate::request::{bootstrap, nixl};
 
 /// vLLM's and SGLang's header pinning a request to one data-parallel rank of the engine.
 const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -83,7 +83,8 @@ pub(super) fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
         EnginePriority::LowerFirst => Some(-1),
     };
     let params = ctx.pd.params.as_ref();
-    if sign.is_none() && params.is_none() && !profile.has_kv_transfer_params {
+    let boot = ctx.pd.bootstrap.as_ref();
+    if sign.is_none() && params.is_none() && boot.is_none() && !profile.has_handover_fields {
         return None;
     }
     let mut v: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).ok()?;
@@ -94,6 +95,7 @@ pub(super) fn attempt_body(ctx: &Ctx) -> Option<Bytes> {
         );
     }
     nixl::set_params(&mut v, params);
+    bootstrap::set(&mut v, boot);
     serde_json::to_vec(&v).ok().map(Bytes::from)
 }
 

@@ -97,7 +97,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
         stream: parsed.stream.unwrap_or(false),
         include_usage: false,
         has_stream_options: false,
-        has_kv_transfer_params: false,
+        has_handover_fields: false,
         max_output: Some(max_tokens),
         body_keys: BodyKeys {
             metadata_user_id: parsed.metadata.as_ref().and_then(|m| m.user_id.as_deref()),

@@ -15,6 +15,7 @@ mod agent_tests;
 mod agent_usage;
 mod blocks;
 pub(crate) mod body;
+pub mod bootstrap;
 mod canon;
 mod endpoint;
 pub mod engine_tokens;
@@ -69,9 +70,9 @@ pub struct RequestProfile {
     pub include_usage: bool,
     /// The body has a `stream_options` object (so kvroute must not add one).
     pub has_stream_options: bool,
-    /// The body names `kv_transfer_params` (an engine's prefill/decode handover, which only
-    /// kvroute may give it).
-    pub has_kv_transfer_params: bool,
+    /// The body names an engine's prefill/decode handover (`kv_transfer_params`,
+    /// `bootstrap_host`/`_port`/`_room`), which only kvroute may give it.
+    pub has_handover_fields: bool,
     pub session_key: u64,
     pub session_source: SessionSource,
     /// A conversation that carries earlier replies: its start was sent before, by this kvroute
@@ -153,7 +154,7 @@ struct Conversation<'a> {
     stream: bool,
     include_usage: bool,
     has_stream_options: bool,
-    has_kv_transfer_params: bool,
+    has_handover_fields: bool,
     max_output: Option<u64>,
     body_keys: BodyKeys<'a>,
     /// The hash of the conversation's opening (see [`CHAT_KEY_MAX_BYTES`]).
@@ -357,7 +358,7 @@ impl Prompt<'_> {
             model: model.to_owned(),
             stream: conv.stream,
             has_stream_options: conv.has_stream_options,
-            has_kv_transfer_params: conv.has_kv_transfer_params,
+            has_handover_fields: conv.has_handover_fields,
             include_usage: conv.include_usage,
             session_key,
             session_source,
@@ -649,9 +650,11 @@ mod tests {
     fn a_clients_kv_transfer_params_are_noticed() {
         let m = json!([{"role":"user","content":"a"}]);
         let with = chat(json!({"model":"m","messages":m,"kv_transfer_params":{"remote_host":"x"}}));
-        assert!(with.unwrap().has_kv_transfer_params);
+        assert!(with.unwrap().has_handover_fields);
+        let with = chat(json!({"model":"m","messages":m,"bootstrap_room":7}));
+        assert!(with.unwrap().has_handover_fields);
         let without = chat(json!({"model":"m","messages":m,"note":"kv_transfer_params"}));
-        assert!(!without.unwrap().has_kv_transfer_params);
+        assert!(!without.unwrap().has_handover_fields);
     }
 
     #[test]

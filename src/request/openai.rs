@@ -35,9 +35,15 @@ pub(super) struct Body<'a, const FAST: bool> {
     tools: Option<&'a RawValue>,
     #[serde(borrow, default)]
     cache_salt: Option<Cow<'a, str>>,
-    /// Read only for whether it is there: a client's own never reaches an engine.
+    /// Read only for whether they are there: a client's own never reach an engine.
     #[serde(borrow, default)]
     kv_transfer_params: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    bootstrap_host: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    bootstrap_port: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    bootstrap_room: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -81,7 +87,10 @@ pub(super) fn reduce<'a, const FAST: bool>(
     let mut conv = Conversation {
         stream: parsed.stream.unwrap_or(false),
         has_stream_options: parsed.stream_options.is_some(),
-        has_kv_transfer_params: parsed.kv_transfer_params.is_some(),
+        has_handover_fields: parsed.kv_transfer_params.is_some()
+            || parsed.bootstrap_host.is_some()
+            || parsed.bootstrap_port.is_some()
+            || parsed.bootstrap_room.is_some(),
         include_usage: parsed
             .stream_options
             .as_ref()

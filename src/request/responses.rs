@@ -187,7 +187,7 @@ pub(super) fn reduce<'a, const FAST: bool>(
         stream: parsed.stream.unwrap_or(false),
         include_usage: false,
         has_stream_options: false,
-        has_kv_transfer_params: false,
+        has_handover_fields: false,
         max_output: parsed.max_output_tokens,
         body_keys: BodyKeys {
             user: parsed.user.as_deref(),

@@ -168,6 +168,14 @@ impl UsageTap {
         }
     }
 
+    /// The prefill server's hit came in after the reply started (SGLang's legs run at once):
+    /// the figure a rewriting tap writes from now on.
+    pub fn update_cached(&mut self, cached: Option<u64>) {
+        if self.rewrite_cached.is_some() {
+            self.rewrite_cached = Some(cached);
+        }
+    }
+
     /// The tap for a reply in `api` (chat's and completions' shape unless told).
     pub fn speaking(self, api: Endpoint) -> UsageTap {
         UsageTap { api, ..self }
