@@ -101,7 +101,7 @@ fn split_fleet(p: std::net::SocketAddr, d: std::net::SocketAddr) -> Kvroute {
                 "      role: decode\n      prefill_tokens_per_s: 100\n".into(),
             ),
         ],
-        "  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 1000\n",
+        "  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 1000\n  telemetry:\n    interval_ms: 100\n",
     )
 }
 
@@ -301,6 +301,22 @@ async fn a_split_request_is_prefilled_moved_and_decoded() {
     assert_eq!(ds["pd"]["failed_transfers_total"], 0, "{ds}");
     assert_eq!(ps["pd"]["released_total"], 1, "{ps}");
     assert_eq!(ps["pd"]["held_requests"], 0, "{ps}");
+    // The decode server's NIXL telemetry teaches the link's rate: the simulator's 25 GB/s,
+    // in place of the configured figure.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let learned = loop {
+        let (_, body) = http_get(kv.admin, "/debug/backends");
+        let view: Value = serde_json::from_slice(&body).unwrap();
+        let d = view["disaggregation"].clone();
+        if d["transfer_learned"] == true {
+            break d;
+        }
+        assert!(std::time::Instant::now() < deadline, "nothing learned: {d}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let gbps = learned["transfer_gbytes_per_s"].as_f64().unwrap();
+    assert!((gbps - 25.0).abs() < 0.25, "{learned}");
+    assert_eq!(learned["protocol"], "vllm_nixl");
     let text = kv.metrics();
     assert_eq!(
         metric_sum(&text, "kvroute_pd_prefill_legs_total", &[("outcome", "ok")]),

@@ -89,6 +89,11 @@ impl Fleet {
         }
     }
 
+    /// The KV transfer rate the engines have shown, bytes a second (`None` until they have).
+    pub fn transfer_bytes_per_s(&self) -> Option<f64> {
+        self.transfer.bytes_per_s()
+    }
+
     /// A whole (`split` false) or split request's first token came `error_s` after (negative:
     /// before) its prediction: that path's bias moves toward it.
     pub fn observe_pd_error(&self, split: bool, error_s: f64) {

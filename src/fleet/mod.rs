@@ -21,6 +21,7 @@ mod roster;
 mod router_wait;
 mod scrape;
 pub(crate) mod telemetry;
+pub mod transfer;
 mod upstream;
 
 pub use charge::InflightGuard;

@@ -66,6 +66,8 @@ pub struct Fleet {
     /// How much later than predicted the first tokens of whole and of split requests came, in
     /// a disaggregated fleet, seconds (f64 bits; see `placement::disagg::Bias`).
     pub(super) pd_bias: [AtomicU64; 2],
+    /// The KV transfer rate the engines' own reports show (a disaggregated fleet).
+    pub(super) transfer: super::transfer::TransferLearner,
     pools: PoolCache,
     read_ahead: Option<Arc<ReadAhead>>,
 }
@@ -320,6 +322,7 @@ impl Fleet {
             explore_rate,
             typical_output: AtomicU64::new(0),
             pd_bias: [AtomicU64::new(0), AtomicU64::new(0)],
+            transfer: Default::default(),
             pools: PoolCache::default(),
             block_tokens,
             stale_after: Duration::from_millis(cfg.telemetry.stale_after_ms),
@@ -501,6 +504,15 @@ impl Fleet {
         }
         if let Some(counters) = stats.decode {
             b.observe_decode(counters);
+        }
+        if let Some(t) = stats.transfer {
+            self.transfer.observe(i, t);
+        }
+        if let Some(gb_s) = stats.transfer_speed_gb_s {
+            self.transfer.observe_speed(gb_s * 1e9);
+        }
+        if let Some(speeds) = stats.transfer_speeds {
+            self.transfer.observe_speeds(i, speeds);
         }
         match stats.kv_capacity_tokens {
             Some(tokens) => b.set_learned_kv_capacity(tokens),

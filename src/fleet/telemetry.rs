@@ -8,6 +8,7 @@
 use arc_swap::ArcSwapOption;
 
 use super::learn::{DecodeCounters, PrefillCounters};
+use super::transfer::{SpeedCounters, TransferCounters};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,6 +35,12 @@ pub struct EngineStats {
     pub gpu_memory_used_bytes: Option<f64>,
     /// Requests the engine runs at once (llama.cpp's slots, from `/props`).
     pub slots: Option<u32>,
+    /// Cumulative KV transfers it read (vLLM's NixlConnector, on a decode server).
+    pub transfer: Option<TransferCounters>,
+    /// Its last KV transfer's speed, GB/s (SGLang's gauge).
+    pub transfer_speed_gb_s: Option<f64>,
+    /// Its transfers' speeds, GB/s, cumulative (SGLang's histogram).
+    pub transfer_speeds: Option<SpeedCounters>,
 }
 
 /// A scrape and when it was taken.
@@ -192,6 +199,9 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
     let (mut prompt, mut seconds, mut requests, mut kv_computed) = (None, None, None, None);
     // Decode counters: seconds between consecutive tokens, and how many gaps.
     let (mut gap_seconds, mut gaps) = (None, None);
+    // KV transfers: seconds, bytes, how many.
+    let (mut xfer_s, mut xfer_bytes, mut xfers) = (None, None, None);
+    let (mut speed_sum, mut speeds) = (None, None);
     for (name, labels, v) in samples(text) {
         match (kind, name) {
             (EngineKind::Vllm, "vllm:num_requests_waiting")
@@ -223,6 +233,15 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             | (EngineKind::Llamacpp, "llamacpp:tokens_predicted_total") => add(&mut gaps, v),
             (EngineKind::Llamacpp, "llamacpp:kv_cache_tokens")
             | (EngineKind::Sglang, "sglang:num_used_tokens") => add(&mut s.kv_tokens_used, v),
+            (EngineKind::Vllm, "vllm:nixl_xfer_time_seconds_sum") => add(&mut xfer_s, v),
+            (EngineKind::Vllm, "vllm:nixl_xfer_time_seconds_count") => add(&mut xfers, v),
+            (EngineKind::Vllm, "vllm:nixl_bytes_transferred_sum") => add(&mut xfer_bytes, v),
+            // A gauge of the last transfer in older SGLang, a histogram per request since.
+            (EngineKind::Sglang, "sglang:kv_transfer_speed_gb_s") if v.is_finite() && v > 0.0 => {
+                s.transfer_speed_gb_s = Some(s.transfer_speed_gb_s.unwrap_or(0.0).max(v))
+            }
+            (EngineKind::Sglang, "sglang:kv_transfer_speed_gb_s_sum") => add(&mut speed_sum, v),
+            (EngineKind::Sglang, "sglang:kv_transfer_speed_gb_s_count") => add(&mut speeds, v),
             (EngineKind::Vllm, "vllm:prefix_cache_queries_total") => add(&mut s.prefix_queries, v),
             (EngineKind::Vllm, "vllm:prefix_cache_hits_total") => add(&mut s.prefix_hits, v),
             (EngineKind::Vllm, "vllm:cache_config_info") => {
@@ -245,6 +264,16 @@ pub fn parse_engine(kind: EngineKind, text: &str) -> EngineStats {
             }
             _ => {}
         }
+    }
+    if let (Some(seconds), Some(bytes), Some(count)) = (xfer_s, xfer_bytes, xfers) {
+        s.transfer = Some(TransferCounters {
+            seconds,
+            bytes,
+            count,
+        });
+    }
+    if let (Some(sum), Some(count)) = (speed_sum, speeds) {
+        s.transfer_speeds = Some(SpeedCounters { sum, count });
     }
     // vLLM counts every prompt token, cached or not, when it is scheduled; what was computed
     // is the rest. Its `request_prefill_kv_computed_tokens` (vLLM 0.13+) is better: observed
@@ -590,6 +619,44 @@ vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 5.0
         assert_eq!(s.kv_capacity_tokens, Some(415_744));
         // SGLang exports no prefill time kvroute could pair with computed tokens.
         assert_eq!(s.prefill, None);
+    }
+
+    #[test]
+    fn kv_transfers_as_vllm_and_sglang_report_them() {
+        // vLLM's NixlConnector histograms (`NixlPromMetrics`), on a decode server.
+        let text = "vllm:nixl_xfer_time_seconds_bucket{le=\"0.005\",model_name=\"m\"} 3\n\
+             vllm:nixl_xfer_time_seconds_sum{model_name=\"m\"} 0.012\n\
+             vllm:nixl_xfer_time_seconds_count{model_name=\"m\"} 3\n\
+             vllm:nixl_bytes_transferred_sum{model_name=\"m\"} 3.0e8\n\
+             vllm:nixl_bytes_transferred_count{model_name=\"m\"} 3\n";
+        let s = parse_engine(EngineKind::Vllm, text);
+        assert_eq!(
+            s.transfer,
+            Some(TransferCounters {
+                seconds: 0.012,
+                bytes: 3.0e8,
+                count: 3.0
+            })
+        );
+        // Not for another engine, and not without the bytes.
+        assert_eq!(parse_engine(EngineKind::Sglang, text).transfer, None);
+        let partial = "vllm:nixl_xfer_time_seconds_sum 1\nvllm:nixl_xfer_time_seconds_count 1\n";
+        assert_eq!(parse_engine(EngineKind::Vllm, partial).transfer, None);
+        // SGLang: a gauge of the last transfer (older), a histogram per request (newer).
+        let s = parse_engine(EngineKind::Sglang, "sglang:kv_transfer_speed_gb_s 12.5\n");
+        assert_eq!(s.transfer_speed_gb_s, Some(12.5));
+        let s = parse_engine(
+            EngineKind::Sglang,
+            "sglang:kv_transfer_speed_gb_s_sum{tp_rank=\"0\"} 40\nsglang:kv_transfer_speed_gb_s_count{tp_rank=\"0\"} 2\n",
+        );
+        assert_eq!(
+            s.transfer_speeds,
+            Some(SpeedCounters {
+                sum: 40.0,
+                count: 2.0
+            })
+        );
+        assert_eq!(s.transfer_speed_gb_s, None);
     }
 
     #[test]

@@ -20,11 +20,12 @@ use crate::request::nixl::REQUEST_ID_HEADER;
 /// A prefill leg's answer is one token and its usage: anything larger is not one.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
 
-/// What moving the KV costs, as `kvroute.disaggregation` says.
-pub(super) fn transfer(d: &DisaggregationConfig) -> Transfer {
+/// What moving the KV costs: at the rate the engines' own transfers have shown
+/// (`fleet::transfer`), else as `kvroute.disaggregation` says.
+pub(super) fn transfer(d: &DisaggregationConfig, learned_bytes_per_s: Option<f64>) -> Transfer {
     Transfer {
         bytes_per_token: d.kv_bytes_per_token as f64,
-        bytes_per_s: d.transfer_gbytes_per_s * 1e9,
+        bytes_per_s: learned_bytes_per_s.unwrap_or(d.transfer_gbytes_per_s * 1e9),
         base_s: d.transfer_base_ms / 1000.0,
     }
 }

@@ -134,11 +134,26 @@ fn backends_json(fleet: &Fleet, cfg: &Config, debug: bool) -> Vec<u8> {
     let list = backends_view(fleet, cfg);
     let view = if debug {
         let (blocks, bytes) = fleet.index_size();
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "prefix_index": {"blocks": blocks, "bytes": bytes},
             "exact_index": {"bytes": fleet.exact_bytes()},
             "backends": list,
-        })
+        });
+        if let Some(d) = &cfg.disaggregation {
+            // What the split decision prices beside each backend's own figures.
+            let bias = fleet.pd_bias();
+            let learned = fleet.transfer_bytes_per_s().map(|r| r / 1e9);
+            v["disaggregation"] = serde_json::json!({
+                "protocol": d.protocol.as_str(),
+                "decision": d.decision.as_str(),
+                "transfer_gbytes_per_s": learned.unwrap_or(d.transfer_gbytes_per_s),
+                "transfer_learned": learned.is_some(),
+                "transfer_base_ms": d.transfer_base_ms,
+                "bias_whole_ms": bias.whole_s * 1000.0,
+                "bias_split_ms": bias.split_s * 1000.0,
+            });
+        }
+        v
     } else {
         serde_json::Value::Array(list)
     };

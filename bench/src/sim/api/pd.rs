@@ -107,7 +107,8 @@ pub async fn pull(s: &Arc<ServerState>, a: &mut Admitted, mut guard: NotifyGuard
         return;
     }
     let bytes = tokens.saturating_mul(s.pd.kv_bytes_per_token);
-    s.pd.stats.transferred(tokens, bytes, seconds);
+    s.pd.stats
+        .transferred(tokens, bytes, s.pd.wire_seconds(tokens));
     if s.engine.is_some() {
         a.kv_transfer.import_blocks = m;
         a.kv_transfer.transferred_blocks = missing;

@@ -173,8 +173,14 @@ impl Pd {
 
     /// Model seconds to read `tokens` tokens of KV: `base + tokens x bytes / bandwidth`.
     pub fn transfer_seconds(&self, tokens: u64) -> f64 {
+        self.config.transfer_base_s + self.wire_seconds(tokens)
+    }
+
+    /// The part of a read of `tokens` tokens that moves bytes: what NIXL's telemetry times
+    /// (`xferDuration`, posted to done), without the request for the blocks and the notice.
+    pub fn wire_seconds(&self, tokens: u64) -> f64 {
         let bytes = tokens as f64 * self.kv_bytes_per_token as f64;
-        self.config.transfer_base_s + bytes / (self.config.transfer_gbps * 1e9)
+        bytes / (self.config.transfer_gbps * 1e9)
     }
 
     /// `/debug/state`'s `pd` object: what is held now and what moved so far.
