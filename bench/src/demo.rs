@@ -37,6 +37,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         profile: None,
         profiles: None,
         models: None,
+        pd: None,
         max_loras: 2,
         lora_load_ms: 200.0,
         model_zipf: 1.0,

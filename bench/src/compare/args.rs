@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use super::llama::{self, LlamaSpec};
 use super::models::{self, ModelGroup};
+use super::pd::PdSplit;
 use super::policy::PolicyRun;
 use crate::replay::args::WorkloadKind;
 use crate::replay::workloads::noisy_neighbor::NoisyShape;
@@ -101,6 +102,12 @@ pub struct CompareArgs {
     /// config. The `multi_model` workload ranks the models' popularity in this order.
     #[arg(long, conflicts_with = "profiles")]
     pub models: Option<String>,
+    /// Prefill/decode disaggregation on P + D simulated servers, `P:D` (e.g. 2:6): entries that
+    /// disaggregate (`kv_aware/pd=cost`, `kv_aware/pd=always`, `vllm-router/pd`,
+    /// `sglang-router/pd`) get P prefill and D decode servers, every other entry the same
+    /// P + D servers as one unified fleet. Each run's P/D figures get their own table.
+    #[arg(long, value_parser = PdSplit::parse, conflicts_with_all = ["profiles", "models"])]
+    pub pd: Option<PdSplit>,
     /// --models: adapters a server holds at once (`kvbench sim --max-loras`).
     #[arg(long, default_value_t = 2)]
     pub max_loras: usize,
@@ -313,6 +320,7 @@ impl CompareArgs {
             ("--sim-tokenizer", self.sim_tokenizer.is_some()),
             ("--kv-events", self.kv_events),
             ("--dp-size", self.dp_size != 1),
+            ("--pd", self.pd.is_some()),
         ];
         if let Some((flag, _)) = sim_only.iter().find(|(_, given)| *given) {
             return Err(format!(
@@ -338,9 +346,15 @@ pub(super) fn fleet(args: &CompareArgs) -> Result<Vec<ProfileName>, String> {
         return Ok(vec![llama::PROFILE; n]);
     }
     let grouped = groups(args)?.map(|g| g.iter().map(|g| g.servers as usize).sum::<usize>());
+    let grouped = grouped.or(args.pd.map(|s| s.servers() as usize));
     if let (Some(total), Some(n)) = (grouped, args.servers) {
         if total != n as usize {
-            return Err(format!("--servers {n}, but --models lists {total}"));
+            let by = if args.pd.is_some() {
+                "--pd"
+            } else {
+                "--models"
+            };
+            return Err(format!("--servers {n}, but {by} lists {total}"));
         }
     }
     let default = args.profiles.is_none().then_some(grouped.unwrap_or(8));
@@ -367,6 +381,28 @@ pub(super) fn with_replicas(
         }
     }
     Ok(out)
+}
+
+/// Entries that disaggregate need `--pd` (their fleet's split), and `--pd` one kvroute per run
+/// and one engine per server (kvroute's P/D counters are read from one process).
+pub(super) fn check_pd(args: &CompareArgs, policies: &[PolicyRun]) -> Result<(), String> {
+    if args.pd.is_none() {
+        return match policies.iter().find(|p| p.pd.is_some()) {
+            Some(p) => Err(format!(
+                "policy entry {:?} disaggregates: it needs --pd P:D (its prefill and decode servers)",
+                p.label
+            )),
+            None => Ok(()),
+        };
+    }
+    if policies.iter().any(|p| p.replicas > 1) || args.dp_size > 1 {
+        return Err(
+            "--pd runs one kvroute per run and one engine per server: no --replicas \
+                    above 1, no --dp-size"
+                .into(),
+        );
+    }
+    Ok(())
 }
 
 /// Each run writes under its own directory, so two entries must not share one.

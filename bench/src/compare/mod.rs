@@ -5,12 +5,15 @@
 //! Every run starts cold (new simulator processes), so no policy inherits another's cache.
 //! A fleet may mix GPU profiles (`--profiles`), and a policy entry may carry options that
 //! change kvroute's config (`kv_aware/rates=true`, see `policy`) or name a peer router to run
-//! instead of kvroute (`sglang-router/cache_aware`, see `peer`).
+//! instead of kvroute (`sglang-router/cache_aware`, see `peer`). With `--pd P:D` the fleet's
+//! servers are prefill and decode servers for the entries that disaggregate (see `pd`).
 
 mod args;
 mod estimates;
 pub mod llama;
 mod models;
+mod pd;
+mod pd_report;
 mod peer;
 mod policy;
 mod ports;
@@ -26,10 +29,12 @@ use crate::replay::report::{self, Report};
 use crate::replay::stats::Summary;
 use crate::replay::{charts, runner, ReplayArgs};
 use crate::sim::{ProfileName, PromptTokenizer};
-use args::{check_policies, fleet, groups, sim_args, with_replicas};
+use args::{check_pd, check_policies, fleet, groups, sim_args, with_replicas};
 pub use args::{CompareArgs, FleetKind};
 use estimates::Estimates;
 use models::{Audit, ModelGroup};
+use pd::FleetPart;
+use pd_report::PdCounts;
 use policy::PeerRouter;
 pub use policy::PolicyRun;
 use procs::Router;
@@ -44,6 +49,15 @@ struct Section {
     steps: Vec<(String, Summary)>,
     /// With --models: what the simulators saw, per run.
     audits: Vec<(String, Audit)>,
+    /// With --pd: what disaggregation did, per run.
+    pd: Vec<(String, PdCounts)>,
+}
+
+/// What one run measured besides its report.
+struct Extras {
+    estimates: Option<Estimates>,
+    audit: Option<Audit>,
+    pd: Option<PdCounts>,
 }
 
 /// Lets a comparison build `ReplayArgs` from strings, so a run gets exactly the CLI defaults.
@@ -62,6 +76,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
     }
     let policies = with_replicas(&args.policies, &args.replicas)?;
     check_policies(&policies)?;
+    check_pd(&args, &policies)?;
     if !args.kv_events && policies.iter().any(|p| p.events) {
         return Err("events=on needs --kv-events (the simulators then publish them)".into());
     }
@@ -79,10 +94,11 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
         let mut steps: Vec<(String, Summary)> = Vec::new();
         let mut estimates = Vec::new();
         let mut audits = Vec::new();
+        let mut pd = Vec::new();
         for policy in &policies {
             let label = &policy.label;
             eprintln!("== {} / {label}", workload.name());
-            let (report, est, audit) = run_one(
+            let (report, extras) = run_one(
                 &exe,
                 &args,
                 &fleet,
@@ -92,11 +108,14 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
                 &out,
             )
             .await?;
-            if let Some(est) = est {
+            if let Some(est) = extras.estimates {
                 estimates.push((label.clone(), est));
             }
-            if let Some(a) = audit {
+            if let Some(a) = extras.audit {
                 audits.push((label.clone(), a));
+            }
+            if let Some(c) = extras.pd {
+                pd.push((label.clone(), c));
             }
             steps.extend(
                 report
@@ -115,6 +134,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
             estimates,
             steps,
             audits,
+            pd,
         });
     }
     let md = render(&args, &fleet, peers.as_deref(), &sections);
@@ -128,6 +148,7 @@ pub async fn run(args: CompareArgs) -> Result<(), String> {
                 "steps": s.steps,
                 "prompt_token_estimates": s.estimates,
                 "model_audits": s.audits,
+                "pd": s.pd,
             })
         })
         .collect();
@@ -171,7 +192,7 @@ async fn run_one(
     workload: WorkloadKind,
     policy: &PolicyRun,
     out: &Path,
-) -> Result<(Report, Option<Estimates>, Option<Audit>), String> {
+) -> Result<(Report, Extras), String> {
     let dir = out.join(workload.name()).join(policy.dir_name());
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let policy = &PolicyRun {
@@ -179,20 +200,24 @@ async fn run_one(
         ..policy.clone()
     };
     let base = sim_args(args, profiles);
-    let group_args = groups.map(|gs| {
-        gs.iter()
-            .map(|g| {
-                (
-                    g.clone(),
-                    models::sim_args(g, args.max_loras, args.lora_load_ms),
-                )
+    let parts: Vec<FleetPart> = match (args.pd, groups) {
+        (Some(split), _) => pd::parts(split, policy.pd),
+        (None, Some(gs)) => gs
+            .iter()
+            .enumerate()
+            .map(|(i, g)| FleetPart {
+                args: models::sim_args(g, args.max_loras, args.lora_load_ms),
+                models: g.served(),
+                log: format!("sim-{i}.log"),
+                ..FleetPart::plain(g.servers)
             })
-            .collect::<Vec<_>>()
-    });
+            .collect(),
+        (None, None) => vec![FleetPart::plain(profiles.len() as u32)],
+    };
     let (fleets, backends) = if args.real() {
         procs::start_llama(&args.llama(), profiles.len(), &dir).await?
     } else {
-        procs::start_fleets(exe, &base, profiles, group_args.as_deref(), &dir).await?
+        procs::start_fleets(exe, &base, profiles, &parts, &dir).await?
     };
     let router = Router::start(exe, &backends, policy, &dir, &args.peer_venv).await?;
     let mut cli: Vec<String> = vec!["replay".into()];
@@ -303,7 +328,20 @@ async fn run_one(
         Some(admin) => token_estimates(admin, warm).await,
         None => None,
     };
+    let mut pd = args.pd.map(|_| PdCounts {
+        fleet: pd_report::fleet(policy, &backends),
+        ..PdCounts::default()
+    });
+    if let (Some(c), Some(admin), Some(_)) = (&mut pd, router.admin(), policy.pd) {
+        match estimates::scrape(admin).await {
+            Ok(text) => pd_report::from_kvroute(c, &text),
+            Err(e) => eprintln!("compare: kvroute's P/D decisions: {e}"),
+        }
+    }
     router.stop(&dir).await;
+    if let Some(c) = &mut pd {
+        pd_report::read_sims(c, &backends).await;
+    }
     procs::save_engine_metrics(&backends, &dir).await;
     let audit = match groups {
         Some(_) => {
@@ -347,7 +385,12 @@ async fn run_one(
         serde_json::to_string_pretty(&report).unwrap_or_default(),
     )
     .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok((report, est, audit))
+    let extras = Extras {
+        estimates: est,
+        audit,
+        pd,
+    };
+    Ok((report, extras))
 }
 
 /// kvroute's prompt-token estimates over the measured window: its histogram now, less the
@@ -436,6 +479,14 @@ fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
     if let Some(path) = &args.sim_tokenizer {
         let _ = write!(s, ", engines count prompt tokens with `{}`", path.display());
     }
+    if let Some(split) = args.pd {
+        let _ = write!(
+            s,
+            "; the servers are {} prefill + {} decode servers for the entries that disaggregate, \
+             one unified fleet for the others",
+            split.prefill, split.decode
+        );
+    }
     s
 }
 
@@ -462,6 +513,7 @@ fn render(
         estimates,
         steps,
         audits,
+        pd,
     } in sections
     {
         let _ = writeln!(md, "## {}\n", w.name());
@@ -480,6 +532,9 @@ fn render(
         }
         if !audits.is_empty() {
             md.push_str(&models::audit_table(runs, audits));
+        }
+        if !pd.is_empty() {
+            md.push_str(&pd_report::table(runs, pd));
         }
         if !estimates.is_empty() {
             let _ = writeln!(
@@ -601,6 +656,36 @@ mod tests {
         let twice = parse(&["--policies", "kv_aware,kv_aware"]).unwrap();
         let err = check_policies(&twice.policies).unwrap_err();
         assert!(err.contains("share results directory"), "{err}");
+    }
+
+    #[test]
+    fn pd_sizes_the_fleet_and_is_needed_by_entries_that_disaggregate() {
+        let args = parse(&[
+            "--pd",
+            "2:6",
+            "--policies",
+            "kv_aware,kv_aware/pd=cost,vllm-router/pd",
+        ])
+        .unwrap();
+        assert_eq!(fleet(&args).unwrap(), [ProfileName::H100Llama8b; 8]);
+        assert!(check_pd(&args, &args.policies).is_ok());
+        assert!(settings(&args, &fleet(&args).unwrap()).ends_with(
+            "2 prefill + 6 decode servers for the entries that disaggregate, one unified fleet \
+             for the others"
+        ));
+        let err = fleet(&parse(&["--pd", "1:2", "--servers", "4"]).unwrap()).unwrap_err();
+        assert!(err.contains("--servers 4, but --pd lists 3"), "{err}");
+        assert!(fleet(&parse(&["--pd", "1:2", "--servers", "3"]).unwrap()).is_ok());
+        let no_pd = parse(&["--policies", "kv_aware/pd=always"]).unwrap();
+        let err = check_pd(&no_pd, &no_pd.policies).unwrap_err();
+        assert!(err.contains("needs --pd P:D"), "{err}");
+        let replicas =
+            parse(&["--pd", "1:2", "--policies", "kv_aware/pd=cost/replicas=2"]).unwrap();
+        assert!(check_pd(&replicas, &replicas.policies).is_err());
+        assert!(parse(&["--pd", "1:2", "--models", "a:3"]).is_err());
+        let real = parse(&["--pd", "1:2", "--fleet", "llamacpp", "--time-scale", "1"]).unwrap();
+        let err = real.check_real().unwrap_err();
+        assert!(err.contains("--pd is for simulated fleets"), "{err}");
     }
 
     #[test]

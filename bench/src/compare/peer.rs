@@ -17,7 +17,8 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 
-use super::policy::{PeerRouter, PolicyRun};
+use super::pd;
+use super::policy::{Member, PeerRouter, PolicyRun};
 
 /// Time a peer gets to register every worker and answer. The routers start in well under a
 /// second here; the margin is for a loaded machine.
@@ -36,6 +37,14 @@ impl PeerRouter {
         }
     }
 
+    /// The switch of its P/D mode (`PEER/pd` entries).
+    fn pd_switch(self) -> &'static str {
+        match self {
+            PeerRouter::Sglang => "--pd-disaggregation",
+            PeerRouter::Vllm => "--vllm-pd-disaggregation",
+        }
+    }
+
     /// Their `--log-level` choices differ: sglang-router takes `warn`, vllm-router `warning`.
     fn warn_level(self) -> &'static str {
         match self {
@@ -50,24 +59,35 @@ fn python(venv: &Path) -> PathBuf {
     venv.join("bin").join("python")
 }
 
-/// The router's arguments after `python -m MODULE`.
+/// The router's arguments after `python -m MODULE`: `run`'s policy over `workers`, or for a
+/// `PEER/pd` entry its P/D mode over their prefill and decode servers.
 pub fn launch_args(
     peer: PeerRouter,
-    policy: &str,
+    run: &PolicyRun,
     listen: SocketAddr,
     prometheus: SocketAddr,
-    workers: &[SocketAddr],
+    workers: &[Member],
 ) -> Vec<String> {
     let mut args: Vec<String> = vec![
         "--host".into(),
         listen.ip().to_string(),
         "--port".into(),
         listen.port().to_string(),
-        "--policy".into(),
-        policy.into(),
-        "--worker-urls".into(),
     ];
-    args.extend(workers.iter().map(|w| format!("http://{w}")));
+    if run.pd.is_some() {
+        let members: Vec<_> = workers
+            .iter()
+            .map(|m| (format!("http://{}", m.addr), m.role, m.bootstrap_port))
+            .collect();
+        args.extend(pd::peer_args(peer.pd_switch(), &members));
+    } else {
+        args.extend([
+            "--policy".into(),
+            run.policy.clone(),
+            "--worker-urls".into(),
+        ]);
+        args.extend(workers.iter().map(|w| format!("http://{}", w.addr)));
+    }
     args.extend([
         "--log-level".into(),
         peer.warn_level().into(),
@@ -134,14 +154,14 @@ impl PeerProcess {
         venv: &Path,
         run: &PolicyRun,
         peer: PeerRouter,
-        workers: &[SocketAddr],
+        workers: &[Member],
         listen: SocketAddr,
         prometheus: SocketAddr,
         dir: &Path,
     ) -> Result<PeerProcess, String> {
         let python = python(venv);
         let mut argv = vec!["-m".to_string(), peer.module().to_string()];
-        argv.extend(launch_args(peer, &run.policy, listen, prometheus, workers));
+        argv.extend(launch_args(peer, run, listen, prometheus, workers));
         let cmd_path = dir.join("router.cmd");
         let cmd_line = format!("{} {}\n", python.display(), argv.join(" "));
         std::fs::write(&cmd_path, cmd_line).map_err(|e| format!("{}: {e}", cmd_path.display()))?;
@@ -255,30 +275,67 @@ mod tests {
         SocketAddr::from(([127, 0, 0, 1], p))
     }
 
+    fn member(port: u16, role: pd::Role, bootstrap_port: Option<u16>) -> Member {
+        Member {
+            addr: addr(port),
+            profile: crate::sim::ProfileName::H100Llama8b,
+            models: Vec::new(),
+            kv_events: None,
+            role,
+            bootstrap_port,
+        }
+    }
+
+    fn args(entry: &str, workers: &[Member]) -> String {
+        let run = PolicyRun::parse(entry).unwrap();
+        let peer = run.peer.unwrap();
+        launch_args(peer, &run, addr(8080), addr(8081), workers).join(" ")
+    }
+
     #[test]
     fn launch_args_name_listen_policy_workers_and_a_private_metrics_port() {
-        let workers = [addr(9000), addr(9001)];
-        let a = launch_args(
-            PeerRouter::Sglang,
-            "cache_aware",
-            addr(8080),
-            addr(8081),
-            &workers,
-        );
-        let line = a.join(" ");
+        let workers = [
+            member(9000, pd::Role::Both, None),
+            member(9001, pd::Role::Both, None),
+        ];
+        let line = args("sglang-router/cache_aware", &workers);
         assert!(line.starts_with("--host 127.0.0.1 --port 8080 --policy cache_aware"));
         assert!(line.contains("--worker-urls http://127.0.0.1:9000 http://127.0.0.1:9001 --"));
         assert!(line.contains("--log-level warn "));
         assert!(line.contains("--prometheus-host 127.0.0.1 --prometheus-port 8081"));
-        let v = launch_args(
-            PeerRouter::Vllm,
-            "round_robin",
-            addr(8080),
-            addr(8081),
-            &workers,
+        let v = args("vllm-router/round_robin", &workers);
+        assert!(v.contains("--policy round_robin"));
+        assert!(v.contains("--log-level warning "));
+    }
+
+    #[test]
+    fn pd_entries_launch_the_peers_pd_mode_over_prefill_and_decode_servers() {
+        let workers = [
+            member(9000, pd::Role::Prefill, Some(9000)),
+            member(9001, pd::Role::Decode, None),
+        ];
+        let s = args("sglang-router/pd", &workers);
+        assert!(
+            s.starts_with(
+                "--host 127.0.0.1 --port 8080 --pd-disaggregation --prefill \
+                 http://127.0.0.1:9000 9000 --decode http://127.0.0.1:9001 --prefill-policy \
+                 cache_aware --decode-policy power_of_two --log-level warn "
+            ),
+            "{s}"
         );
-        assert!(v.join(" ").contains("--policy round_robin"));
-        assert!(v.join(" ").contains("--log-level warning "));
+        assert!(
+            !s.contains("--worker-urls") && !s.contains("--policy "),
+            "{s}"
+        );
+        let workers = [
+            member(9000, pd::Role::Prefill, None),
+            member(9001, pd::Role::Decode, None),
+        ];
+        let v = args("vllm-router/pd", &workers);
+        assert!(
+            v.contains("--vllm-pd-disaggregation --prefill http://127.0.0.1:9000 --decode"),
+            "{v}"
+        );
     }
 
     #[test]

@@ -30,18 +30,24 @@
 //!
 //! Without options the config is exactly what a plain policy run always had.
 //!
+//! - `pd=cost|always`, `pd_protocol=vllm_nixl|sglang_bootstrap` (with `compare --pd`): the
+//!   run's servers are prefill and decode servers, and kvroute disaggregates with that
+//!   `decision` over that protocol (vLLM's by default; see `pd`).
+//!
 //! An entry may instead name a peer router and its policy, `sglang-router/cache_aware`: that
-//! run starts the peer (see `peer`) in front of the fleet instead of kvroute.
+//! run starts the peer (see `peer`) in front of the fleet instead of kvroute. `PEER/pd` (with
+//! `compare --pd`) is the peer's own P/D mode.
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::Path;
 
+use super::pd::{self, PdRun, Protocol, Role};
 use crate::sim::{Profile, ProfileName};
 
 /// The options an entry may carry, for errors.
-const KNOWN_OPTIONS: &str =
-    "rates, weights, learn, replicas, events, routing.KEY, telemetry.KEY, limits.KEY, tenants.KEY";
+const KNOWN_OPTIONS: &str = "rates, weights, learn, replicas, events, pd, pd_protocol, \
+     routing.KEY, telemetry.KEY, limits.KEY, tenants.KEY";
 
 /// The kvroute config sections whose keys an entry may set (`SECTION.KEY=VALUE`).
 const SECTIONS: [&str; 4] = ["routing", "telemetry", "limits", "tenants"];
@@ -85,6 +91,9 @@ pub struct PolicyRun {
     /// Set when the entry names a peer router: the run starts it instead of kvroute, and
     /// `policy` is the peer's policy.
     pub peer: Option<PeerRouter>,
+    /// Set when the run disaggregates (`pd=`, `PEER/pd`): its fleet is split into prefill and
+    /// decode servers (`compare --pd`).
+    pub pd: Option<PdRun>,
 }
 
 /// A router that kvroute is measured against, installed from PyPI.
@@ -110,6 +119,14 @@ impl PeerRouter {
 
     fn parse(name: &str) -> Option<PeerRouter> {
         PeerRouter::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// The P/D protocol of the peer's P/D mode: each speaks its own engine's.
+    pub fn pd_protocol(self) -> Protocol {
+        match self {
+            PeerRouter::Sglang => Protocol::SglangBootstrap,
+            PeerRouter::Vllm => Protocol::VllmNixl,
+        }
     }
 }
 
@@ -139,6 +156,7 @@ impl PolicyRun {
             replicas: 1,
             events: false,
             peer: None,
+            pd: None,
         };
         if let Some(peer) = PeerRouter::parse(policy) {
             // kvroute's options configure kvroute; a peer runs with its own defaults.
@@ -147,14 +165,23 @@ impl PolicyRun {
             let [peer_policy] = rest[..] else {
                 return Err(format!(
                     "policy entry {label:?}: a peer takes exactly one policy, {}/POLICY with \
-                     POLICY one of {known}",
+                     POLICY one of {known}, or pd",
                     peer.name()
                 ));
             };
+            if peer_policy == "pd" {
+                run.policy = peer_policy.to_string();
+                run.peer = Some(peer);
+                run.pd = Some(PdRun {
+                    protocol: peer.pd_protocol(),
+                    decision: None,
+                });
+                return Ok(run);
+            }
             if !PeerRouter::POLICIES.contains(&peer_policy) {
                 return Err(format!(
                     "policy entry {label:?}: {peer_policy:?} is not a {} policy offered here \
-                     ({known})",
+                     ({known}, or pd)",
                     peer.name()
                 ));
             }
@@ -164,6 +191,7 @@ impl PolicyRun {
         }
         let (mut seen_rates, mut seen_learn, mut seen_replicas) = (false, false, false);
         let (mut seen_events, mut seen_weights) = (false, false);
+        let mut protocol = None;
         for option in parts {
             let bad = |why: String| format!("policy entry {label:?}: {why}");
             let Some((key, value)) = option.split_once('=') else {
@@ -207,7 +235,16 @@ impl PolicyRun {
                         _ => return Err(bad(format!("events={value:?}: expected on or off"))),
                     };
                 }
-                "rates" | "weights" | "learn" | "replicas" | "events" => {
+                "pd" if run.pd.is_none() => {
+                    run.pd = Some(PdRun {
+                        protocol: Protocol::VllmNixl,
+                        decision: Some(pd::parse_decision(value).map_err(bad)?),
+                    });
+                }
+                "pd_protocol" if protocol.is_none() => {
+                    protocol = Some(Protocol::parse(value).map_err(bad)?);
+                }
+                "rates" | "weights" | "learn" | "replicas" | "events" | "pd" | "pd_protocol" => {
                     return Err(bad(format!("option {key} given twice")))
                 }
                 _ if SECTIONS
@@ -240,6 +277,15 @@ impl PolicyRun {
                     )))
                 }
             }
+        }
+        match (&mut run.pd, protocol) {
+            (Some(pd), Some(p)) => pd.protocol = p,
+            (None, Some(_)) => {
+                return Err(format!(
+                    "policy entry {label:?}: pd_protocol needs pd=cost or pd=always"
+                ))
+            }
+            _ => {}
         }
         Ok(run)
     }
@@ -337,6 +383,10 @@ pub struct Member {
     pub models: Vec<String>,
     /// Where its engine publishes KV events, and the tokenizer directory it counts with.
     pub kv_events: Option<KvEndpoints>,
+    /// Its part in a disaggregated fleet (`compare --pd`).
+    pub role: Role,
+    /// Where it takes SGLang's bootstrap connections (a prefill server of that protocol).
+    pub bootstrap_port: Option<u16>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -372,6 +422,9 @@ pub fn kvroute_yaml(
     // Replicas are told how many they are, as an operator's would be, unless the entry says.
     if run.replicas > 1 && !run.routing.iter().any(|(k, _)| k == "replicas") {
         let _ = writeln!(yaml, "    replicas: {}", run.replicas);
+    }
+    if let (Some(pd), None, Some(m)) = (run.pd, run.peer, backends.first()) {
+        yaml.push_str(&pd::kvroute_section(pd, m.profile));
     }
     if !run.telemetry.is_empty() {
         yaml.push_str("  telemetry:\n");
@@ -416,6 +469,12 @@ pub fn kvroute_yaml(
             if e.ranks > 1 {
                 let _ = writeln!(yaml, "        data_parallel_size: {}", e.ranks);
             }
+        }
+        if m.role != Role::Both {
+            let _ = writeln!(yaml, "      role: {}", m.role.as_str());
+        }
+        if let Some(port) = m.bootstrap_port {
+            let _ = writeln!(yaml, "      bootstrap_port: {port}");
         }
         // A llama.cpp engine, real or its stand-in, is scraped as one.
         if m.profile == super::llama::PROFILE {
@@ -474,6 +533,8 @@ mod tests {
             profile,
             models: models.iter().map(|s| s.to_string()).collect(),
             kv_events: None,
+            role: Role::Both,
+            bootstrap_port: None,
         };
         vec![
             m(9000, ProfileName::H100Llama8b, &[]),
@@ -690,6 +751,66 @@ mod tests {
                 "sglang-router/cache_aware/round_robin",
                 "exactly one policy",
             ),
+        ] {
+            let err = PolicyRun::parse(entry).unwrap_err();
+            assert!(err.contains(says), "{entry:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn pd_entries_configure_disaggregation_roles_and_bootstrap_ports() {
+        let run = PolicyRun::parse("kv_aware/pd=always/pd_protocol=sglang_bootstrap").unwrap();
+        let pd = run.pd.unwrap();
+        assert_eq!(
+            (pd.protocol, pd.decision),
+            (Protocol::SglangBootstrap, Some(pd::Decision::Always))
+        );
+        let mut b = backends();
+        b[0].role = Role::Prefill;
+        b[0].bootstrap_port = Some(9000);
+        b[1].role = Role::Decode;
+        b[2].role = Role::Decode;
+        let addr = SocketAddr::from(([127, 0, 0, 1], 8080));
+        let yaml = kvroute_yaml(Path::new("/tmp/r"), addr, addr, &run, &b);
+        let v: Value = serde_yaml::from_str(&yaml).unwrap();
+        let k = &v["kvroute"];
+        let d = &k["disaggregation"];
+        assert_eq!(d["protocol"].as_str(), Some("sglang_bootstrap"));
+        assert_eq!(d["decision"].as_str(), Some("always"));
+        assert_eq!(d["kv_bytes_per_token"].as_u64(), Some(131_072));
+        let list = k["backends"].as_sequence().unwrap();
+        assert_eq!(list[0]["role"].as_str(), Some("prefill"));
+        assert_eq!(list[0]["bootstrap_port"].as_u64(), Some(9000));
+        assert_eq!(list[1]["role"].as_str(), Some("decode"));
+        assert!(list[1].get("bootstrap_port").is_none());
+        let cost = PolicyRun::parse("kv_aware/pd=cost").unwrap().pd.unwrap();
+        assert_eq!(
+            (cost.protocol, cost.decision),
+            (Protocol::VllmNixl, Some(pd::Decision::Cost))
+        );
+        assert_eq!(
+            config("kv_aware/pd=cost")["disaggregation"]["decision"].as_str(),
+            Some("cost")
+        );
+        // A unified entry's config is today's.
+        assert!(config("kv_aware").get("disaggregation").is_none());
+        for peer in PeerRouter::ALL {
+            let run = PolicyRun::parse(&format!("{}/pd", peer.name())).unwrap();
+            let pd = run.pd.unwrap();
+            assert_eq!((pd.protocol, pd.decision), (peer.pd_protocol(), None));
+        }
+        for (entry, says) in [
+            ("kv_aware/pd=sometimes", "expected cost or always"),
+            ("kv_aware/pd=cost/pd=always", "given twice"),
+            (
+                "kv_aware/pd_protocol=sglang_bootstrap",
+                "needs pd=cost or pd=always",
+            ),
+            (
+                "kv_aware/pd=cost/pd_protocol=mooncake",
+                "expected vllm_nixl or sglang_bootstrap",
+            ),
+            ("vllm-router/pd/pd=cost", "exactly one policy"),
         ] {
             let err = PolicyRun::parse(entry).unwrap_err();
             assert!(err.contains(says), "{entry:?}: {err}");

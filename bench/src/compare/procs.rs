@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use super::llama::{LlamaFleet, LlamaSpec};
-use super::models::ModelGroup;
+use super::pd::{FleetPart, Role};
 use super::peer::PeerProcess;
 use super::policy::{kvroute_yaml, KvEndpoints, Member, PolicyRun};
 use super::ports::free_addr;
@@ -39,6 +39,8 @@ pub async fn start_llama(
             profile: super::llama::PROFILE,
             models: Vec::new(),
             kv_events: None,
+            role: Role::Both,
+            bootstrap_port: None,
         })
         .collect();
     let engines = Engines {
@@ -65,39 +67,25 @@ pub async fn save_engine_metrics(backends: &[Member], dir: &Path) {
     }
 }
 
-/// The simulators of one run (one per model group, else one) and their servers in fleet
-/// order.
-/// `base` is every simulator's arguments; each model group adds its own.
+/// The simulators of one run (one per model group, or per P/D role, else one) and their
+/// servers in fleet order. `base` is every simulator's arguments; each part adds its own.
 pub async fn start_fleets(
     exe: &Path,
     base: &[String],
     profiles: &[ProfileName],
-    groups: Option<&[(ModelGroup, Vec<String>)]>,
+    parts: &[FleetPart],
     dir: &Path,
 ) -> Result<(Engines, Vec<Member>), String> {
-    let plan: Vec<(usize, Vec<String>, Vec<String>)> = match groups {
-        None => vec![(profiles.len(), base.to_vec(), Vec::new())],
-        Some(gs) => gs
-            .iter()
-            .map(|(g, extra)| {
-                let mut a = base.to_vec();
-                a.extend(extra.iter().cloned());
-                (g.servers as usize, a, g.served())
-            })
-            .collect(),
-    };
     let (mut fleets, mut members) = (Vec::new(), Vec::<Member>::new());
-    for (i, (servers, sim_args, served)) in plan.iter().enumerate() {
-        let log = match plan.len() {
-            1 => dir.join("sim.log"),
-            _ => dir.join(format!("sim-{i}.log")),
-        };
-        let n = u32::try_from(*servers).map_err(|_| "too many servers")?;
-        let fleet = SimFleet::start(exe, n, sim_args, &log).await?;
-        if fleet.addrs.len() != *servers {
+    for part in parts {
+        let mut sim_args = base.to_vec();
+        sim_args.extend(part.args.iter().cloned());
+        let fleet = SimFleet::start(exe, part.servers, &sim_args, &dir.join(&part.log)).await?;
+        if fleet.addrs.len() != part.servers as usize {
             return Err(format!(
-                "kvbench sim announced {} servers, expected {servers}",
+                "kvbench sim announced {} servers, expected {}",
                 fleet.addrs.len(),
+                part.servers
             ));
         }
         // The simulator announces servers in index order, and server i has the i-th profile.
@@ -109,8 +97,10 @@ pub async fn start_fleets(
             members.push(Member {
                 addr,
                 profile,
-                models: served.clone(),
+                models: part.models.clone(),
                 kv_events: fleet.kv_events.get(&k).cloned(),
+                role: part.role,
+                bootstrap_port: part.bootstrap.then_some(addr.port()),
             });
         }
         fleets.push(fleet);
@@ -236,9 +226,8 @@ impl Router {
             }
             return Ok(Router::Kvroute(replicas));
         };
-        let workers: Vec<SocketAddr> = backends.iter().map(|m| m.addr).collect();
         let (listen, prometheus) = (free_addr()?, free_addr()?);
-        PeerProcess::start(peer_venv, run, peer, &workers, listen, prometheus, dir)
+        PeerProcess::start(peer_venv, run, peer, backends, listen, prometheus, dir)
             .await
             .map(Router::Peer)
     }
