@@ -71,6 +71,15 @@ fn clean(label: &str, pd: &Value, summary: &Value) {
     assert_eq!(pd["unread"], 0, "{label}: {pd}");
     assert_eq!(pd["sims"]["held_requests"], 0, "{label} stranded KV: {pd}");
     assert_eq!(pd["sims"]["held_blocks"], 0, "{label} stranded KV: {pd}");
+    // SGLang's protocol's waits, where the simulator has them.
+    for waiting in [
+        "waiting_prefill_legs",
+        "waiting_decodes",
+        "transferring_decodes",
+    ] {
+        let n = pd["sims"][waiting].as_u64().unwrap_or(0);
+        assert_eq!(n, 0, "{label} stranded {waiting}: {pd}");
+    }
 }
 
 #[test]
@@ -150,23 +159,28 @@ fn sim_speaks_sglang() -> bool {
 }
 
 #[test]
-fn sglang_bootstrap_through_kvroute_and_sglang_router() {
-    if !sim_speaks_sglang() {
+fn sglang_router_pd_mode_over_the_bootstrap_protocol() {
+    if !sim_speaks_sglang() || !peers_installed() {
         return;
     }
-    let (section, _) = compare(
-        "kvroute-sglang",
-        "kv_aware/pd=always/pd_protocol=sglang_bootstrap",
-    );
-    let (pd, s) = row(&section, "kv_aware/pd=always/pd_protocol=sglang_bootstrap");
-    assert_eq!(pd["fleet"], "1 prefill + 2 decode, sglang_bootstrap");
-    clean("kvroute sglang_bootstrap", pd, s);
-    assert!(pd["decisions"]["split"].as_u64() > Some(0), "{pd}");
-    if !peers_installed() {
-        return;
-    }
-    let (section, _) = compare("sglang-router", "sglang-router/pd");
+    let (section, readme) = compare("sglang-router", "sglang-router/pd");
     let (pd, s) = row(&section, "sglang-router/pd");
     assert_eq!(pd["fleet"], "1 prefill + 2 decode, sglang_bootstrap");
     clean("sglang-router/pd", pd, s);
+    assert!(pd["sims"]["transfers_total"].as_u64() > Some(0), "{pd}");
+    assert!(readme.contains("| sglang-router/pd | 1 prefill + 2 decode, sglang_bootstrap |"));
+}
+
+#[test]
+fn kvroute_over_the_bootstrap_protocol() {
+    if !sim_speaks_sglang() {
+        return;
+    }
+    let label = "kv_aware/pd=always/pd_protocol=sglang_bootstrap";
+    let (section, _) = compare("kvroute-sglang", label);
+    let (pd, s) = row(&section, label);
+    assert_eq!(pd["fleet"], "1 prefill + 2 decode, sglang_bootstrap");
+    clean(label, pd, s);
+    assert!(pd["decisions"]["split"].as_u64() > Some(0), "{pd}");
+    assert!(pd["sims"]["transfers_total"].as_u64() > Some(0), "{pd}");
 }

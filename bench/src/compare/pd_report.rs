@@ -18,6 +18,17 @@ use crate::replay::stats::Summary;
 /// held (a decode leg cut at the end still notifies its prefill server).
 const SETTLE: Duration = Duration::from_secs(2);
 
+/// The simulators' gauges of what is still in the middle of a hand-over: prompts a prefill
+/// server holds for a decode server, and with SGLang's protocol prefill legs waiting for
+/// their decode server and decode requests waiting for, or reading, their prefill's KV. All
+/// 0 once a run is over, unless a leg was lost.
+const IN_FLIGHT: [&str; 4] = [
+    "held_requests",
+    "waiting_prefill_legs",
+    "waiting_decodes",
+    "transferring_decodes",
+];
+
 /// One run's P/D figures.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct PdCounts {
@@ -77,8 +88,8 @@ fn by_outcome(metrics: &str, name: &str) -> BTreeMap<String, u64> {
     out
 }
 
-/// The simulators' P/D counters summed over `backends`, once their held requests stop
-/// falling or reach 0 (at most `SETTLE` after the router stopped).
+/// The simulators' P/D counters summed over `backends`, once nothing is in flight (at most
+/// `SETTLE` after the router stopped).
 pub async fn read_sims(counts: &mut PdCounts, backends: &[Member]) {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
@@ -88,10 +99,12 @@ pub async fn read_sims(counts: &mut PdCounts, backends: &[Member]) {
     let deadline = Instant::now() + SETTLE;
     loop {
         let (sums, unread) = sum_states(&client, &addrs).await;
-        let held = sums.get("held_requests").copied().unwrap_or(0);
+        let settled = IN_FLIGHT
+            .iter()
+            .all(|k| sums.get(*k).copied().unwrap_or(0) == 0);
         counts.sims = sums;
         counts.unread = unread;
-        if held == 0 || Instant::now() >= deadline {
+        if settled || Instant::now() >= deadline {
             return;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -137,11 +150,13 @@ pub fn table(runs: &[(String, Summary)], pd: &[(String, PdCounts)]) -> String {
          peer's P/D mode splits every request), its prefill legs by outcome, and the \
          simulators' counters summed over the fleet after the router stopped (`/debug/state`): \
          KV reads by decode servers (failed: the prompt recomputed), holds released by a read \
-         or expired unread, and requests and blocks still held at the end (stranded; 0 is the \
-         target):\n\n\
+         or expired unread, SGLang's waits timed out, and at the end the requests and blocks \
+         prefill servers still hold and, with SGLang's protocol, the prefill legs and decode \
+         requests still waiting (stranded; 0 is the target):\n\n\
          | policy | fleet | split / whole | prefill legs | TTFT p50 / p99 ms | ITL p50 / p99 ms \
-         | KV reads (failed) | released / expired | held requests / blocks at end |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | KV reads (failed) | released / expired / timed out | at end: held requests / blocks \
+         | at end: waiting legs / decodes |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for (label, c) in pd {
         let summary = runs.iter().find(|(l, _)| l == label).map(|(_, s)| s);
@@ -182,15 +197,25 @@ pub fn table(runs: &[(String, Summary)], pd: &[(String, PdCounts)]) -> String {
         if c.unread > 0 {
             let _ = write!(held, " ({} servers unread)", c.unread);
         }
+        // D reading its KV is still waiting for its prefill too.
+        let decodes = ["waiting_decodes", "transferring_decodes"]
+            .iter()
+            .filter_map(|k| c.sims.get(*k))
+            .copied()
+            .reduce(|a, b| a + b)
+            .map_or("n/a".to_string(), |n| n.to_string());
         let _ = writeln!(
             md,
-            "| {} | {} | {split} | {legs} | {ttft} | {itl} | {} ({}) | {} / {} | {held} |",
+            "| {} | {} | {split} | {legs} | {ttft} | {itl} | {} ({}) | {} / {} / {} | {held} | {} / \
+             {decodes} |",
             label.replace('|', "/"),
             c.fleet,
             sim("transfers_total"),
             sim("failed_transfers_total"),
             sim("released_total"),
             sim("expired_total"),
+            sim("timed_out_waits_total"),
+            sim("waiting_prefill_legs"),
         );
     }
     md
@@ -253,10 +278,24 @@ mod tests {
         );
         assert!(md.contains(
             "| kv_aware/pd=always | 1 prefill + 2 decode, vllm_nixl | 5 / 0 | ok 5 | 10 / 90 | 5.0 / 20.3 \
-             | n/a (n/a) | n/a / n/a | 0 / 0 |"
+             | n/a (n/a) | n/a / n/a / n/a | 0 / 0 | n/a / n/a |"
         ), "{md}");
         assert!(md.contains("| vllm-router/pd | 1 prefill + 2 decode, vllm_nixl | all (peer) |"));
         assert!(md.contains("n/a / n/a (1 servers unread) |"), "{md}");
+        let mut sgl = PdCounts {
+            fleet: "1 prefill + 2 decode, sglang_bootstrap".into(),
+            ..PdCounts::default()
+        };
+        for (k, v) in [
+            ("waiting_prefill_legs", 1),
+            ("waiting_decodes", 2),
+            ("transferring_decodes", 1),
+            ("timed_out_waits_total", 4),
+        ] {
+            sgl.sims.insert(k.into(), v);
+        }
         assert!(md.contains("| kv_aware | unified 3 | - |"), "{md}");
+        let md = table(&runs, &[("sglang-router/pd".into(), sgl)]);
+        assert!(md.contains("| n/a / n/a / 4 | n/a / n/a | 1 / 3 |"), "{md}");
     }
 }

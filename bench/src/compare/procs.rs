@@ -270,7 +270,7 @@ impl Router {
 }
 
 pub struct Proxy {
-    _child: Child,
+    child: Child,
     pub url: String,
     pub admin: SocketAddr,
 }
@@ -311,8 +311,8 @@ impl Proxy {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("cannot start kvroute: {e}"))?;
-        let proxy = Proxy {
-            _child: child,
+        let mut proxy = Proxy {
+            child,
             url: format!("http://{listen}"),
             admin,
         };
@@ -340,11 +340,17 @@ impl Proxy {
         }
     }
 
-    async fn wait_ready(&self, log: &Path) -> Result<(), String> {
+    async fn wait_ready(&mut self, log: &Path) -> Result<(), String> {
         let client = reqwest::Client::new();
         let url = format!("http://{}/readyz", self.admin);
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
+            // A config kvroute refuses ends it at once: say why rather than wait out the 30 s.
+            if let Ok(Some(status)) = self.child.try_wait() {
+                let text = std::fs::read_to_string(log).unwrap_or_default();
+                let last = text.lines().last().unwrap_or_default();
+                return Err(format!("kvroute exited ({status}): {last}"));
+            }
             if let Ok(r) = client.get(&url).send().await {
                 if r.status().is_success() {
                     return Ok(());
