@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use super::llama::{self, LlamaSpec};
 use super::models::{self, ModelGroup};
-use super::pd::PdSplit;
+use super::pd::{Link, PdSplit};
 use super::policy::PolicyRun;
 use crate::replay::args::WorkloadKind;
 use crate::replay::workloads::noisy_neighbor::NoisyShape;
@@ -108,6 +108,17 @@ pub struct CompareArgs {
     /// P + D servers as one unified fleet. Each run's P/D figures get their own table.
     #[arg(long, value_parser = PdSplit::parse, conflicts_with_all = ["profiles", "models"])]
     pub pd: Option<PdSplit>,
+    /// --pd: bandwidth of a KV transfer, GB/s, in the simulators (`sim --kv-transfer-gbps`)
+    /// and as kvroute is told (`disaggregation.transfer_gbytes_per_s`).
+    #[arg(long, default_value_t = Link::default().gbps, requires = "pd")]
+    pub kv_transfer_gbps: f64,
+    /// --pd: fixed cost of a KV transfer, model ms (`sim --kv-transfer-base-ms`,
+    /// `disaggregation.transfer_base_ms`).
+    #[arg(long, default_value_t = Link::default().base_ms, requires = "pd")]
+    pub kv_transfer_base_ms: f64,
+    /// --pd: model seconds a prefill server holds KV unread (`sim --pd-abort-timeout-s`).
+    #[arg(long, requires = "pd")]
+    pub pd_abort_timeout_s: Option<f64>,
     /// --models: adapters a server holds at once (`kvbench sim --max-loras`).
     #[arg(long, default_value_t = 2)]
     pub max_loras: usize,
@@ -268,6 +279,15 @@ impl CompareArgs {
         }
     }
 
+    /// The KV link of a `--pd` run.
+    pub(super) fn link(&self) -> Link {
+        Link {
+            gbps: self.kv_transfer_gbps,
+            base_ms: self.kv_transfer_base_ms,
+            abort_timeout_s: self.pd_abort_timeout_s,
+        }
+    }
+
     /// The tenants `workload`'s requests name, for kvroute's `tenants.names`.
     pub(super) fn tenant_names(&self, workload: WorkloadKind) -> Vec<String> {
         match (workload, &self.tenants) {
@@ -394,6 +414,17 @@ pub(super) fn check_pd(args: &CompareArgs, policies: &[PolicyRun]) -> Result<(),
             )),
             None => Ok(()),
         };
+    }
+    let link = args.link();
+    let positive = |v: f64| v.is_finite() && v > 0.0;
+    let valid = positive(link.gbps)
+        && link.base_ms.is_finite()
+        && link.base_ms >= 0.0
+        && link.abort_timeout_s.is_none_or(positive);
+    if !valid {
+        return Err("--kv-transfer-gbps and --pd-abort-timeout-s must be > 0, \
+                    --kv-transfer-base-ms >= 0"
+            .into());
     }
     if policies.iter().any(|p| p.replicas > 1) || args.dp_size > 1 {
         return Err(

@@ -197,6 +197,10 @@ async fn run_one(
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let policy = &PolicyRun {
         tenant_names: args.tenant_names(workload),
+        pd: policy.pd.map(|p| pd::PdRun {
+            link: args.link(),
+            ..p
+        }),
         ..policy.clone()
     };
     let base = sim_args(args, profiles);
@@ -683,6 +687,23 @@ mod tests {
             parse(&["--pd", "1:2", "--policies", "kv_aware/pd=cost/replicas=2"]).unwrap();
         assert!(check_pd(&replicas, &replicas.policies).is_err());
         assert!(parse(&["--pd", "1:2", "--models", "a:3"]).is_err());
+        assert!(parse(&["--kv-transfer-gbps", "50"]).is_err());
+        let slow = parse(&["--pd", "1:2", "--kv-transfer-gbps", "0"]).unwrap();
+        assert!(check_pd(&slow, &slow.policies).is_err());
+        let link = parse(&[
+            "--pd",
+            "1:2",
+            "--kv-transfer-gbps",
+            "50",
+            "--pd-abort-timeout-s",
+            "30",
+        ])
+        .unwrap()
+        .link();
+        assert_eq!(
+            (link.gbps, link.base_ms, link.abort_timeout_s),
+            (50.0, 2.0, Some(30.0))
+        );
         let real = parse(&["--pd", "1:2", "--fleet", "llamacpp", "--time-scale", "1"]).unwrap();
         let err = real.check_real().unwrap_err();
         assert!(err.contains("--pd is for simulated fleets"), "{err}");

@@ -86,11 +86,34 @@ impl Protocol {
 }
 
 /// How one entry disaggregates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PdRun {
     pub protocol: Protocol,
     /// kvroute's decision; None for a peer, which splits every request.
     pub decision: Option<Decision>,
+    /// The KV link between the servers (`compare --kv-transfer-*`).
+    pub link: Link,
+}
+
+/// The KV transfer between a prefill and a decode server, as the simulators model it and
+/// kvroute is told of it: one value for both, so kvroute prices the link the fleet has.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Link {
+    pub gbps: f64,
+    pub base_ms: f64,
+    /// The simulators' `--pd-abort-timeout-s` (their default otherwise).
+    pub abort_timeout_s: Option<f64>,
+}
+
+impl Default for Link {
+    /// Both sides' defaults: one 200 Gb/s RDMA link, 2 ms a transfer.
+    fn default() -> Self {
+        Link {
+            gbps: 25.0,
+            base_ms: 2.0,
+            abort_timeout_s: None,
+        }
+    }
 }
 
 /// A server's part, as kvroute's `backends[].role` and the simulator's `--role` name it.
@@ -161,12 +184,7 @@ pub fn parts(split: PdSplit, run: Option<PdRun>) -> Vec<FleetPart> {
         .map(|(role, servers)| FleetPart {
             servers,
             role,
-            args: vec![
-                "--role".into(),
-                role.as_str().into(),
-                "--pd-protocol".into(),
-                run.protocol.as_str().into(),
-            ],
+            args: sim_args(role, run),
             models: Vec::new(),
             bootstrap: role == Role::Prefill && run.protocol == Protocol::SglangBootstrap,
             log: format!("sim-{}.log", role.as_str()),
@@ -174,9 +192,26 @@ pub fn parts(split: PdSplit, run: Option<PdRun>) -> Vec<FleetPart> {
         .collect()
 }
 
-/// kvroute's `disaggregation` section for a kvroute entry that disaggregates. The KV size per
-/// token is the fleet's model's, as the simulators read it; the transfer's bandwidth and base
-/// cost are both sides' defaults (25 GB/s, 2 ms).
+/// A simulator's P/D arguments for servers of `role` in `run`.
+fn sim_args(role: Role, run: PdRun) -> Vec<String> {
+    let mut args = vec![
+        "--role".to_string(),
+        role.as_str().into(),
+        "--pd-protocol".into(),
+        run.protocol.as_str().into(),
+        "--kv-transfer-gbps".into(),
+        run.link.gbps.to_string(),
+        "--kv-transfer-base-ms".into(),
+        run.link.base_ms.to_string(),
+    ];
+    if let Some(s) = run.link.abort_timeout_s {
+        args.extend(["--pd-abort-timeout-s".to_string(), s.to_string()]);
+    }
+    args
+}
+
+/// kvroute's `disaggregation` section for a kvroute entry that disaggregates: the link the
+/// simulators have, and the KV size per token of the fleet's model, as they read it.
 pub fn kvroute_section(run: PdRun, profile: ProfileName) -> String {
     let mut yaml = String::from("  disaggregation:\n");
     let _ = writeln!(yaml, "    protocol: {}", run.protocol.as_str());
@@ -185,8 +220,10 @@ pub fn kvroute_section(run: PdRun, profile: ProfileName) -> String {
     }
     let _ = writeln!(
         yaml,
-        "    kv_bytes_per_token: {}",
-        Profile::get(profile).kv_bytes_per_token
+        "    kv_bytes_per_token: {}\n    transfer_gbytes_per_s: {}\n    transfer_base_ms: {}",
+        Profile::get(profile).kv_bytes_per_token,
+        run.link.gbps,
+        run.link.base_ms
     );
     yaml
 }
@@ -239,6 +276,11 @@ mod tests {
         let run = PdRun {
             protocol: Protocol::SglangBootstrap,
             decision: Some(Decision::Always),
+            link: Link {
+                gbps: 50.0,
+                base_ms: 1.5,
+                abort_timeout_s: Some(30.0),
+            },
         };
         let p = parts(split, Some(run));
         assert_eq!(
@@ -250,8 +292,15 @@ mod tests {
             (2, Role::Decode, false)
         );
         assert_eq!(
-            p[1].args,
-            ["--role", "decode", "--pd-protocol", "sglang_bootstrap"]
+            p[1].args.join(" "),
+            "--role decode --pd-protocol sglang_bootstrap --kv-transfer-gbps 50 \
+             --kv-transfer-base-ms 1.5 --pd-abort-timeout-s 30"
+        );
+        let yaml = kvroute_section(run, ProfileName::L40sLlama8b);
+        assert!(yaml.contains("decision: always\n"), "{yaml}");
+        assert!(
+            yaml.contains("transfer_gbytes_per_s: 50\n    transfer_base_ms: 1.5\n"),
+            "{yaml}"
         );
         assert_eq!(p[0].log, "sim-prefill.log");
     }

@@ -42,7 +42,7 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::Path;
 
-use super::pd::{self, PdRun, Protocol, Role};
+use super::pd::{self, Link, PdRun, Protocol, Role};
 use crate::sim::{Profile, ProfileName};
 
 /// The options an entry may carry, for errors.
@@ -175,6 +175,7 @@ impl PolicyRun {
                 run.pd = Some(PdRun {
                     protocol: peer.pd_protocol(),
                     decision: None,
+                    link: Link::default(),
                 });
                 return Ok(run);
             }
@@ -239,6 +240,7 @@ impl PolicyRun {
                     run.pd = Some(PdRun {
                         protocol: Protocol::VllmNixl,
                         decision: Some(pd::parse_decision(value).map_err(bad)?),
+                        link: Link::default(),
                     });
                 }
                 "pd_protocol" if protocol.is_none() => {
