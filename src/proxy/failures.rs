@@ -25,7 +25,9 @@ pub(super) enum FailureKind {
     /// sat silent on it.
     BackendDown,
     /// kvroute cut the decode leg: its prefill leg, sent beside it, failed (SGLang's protocol).
-    /// Nothing against the decode server.
+    /// Nothing against the decode server, and no retry budget: the decode server had not
+    /// started (it waits for the KV), the prefill server's work is lost with it as a hung
+    /// backend's is, and an SGLang decode server cannot serve the request whole instead.
     PrefillLeg,
 }
 
@@ -146,11 +148,9 @@ impl FailurePolicy<'_> {
                 }
             }
         }
-        // A prefill leg's work is lost with it, as an engine's that broke.
-        let lost_work = matches!(kind, FailureKind::Io | FailureKind::PrefillLeg);
         let decision = if ctx.attempts.count >= max_attempts {
             RetryDecision::AttemptsExhausted
-        } else if ctx.attempts.retrying.is_some() || !lost_work {
+        } else if ctx.attempts.retrying.is_some() || kind != FailureKind::Io {
             // A refused or failed connect never reached the backend, a refused continuation
             // was not started, and a hung backend's work is lost with it: retrying adds no
             // work anywhere, so it needs no budget (attempts still bound it).
