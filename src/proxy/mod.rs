@@ -40,6 +40,7 @@ mod peer;
 mod placement;
 mod prefill_leg;
 mod reject;
+mod split;
 mod stored;
 mod tenant;
 mod upstream_request;
@@ -76,32 +77,6 @@ impl Router {
             tokens,
             metrics,
         }
-    }
-
-    /// Send the prefill leg of a request placement split onto prefill server `p`, as its
-    /// protocol has it. `false`: the request is to be placed again (that server had no room,
-    /// or failed it and the retry budget allows another).
-    async fn split(&self, ctx: &mut Ctx, p: usize) -> bool {
-        let protocol = ctx
-            .generation
-            .config
-            .disaggregation
-            .as_ref()
-            .map(|d| d.protocol);
-        let sent = if protocol == Some(crate::config::PdProtocol::SglangBootstrap) {
-            bootstrap_leg::start(&self.edge, &self.metrics, ctx, p)
-        } else {
-            match pd::prefill_leg(&self.edge, &self.metrics, ctx, p).await {
-                pd::Leg::Ok | pd::Leg::NoParams => true,
-                pd::Leg::Full => false,
-                pd::Leg::Failed => !self.failures().retry_prefill(ctx),
-            }
-        };
-        // The decode server gets the prompt now, read or computed.
-        if let (true, Some(d)) = (sent, ctx.attempts.backend) {
-            placement::record_blocks(ctx, d);
-        }
-        sent
     }
 
     fn placer(&self) -> Placer<'_> {
@@ -361,7 +336,7 @@ impl ProxyHttp for Router {
                 tenant::charge_dispatch(&self.edge, ctx);
                 ctx.attempts.backend = Some(idx);
                 if let Some(p) = ctx.pd.choice.and_then(|c| c.prefill) {
-                    if !self.split(ctx, p).await {
+                    if !split::send(&self.edge, &self.metrics, &self.failures(), ctx, p).await {
                         // Its prefill leg could not go: placed again, that server excluded.
                         ctx.charge.guard = None;
                         self.edge.queue.wake_one();
