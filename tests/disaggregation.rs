@@ -75,6 +75,12 @@ impl PlainEngine {
     }
 }
 
+/// A simulator's `/debug/state`.
+fn state(s: &Sim) -> Value {
+    let (_, body) = http_get(s.addr, "/debug/state");
+    serde_json::from_slice(&body).unwrap()
+}
+
 async fn send(kv: &Kvroute, body: &Value) -> (u16, String) {
     let r = client()
         .post(kv.url("/v1/chat/completions"))
@@ -245,9 +251,8 @@ async fn a_failed_prefill_leg_is_retried_on_another_prefill_server() {
         metric_sum(&m, "kvroute_retries_total", &[("outcome", "retried")]),
         1.0
     );
-    let (_, state) = http_get(d.addr, "/debug/state");
-    let state: Value = serde_json::from_slice(&state).unwrap();
-    assert_eq!(state["pd"]["transfers_total"], 1, "{state}");
+    let ds = state(&d);
+    assert_eq!(ds["pd"]["transfers_total"], 1, "{ds}");
 }
 
 /// The whole protocol against engines that speak it: the prefill server holds the prompt's
@@ -288,10 +293,6 @@ async fn a_split_request_is_prefilled_moved_and_decoded() {
         "{usage}"
     );
 
-    let state = |s: &Sim| -> Value {
-        let (_, body) = http_get(s.addr, "/debug/state");
-        serde_json::from_slice(&body).unwrap()
-    };
     let (ps, ds) = (state(&p), state(&d));
     assert_eq!(ds["pd"]["transfers_total"], 1, "{ds}");
     assert!(
@@ -379,10 +380,6 @@ async fn a_client_gone_mid_prefill_leaves_nothing_held() {
         .send()
         .await;
     assert!(gone.is_err(), "the client left before any answer");
-    let state = |s: &Sim| -> Value {
-        let (_, body) = http_get(s.addr, "/debug/state");
-        serde_json::from_slice(&body).unwrap()
-    };
     // The prefill leg ends (400 ms), the decode leg starts reading and is cut: nothing held.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
@@ -472,10 +469,6 @@ async fn sglang_legs_go_at_once_with_one_room() {
             "{usage}"
         );
     }
-    let state = |s: &Sim| -> Value {
-        let (_, body) = http_get(s.addr, "/debug/state");
-        serde_json::from_slice(&body).unwrap()
-    };
     let (ps, ds) = (state(&p), state(&d));
     assert_eq!(ds["pd"]["transfers_total"], 2, "{ds}");
     assert_eq!(ps["pd"]["held_requests"], 0, "{ps}");

@@ -45,14 +45,7 @@ impl TransferLearner {
     /// Backend `i` reported `now`: the bytes and seconds since its last report teach the rate.
     /// Counters that went back (an engine restart) start over.
     pub fn observe(&self, i: usize, now: TransferCounters) {
-        let prev = {
-            let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-            if last.len() <= i {
-                last.resize(i + 1, None);
-            }
-            last[i].replace(now)
-        };
-        let Some(prev) = prev else {
+        let Some(prev) = swap(&self.last, i, now) else {
             return;
         };
         let (bytes, seconds, count) = (
@@ -69,14 +62,7 @@ impl TransferLearner {
     /// Backend `i` reported its transfers' speeds: their mean since its last report teaches
     /// the rate, each a light sample (their sizes are not said).
     pub fn observe_speeds(&self, i: usize, now: SpeedCounters) {
-        let prev = {
-            let mut last = self.last_speeds.lock().unwrap_or_else(|p| p.into_inner());
-            if last.len() <= i {
-                last.resize(i + 1, None);
-            }
-            last[i].replace(now)
-        };
-        let Some(prev) = prev else {
+        let Some(prev) = swap(&self.last_speeds, i, now) else {
             return;
         };
         let (sum, count) = (now.sum - prev.sum, now.count - prev.count);
@@ -117,6 +103,15 @@ impl TransferLearner {
     pub fn bytes_per_s(&self) -> Option<f64> {
         Some(f64::from_bits(self.rate.load(Ordering::Relaxed))).filter(|&r| r > 0.0)
     }
+}
+
+/// Keep backend `i`'s report `now`, giving back its last.
+fn swap<T: Copy>(last: &Mutex<Vec<Option<T>>>, i: usize, now: T) -> Option<T> {
+    let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+    if last.len() <= i {
+        last.resize(i + 1, None);
+    }
+    last[i].replace(now)
 }
 
 #[cfg(test)]

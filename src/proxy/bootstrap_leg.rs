@@ -35,13 +35,7 @@ pub(super) fn start(edge: &Arc<EdgeState>, m: &Arc<ProxyMetrics>, ctx: &mut Ctx,
         return false;
     };
     let path = profile.endpoint.path();
-    let prefill = ctx
-        .pd
-        .choice
-        .map_or(profile.est_prompt_tokens, |c| c.prefill_tokens);
-    let expected = fleet.expected(p, 0.0, 1);
-    let cap = (cfg.limits.backend_max_inflight, None);
-    let Some(charge) = fleet.try_charge(p, prefill, None, cap, expected) else {
+    let Some(charge) = super::pd::charge_prefill(ctx, p) else {
         m.pd_legs.with_label_values(&[Leg::Full.as_str()]).inc();
         return false;
     };

@@ -156,13 +156,7 @@ impl FailurePolicy<'_> {
             // work anywhere, so it needs no budget (attempts still bound it).
             RetryDecision::Retried
         } else {
-            match self.edge.retry_budget.try_retry(ratio, min) {
-                Some(r) => {
-                    ctx.attempts.retrying = Some(r);
-                    RetryDecision::Retried
-                }
-                None => RetryDecision::BudgetExhausted,
-            }
+            self.budgeted(ctx, ratio, min)
         };
         self.metrics
             .retries
@@ -171,26 +165,27 @@ impl FailurePolicy<'_> {
         decision
     }
 
+    /// Take the request's unit of the retry budget, unless it holds one already.
+    fn budgeted(&self, ctx: &mut Ctx, ratio: f64, min: u64) -> RetryDecision {
+        if ctx.attempts.retrying.is_some() {
+            return RetryDecision::Retried;
+        }
+        match self.edge.retry_budget.try_retry(ratio, min) {
+            Some(r) => {
+                ctx.attempts.retrying = Some(r);
+                RetryDecision::Retried
+            }
+            None => RetryDecision::BudgetExhausted,
+        }
+    }
+
     /// A prefill leg failed before its decode leg was sent: `true` if the request may be
     /// placed again (another prefill server, or whole), within the retry budget; else it is
     /// served whole on its decode server, which computes the prompt itself.
     pub fn retry_prefill(&self, ctx: &mut Ctx) -> bool {
         let limits = &ctx.generation.config.limits;
-        let decision = if ctx.attempts.retrying.is_some() {
-            RetryDecision::Retried
-        } else {
-            match self
-                .edge
-                .retry_budget
-                .try_retry(limits.retry_budget_ratio, limits.retry_budget_min)
-            {
-                Some(r) => {
-                    ctx.attempts.retrying = Some(r);
-                    RetryDecision::Retried
-                }
-                None => RetryDecision::BudgetExhausted,
-            }
-        };
+        let (ratio, min) = (limits.retry_budget_ratio, limits.retry_budget_min);
+        let decision = self.budgeted(ctx, ratio, min);
         self.metrics
             .retries
             .with_label_values(&[decision.as_str()])

@@ -169,6 +169,20 @@ pub(super) fn release_orphaned_prefill(ctx: &Ctx) {
     });
 }
 
+/// Charge prefill server `p` with the split request's prefill, within its hard cap; `None`:
+/// it is full.
+pub(super) fn charge_prefill(ctx: &Ctx, p: usize) -> Option<crate::fleet::InflightGuard> {
+    let (fleet, cfg) = (&ctx.generation.fleet, &ctx.generation.config);
+    let profile = ctx.route.profile.as_ref()?;
+    let prefill = ctx
+        .pd
+        .choice
+        .map_or(profile.est_prompt_tokens, |c| c.prefill_tokens);
+    let expected = fleet.expected(p, 0.0, 1);
+    let cap = (cfg.limits.backend_max_inflight, None);
+    fleet.try_charge(p, prefill, None, cap, expected)
+}
+
 async fn send(ctx: &mut Ctx, p: usize) -> Leg {
     let generation = ctx.generation.clone();
     let (fleet, cfg) = (&generation.fleet, &generation.config);
@@ -178,14 +192,8 @@ async fn send(ctx: &mut Ctx, p: usize) -> Leg {
     let Some(body) = ctx.route.body.as_ref().and_then(|b| nixl::prefill_body(b)) else {
         return Leg::Failed;
     };
-    let prefill = ctx
-        .pd
-        .choice
-        .map_or(profile.est_prompt_tokens, |c| c.prefill_tokens);
-    let expected = fleet.expected(p, 0.0, 1);
-    let cap = (cfg.limits.backend_max_inflight, None);
     // Held until the prefill server answers: its work in flight counts there meanwhile.
-    let Some(_charge) = fleet.try_charge(p, prefill, None, cap, expected) else {
+    let Some(_charge) = charge_prefill(ctx, p) else {
         return Leg::Full;
     };
     let id = request_id(ctx);
