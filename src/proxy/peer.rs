@@ -18,9 +18,24 @@ fn read_timeout(ctx: &Ctx, t: &TimeoutsConfig) -> Duration {
     if !ctx.route.profile.as_ref().is_some_and(|p| p.stream) {
         return read;
     }
-    let predicted =
-        Duration::from_secs_f64((ctx.charge.est_ttft_s * t.first_byte_factor).clamp(0.0, 1e6));
+    let split_s = ctx
+        .pd
+        .leg
+        .as_ref()
+        .and(ctx.pd.choice)
+        .and_then(|c| c.split_ttft_s);
+    let predicted_s = first_byte_s(ctx.charge.est_ttft_s, split_s);
+    let predicted = Duration::from_secs_f64((predicted_s * t.first_byte_factor).clamp(0.0, 1e6));
     read.min(Duration::from_millis(t.first_byte_floor_ms).max(predicted))
+}
+
+/// When the decode server's first byte is due, predicted: its own TTFT, or, for a decode leg
+/// sent beside its prefill leg (SGLang's protocol), the split's (`split_s`: the prefill
+/// server's queue and prefill, the transfer, then the decode server), which it waits through
+/// before it sends anything. Without it an overloaded prefill server's queue reads as a hung
+/// decode server, and each retry adds another prefill leg to that queue.
+fn first_byte_s(est_ttft_s: f64, split_s: Option<f64>) -> f64 {
+    split_s.map_or(est_ttft_s, |s| est_ttft_s.max(s))
 }
 
 /// The peer for `ctx`'s attempt on backend `idx` of `fleet`.
@@ -49,4 +64,17 @@ pub(super) fn for_attempt(
         peer.options.custom_l4 = Some(ra);
     }
     peer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_byte_s;
+
+    #[test]
+    fn a_decode_leg_beside_its_prefill_leg_is_due_after_the_split() {
+        assert_eq!(first_byte_s(0.2, None), 0.2);
+        // The prefill server's queue makes the split later than the decode server alone.
+        assert_eq!(first_byte_s(0.2, Some(3.5)), 3.5);
+        assert_eq!(first_byte_s(0.2, Some(0.1)), 0.2);
+    }
 }
