@@ -97,6 +97,17 @@ async fn reload_under_load_drops_nothing_and_keeps_affinity() {
             "conversation {conv} lost its backend on reload"
         );
     }
+    // New conversations may go to D once it is in the fleet the health checks have seen: under
+    // load that can be a moment after the reload.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !String::from_utf8_lossy(&http_get(kv.admin, "/readyz").1).contains("4/4") {
+        assert!(
+            Instant::now() < deadline,
+            "D never became ready; log:\n{}",
+            kv.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut on_d = 0;
     for conv in 100..124 {
         let (status, server) = send(&c, &url, &conversation(conv, 0)).await.unwrap();
