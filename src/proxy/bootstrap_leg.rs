@@ -42,11 +42,12 @@ pub(super) fn start(edge: &Arc<EdgeState>, m: &Arc<ProxyMetrics>, ctx: &mut Ctx,
     let (Some(b), Some(c)) = (fleet.backends().get(p), cfg.backends.get(p)) else {
         return false;
     };
-    let seed = ctx.start.elapsed().as_nanos() as u64 ^ (std::process::id() as u64) << 32;
+    // Unique per request and process, as the NIXL legs' shared id.
+    let seed = super::pd::request_id(ctx);
     ctx.pd.bootstrap = Some(Bootstrap {
         host: b.addr.ip().to_string(),
         port: c.bootstrap_port,
-        room: Bootstrap::room(seed ^ next()),
+        room: Bootstrap::room(seed.as_bytes()),
     });
     // Both legs get the same body: the decode leg's, with the room.
     let Some(body) = super::upstream_request::attempt_body(ctx) else {
@@ -118,10 +119,4 @@ pub(super) fn settle(ctx: &mut Ctx) -> bool {
         ctx.pd.failed.push(leg.server);
     }
     failed
-}
-
-/// A process-wide counter, so that two rooms drawn in the same nanosecond differ.
-fn next() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    NEXT.fetch_add(1, Ordering::Relaxed).rotate_left(17)
 }

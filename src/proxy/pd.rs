@@ -93,7 +93,7 @@ impl Leg {
 
 /// A request id both legs share: unique per process and start, not guessable from outside
 /// (a client never sees it).
-fn request_id(ctx: &Ctx) -> String {
+pub(super) fn request_id(ctx: &Ctx) -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);

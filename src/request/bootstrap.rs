@@ -18,8 +18,8 @@ pub struct Bootstrap {
 impl Bootstrap {
     /// A fresh room from `seed` (unique per request and process): 63 bits, as SGLang's
     /// routers draw them, so that an int64 on the engine's side holds it.
-    pub fn room(seed: u64) -> u64 {
-        xxhash_rust::xxh3::xxh3_64(&seed.to_le_bytes()) & (i64::MAX as u64)
+    pub fn room(seed: &[u8]) -> u64 {
+        xxhash_rust::xxh3::xxh3_64(seed) & (i64::MAX as u64)
     }
 }
 
@@ -52,7 +52,7 @@ pub fn set(fields: &mut Map<String, Value>, b: Option<&Bootstrap>) {
             Value::from(vec![b.port; n]),
             Value::from(
                 (0..n as u64)
-                    .map(|i| Bootstrap::room(b.room ^ i.rotate_left(32)))
+                    .map(|i| Bootstrap::room(&(b.room ^ i.rotate_left(32)).to_le_bytes()))
                     .collect::<Vec<_>>(),
             ),
         ),
@@ -97,7 +97,7 @@ mod tests {
         let b = Bootstrap {
             host: "127.0.0.1".into(),
             port: 8998,
-            room: Bootstrap::room(7),
+            room: Bootstrap::room(b"7"),
         };
         assert!(b.room <= i64::MAX as u64);
         let mut one = fields(json!({"model": "m", "messages": [], "n": 1}));
