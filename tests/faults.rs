@@ -336,7 +336,12 @@ fn connections_over_the_cap_are_closed_and_huge_headers_refused() {
     let held: Vec<_> = (0..2)
         .map(|_| TcpStream::connect(kv.addr).unwrap())
         .collect();
-    std::thread::sleep(Duration::from_millis(200));
+    // Accepting runs in spawned tasks: on a busy machine the two may not be counted yet.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while kv.metric_sum("kvroute_client_connections", &[]) != 2.0 {
+        assert!(Instant::now() < deadline, "two connections counted open");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let mut third = TcpStream::connect(kv.addr).unwrap();
     let closed = closed_after(&mut third, Duration::from_secs(3)).expect("third connection kept");
     assert!(closed < Duration::from_secs(1), "{closed:?}");

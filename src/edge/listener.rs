@@ -50,8 +50,9 @@ struct Open<'a> {
 
 impl Drop for Open<'_> {
     fn drop(&mut self) {
-        let n = self.edge.open_connections.fetch_sub(1, Ordering::Relaxed) - 1;
-        self.edge.metrics.connections.set(n as i64);
+        self.edge.open_connections.fetch_sub(1, Ordering::Relaxed);
+        // inc/dec, not set: two tasks' sets can land out of order and leave the gauge stale.
+        self.edge.metrics.connections.dec();
         if let Some((p, token)) = &self.signals {
             self.edge.conns.unregister(*p, token);
         }
@@ -110,7 +111,7 @@ where
             edge,
             signals: None,
         };
-        m.connections.set(n as i64);
+        m.connections.inc();
         if n > limits.max_connections {
             m.connections_refused.inc();
             log::warn!(
