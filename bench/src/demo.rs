@@ -74,6 +74,7 @@ pub async fn run(a: DemoArgs) -> Result<(), String> {
         // The demo runs no peer router.
         peer_venv: PathBuf::new(),
         sim_tokenizer: None,
+        sim_cores: None,
         kv_events: false,
         dp_size: 1,
         promote: false,

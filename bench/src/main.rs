@@ -32,6 +32,8 @@ struct Cli {
     command: Command,
 }
 
+// One value per process, parsed at startup: the variants' sizes cost nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve simulated vLLM-like inference servers on loopback ports.

@@ -202,6 +202,10 @@ pub struct CompareArgs {
     /// sim --tokenizer`), e.g. bench/data/tokenizer/bpe8k-sharegpt, instead of bytes / 4.
     #[arg(long)]
     pub sim_tokenizer: Option<PathBuf>,
+    /// The simulated engines share this many CPU cores (`sim --cores`), as the real
+    /// llama.cpp fleet's one-thread servers share this machine's.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub sim_cores: Option<u16>,
     /// The simulated engines publish KV events (`sim --kv-events`), which `kv_aware/events=on`
     /// runs follow. They then tokenize with --sim-tokenizer, by default the shipped ChatML
     /// tokenizer (bench/data/tokenizer/chatml-bpe8k), whose chat template kvroute renders.
@@ -338,6 +342,7 @@ impl CompareArgs {
             ("--models", self.models.is_some()),
             ("--kv-tokens", self.kv_tokens.is_some()),
             ("--sim-tokenizer", self.sim_tokenizer.is_some()),
+            ("--sim-cores", self.sim_cores.is_some()),
             ("--kv-events", self.kv_events),
             ("--dp-size", self.dp_size != 1),
             ("--pd", self.pd.is_some()),
@@ -476,6 +481,9 @@ pub(super) fn sim_args(args: &CompareArgs, fleet: &[ProfileName]) -> Vec<String>
     }
     if args.kv_events {
         sim_args.extend(["--kv-events".to_string(), "0".to_string()]);
+    }
+    if let Some(cores) = args.sim_cores {
+        sim_args.extend(["--cores".to_string(), cores.to_string()]);
     }
     if args.dp_size > 1 {
         sim_args.extend(["--dp-size".to_string(), args.dp_size.to_string()]);

@@ -483,6 +483,9 @@ fn settings(args: &CompareArgs, fleet: &[ProfileName]) -> String {
     if let Some(path) = &args.sim_tokenizer {
         let _ = write!(s, ", engines count prompt tokens with `{}`", path.display());
     }
+    if let Some(cores) = args.sim_cores {
+        let _ = write!(s, ", the engines share {cores} CPU cores");
+    }
     if let Some(split) = args.pd {
         let _ = write!(
             s,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::config::{scaled, Engine, SimConfig};
+use super::engine::cores::SharedCores;
 use super::engine::kv_events::kvpublish::KvEventsOptions;
 use super::engine::lora::LoraConfig;
 use super::engine::profile::{fleet_profiles, Profile, ProfileName};
@@ -51,6 +52,11 @@ pub struct SimArgs {
     /// KV pool size in tokens, overriding the profile's (rounded down to 16-token blocks).
     #[arg(long)]
     pub kv_tokens: Option<u64>,
+    /// The servers' engines share this many CPU cores, as one-thread llama.cpp servers on
+    /// one machine do: while more engines compute than there are cores, each step takes
+    /// longer by their ratio. Unset: every engine is its own GPU.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub cores: Option<u16>,
     /// The engine each server speaks for: its /metrics names, and for llamacpp its /props
     /// and /slots [default: the profile's: llamacpp for cpu-smollm2, else vllm].
     #[arg(long, value_enum)]
@@ -253,6 +259,7 @@ impl SimArgs {
             },
             dp_size: usize::from(self.dp_size),
             pd,
+            cores: self.cores.map(|c| SharedCores::new(usize::from(c))),
         };
         let configs = fleet
             .iter()
@@ -508,6 +515,15 @@ mod tests {
         assert!(parse(&["--host", "example.com"]).is_err());
         assert!(parse(&["--host", "127.0.0.2"]).is_ok());
         assert!(parse(&["--host", "::1"]).is_ok());
+    }
+
+    #[test]
+    fn cores_are_one_budget_for_every_server() {
+        assert!(parse(&[]).unwrap().configs[0].cores.is_none());
+        let plan = parse(&["--cores", "2"]).unwrap();
+        let (a, b) = (&plan.configs[0].cores, &plan.configs[2].cores);
+        assert!(Arc::ptr_eq(a.as_ref().unwrap(), b.as_ref().unwrap()));
+        assert!(parse(&["--cores", "0"]).is_err());
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::engine::cores::SharedCores;
 use super::engine::lora::LoraConfig;
 use super::engine::profile::{Profile, ProfileName};
 use super::faults::Faults;
@@ -59,6 +60,8 @@ pub struct SimConfig {
     /// P/D disaggregation (`--role`, `--pd-protocol`, `--kv-transfer-*`,
     /// `--pd-abort-timeout-s`).
     pub pd: PdConfig,
+    /// The CPU cores every server's engines share (`--cores`); None: each its own.
+    pub cores: Option<Arc<SharedCores>>,
 }
 
 impl SimConfig {
@@ -79,6 +82,7 @@ impl SimConfig {
             lora: LoraConfig::default(),
             dp_size: 1,
             pd: PdConfig::default(),
+            cores: None,
         }
     }
 

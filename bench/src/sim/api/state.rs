@@ -71,7 +71,8 @@ impl ServerState {
             let pd = pd.clone();
             let holds = Arc::new(move |h: HoldReport| pd.held.hold(h.key, h.rank, h.hashes, None));
             let (profile, scale) = (config.profile, config.time_scale);
-            EngineHandle::spawn(profile, scale, stats.clone(), kv_events, holds)
+            let cores = config.cores.clone();
+            EngineHandle::spawn(profile, scale, stats.clone(), kv_events, holds, cores)
         });
         Self {
             index,

@@ -3,6 +3,7 @@
 //! publishes. Nothing here speaks HTTP or OpenAI's shapes, so the engine's physics can be
 //! tested in model time alone.
 
+pub(super) mod cores;
 pub(super) mod kv_events;
 pub(super) mod kvcache;
 mod kvpool;

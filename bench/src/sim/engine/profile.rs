@@ -1,5 +1,6 @@
 //! GPU/model profiles: the constants of the engine's step-time model
-//! `t = t0 + prefill_tokens / prefill_rate + decode_seqs * t_seq + kv_tokens_read * t_kv`,
+//! `t = t0 + prefill_tokens / prefill_rate + decode_seqs * t_seq + kv_tokens_read * t_kv`
+//! (plus `t_prompt` for each prompt whose prefill ends in the step),
 //! the size of its KV pool, and its scheduler's limits (`max_num_seqs`,
 //! `max_num_batched_tokens`, and for llama.cpp a per-request context).
 //!
@@ -39,6 +40,8 @@ pub struct Profile {
     pub prefill_rate: f64,
     /// Fixed cost of one step (launch, sampling, scheduling), seconds.
     pub t0: f64,
+    /// Fixed cost of each prompt, charged to the step that ends its prefill, seconds.
+    pub t_prompt: f64,
     /// Per decoding sequence per step, seconds.
     pub t_seq: f64,
     /// Per cached token read by a decoding sequence per step, seconds.
@@ -91,12 +94,17 @@ pub mod cpu_smollm2 {
     /// blocks (the same prompt recomputes up to 16); and two concurrent requests share a
     /// cached prefix here, where llama.cpp gives it to one slot.
     pub const KV_TOKENS: u64 = N_CTX + CACHE_RAM_TOKENS;
-    /// Prefill tokens per second: a cold 618-token prompt took 2,607 ms (237 tokens/s), one
-    /// of ~680 tokens 2.8 s (~240 tokens/s); 1,512 tokens took 7,244 ms (209/s: attention
-    /// grows with the context, which this rate does not model). Under load it drops: 685
-    /// tokens in 3.3 s (206/s) while the other core compiled, and another session saw
-    /// 118-130 tokens/s with the other core busy.
-    pub const PREFILL_RATE: f64 = 240.0;
+    /// Prefill tokens per second, beside `T_PROMPT_MS`: the engine's own `prompt_ms` fit
+    /// `40 ms + tokens / 246` (18 tokens in 113 ms, 681 in 2,807 ms); a cold 618-token prompt
+    /// took 2,607 ms (2,552 by the fit), one of ~680 tokens 2.8 s; 1,512 tokens took 7,244 ms
+    /// (6,186 by the fit: attention grows with the context, which this rate does not model).
+    /// Under load it drops: 685 tokens in 3.3 s while the other core compiled, and another
+    /// session saw 118-130 tokens/s with the other core busy (`kvbench sim --cores` models
+    /// engines sharing cores).
+    pub const PREFILL_RATE: f64 = 246.0;
+    /// Fixed cost of a prompt, ms: the 40 ms of the fit above, which an 18-token follow-up
+    /// pays in full (113 ms of `prompt_ms` for 73 ms of tokens).
+    pub const T_PROMPT_MS: f64 = 40.0;
     /// Fixed cost of a step, ms: small, since a thread-bound CPU step has no launch overhead
     /// to speak of. Kept above 0 so that a step of a few prompt tokens costs something.
     pub const T0_MS: f64 = 1.0;
@@ -126,6 +134,7 @@ struct Row {
     kv_tokens: u64,
     prefill_rate: f64,
     t0_ms: f64,
+    t_prompt_ms: f64,
     t_seq_ms: f64,
     t_kv_ns: f64,
     max_num_seqs: usize,
@@ -152,6 +161,8 @@ const fn gpu(
         kv_tokens,
         prefill_rate,
         t0_ms,
+        // vLLM's per-request work is in its steps' fixed cost.
+        t_prompt_ms: 0.0,
         t_seq_ms,
         t_kv_ns,
         max_num_seqs: VLLM_MAX_NUM_SEQS,
@@ -173,6 +184,7 @@ const TABLE: [Row; 4] = [
         kv_tokens: cpu_smollm2::KV_TOKENS,
         prefill_rate: cpu_smollm2::PREFILL_RATE,
         t0_ms: cpu_smollm2::T0_MS,
+        t_prompt_ms: cpu_smollm2::T_PROMPT_MS,
         t_seq_ms: cpu_smollm2::T_SEQ_MS,
         t_kv_ns: cpu_smollm2::T_KV_NS,
         max_num_seqs: cpu_smollm2::SLOTS,
@@ -284,6 +296,7 @@ impl Profile {
             kv_blocks: (row.kv_tokens / BLOCK_TOKENS) as usize,
             prefill_rate: row.prefill_rate,
             t0: row.t0_ms / 1e3,
+            t_prompt: row.t_prompt_ms / 1e3,
             t_seq: row.t_seq_ms / 1e3,
             t_kv: row.t_kv_ns / 1e9,
             max_num_seqs: row.max_num_seqs,
@@ -390,8 +403,8 @@ mod tests {
         assert_eq!(cpu_smollm2::CACHE_RAM_TOKENS, 11_650);
         // 8,192 + 11,650 tokens, in whole blocks.
         assert_eq!(p.kv_blocks, 19_842 / 16);
-        // A cold ~680-token prompt: ~2.8 s.
-        let cold = p.step_seconds(680, 0, 0);
+        // A cold ~680-token prompt: ~2.8 s, with the prompt's fixed cost.
+        let cold = p.step_seconds(680, 0, 0) + p.t_prompt;
         assert!((2.7..2.95).contains(&cold), "{cold}");
         // One stream ~10 ms a token, two ~2x that (one thread gains nothing from batching).
         let one = p.step_seconds(0, 1, 620);

@@ -309,7 +309,14 @@ impl Scheduler {
         self.counters
     }
 
+    #[cfg(test)]
     pub fn step(&mut self) -> StepOutcome {
+        self.step_slowed(1.0)
+    }
+
+    /// One step that takes `slowdown` times its modelled time: its engine shares a CPU core
+    /// with others (`--cores`).
+    pub fn step_slowed(&mut self, slowdown: f64) -> StepOutcome {
         let mut out = StepOutcome::default();
         let mut budget = self.profile.max_num_batched_tokens;
         let mut kv_read = 0u64;
@@ -379,9 +386,12 @@ impl Scheduler {
             events.absorb(&mut self.pool, None);
             out.kv_events = events.take();
         }
-        out.seconds = self
+        let prompts = prefilled.len() as f64 * self.profile.t_prompt;
+        out.seconds = (self
             .profile
-            .step_seconds(out.prefill_tokens, out.decode_seqs, kv_read);
+            .step_seconds(out.prefill_tokens, out.decode_seqs, kv_read)
+            + prompts)
+            * slowdown.max(1.0);
         self.counters.steps += 1;
         self.clock += out.seconds;
         out.prefilled = prefilled

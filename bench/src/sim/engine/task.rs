@@ -35,6 +35,7 @@ use serde::Serialize;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::{sleep_until, Instant};
 
+use super::cores::SharedCores;
 use super::kv_events::kvpublish::{KvEventCounters, Publisher};
 use super::profile::Profile;
 use super::scheduler::{NewRequest, Scheduler};
@@ -131,6 +132,7 @@ impl EngineHandle {
         stats: Arc<Stats>,
         mut kv_events: Vec<Publisher>,
         holds: HoldSink,
+        cores: Option<Arc<SharedCores>>,
     ) -> Self {
         let mut publishers = kv_events.drain(..).map(Some);
         let ranks = stats
@@ -155,6 +157,7 @@ impl EngineHandle {
                     kv_events,
                     rank,
                     holds: holds.clone(),
+                    cores: cores.clone(),
                 };
                 tokio::spawn(engine.run());
                 Rank {
@@ -294,6 +297,8 @@ struct Engine {
     /// This task's data-parallel rank, which its holds name.
     rank: usize,
     holds: HoldSink,
+    /// The cores this engine shares with the process's others (`--cores`), if any.
+    cores: Option<Arc<SharedCores>>,
 }
 
 impl Engine {
@@ -313,13 +318,21 @@ impl Engine {
                 deadline = Instant::now();
                 continue;
             }
-            let out = self.sched.step();
+            let (slowdown, busy) = match &self.cores {
+                Some(c) => {
+                    let (s, b) = c.enter();
+                    (s, Some(b))
+                }
+                None => (1.0, None),
+            };
+            let out = self.sched.step_slowed(slowdown);
             self.gauges
                 .prefill_tokens
                 .fetch_add(out.prefill_tokens, Relaxed);
             self.publish();
             deadline += Duration::from_secs_f64(out.seconds / self.time_scale);
             sleep_until(deadline).await;
+            drop(busy);
             self.note_lateness(deadline);
             if let Some(publisher) = &mut self.kv_events {
                 publisher.publish(&out.kv_events);
