@@ -318,6 +318,7 @@ async fn a_split_request_is_prefilled_moved_and_decoded() {
     let gbps = learned["transfer_gbytes_per_s"].as_f64().unwrap();
     assert!((gbps - 25.0).abs() < 0.25, "{learned}");
     assert_eq!(learned["protocol"], "vllm_nixl");
+    assert_eq!(learned["decode_stall_weight"], 1.0);
     let text = kv.metrics();
     assert_eq!(
         metric_sum(&text, "kvroute_pd_prefill_legs_total", &[("outcome", "ok")]),

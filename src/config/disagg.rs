@@ -113,6 +113,16 @@ pub struct DisaggregationConfig {
     /// the notification back), ms.
     #[serde(default = "default_transfer_base_ms")]
     pub transfer_base_ms: f64,
+    /// What one second of a decoding stream's stall costs against one second of the placed
+    /// request's TTFT, when its prefill is weighed on a decode server against a split. 1: the
+    /// delays count alike. Not `routing.decode_stall_weight` (0.1), which is tuned for
+    /// unified fleets, where every choice stalls some stream; here a split stalls none.
+    #[serde(default = "default_decode_stall_weight")]
+    pub decode_stall_weight: f64,
+}
+
+fn default_decode_stall_weight() -> f64 {
+    1.0
 }
 
 fn default_kv_bytes_per_token() -> u64 {
@@ -146,6 +156,12 @@ impl DisaggregationConfig {
             return Err(err(
                 "kvroute.disaggregation.transfer_base_ms",
                 "must not be negative",
+            ));
+        }
+        if !(self.decode_stall_weight.is_finite() && self.decode_stall_weight >= 0.0) {
+            return Err(err(
+                "kvroute.disaggregation.decode_stall_weight",
+                "must be >= 0",
             ));
         }
         if !roles.iter().any(|r| r.decodes()) {
@@ -198,6 +214,13 @@ mod tests {
             ..d.clone()
         };
         assert!(validate_roles(&split, Some(&bad)).is_err());
+        assert_eq!(d.decode_stall_weight, 1.0);
+        let bad = DisaggregationConfig {
+            decode_stall_weight: -0.5,
+            ..d.clone()
+        };
+        let e = validate_roles(&split, Some(&bad)).unwrap_err().to_string();
+        assert!(e.contains("disaggregation.decode_stall_weight"), "{e}");
         let s: DisaggregationConfig =
             serde_yaml::from_str("protocol: sglang_bootstrap\ndecision: always\n").unwrap();
         assert_eq!(

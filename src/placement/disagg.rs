@@ -11,8 +11,13 @@
 //! whole       = est_ttft(d, P - m(d)) + stall(d, P - m(d))
 //! split(p)    = est_ttft(p, P - m(p)) + stall(p, P - m(p))
 //!               + transfer(P - m(d)) + slot_wait(d) + step(d)
+//!               + duplicate_prefill_weight * max(0, m(d) - m(p)) / rate(p)
 //! transfer(n) = n * kv_bytes_per_token / bandwidth + base
 //! ```
+//!
+//! The last term is the work a split throws away: the prefill server computes the prefix the
+//! decode server already holds (and will not read), and other requests queue behind it; kv_aware
+//! prices a copy of a prefix held elsewhere the same way.
 //!
 //! Each path's TTFT carries a learned bias ([`Bias`]): how much later (or sooner) than
 //! predicted the first tokens of requests served that way came. A split pays the two legs'
@@ -87,6 +92,7 @@ pub struct Bias {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SplitTerms {
     pub decode_stall_weight: f64,
+    pub duplicate_prefill_weight: f64,
     pub transfer: Transfer,
     pub bias: Bias,
     /// Split on the best prefill server whatever the costs (still whole when none can).
@@ -118,7 +124,10 @@ pub fn decide(
             let b = &snap.backends[p];
             let n = prompt - matched(p);
             let ttft = est_ttft_s(b, n) + after_s;
-            let cost = (ttft + bias.split_s).max(0.0) + stall_s(b, n, decode_stall_weight);
+            let dup = matched(d).saturating_sub(matched(p)) as f64 / b.prefill_rate.max(1.0);
+            let cost = (ttft + bias.split_s).max(0.0)
+                + stall_s(b, n, decode_stall_weight)
+                + terms.duplicate_prefill_weight * dup;
             (p, cost, ttft, n)
         })
         // Ties go to the lower index: the decision is deterministic.
@@ -166,6 +175,7 @@ mod tests {
     fn terms(decode_stall_weight: f64, bias: Bias) -> SplitTerms {
         SplitTerms {
             decode_stall_weight,
+            duplicate_prefill_weight: 1.0,
             transfer: TRANSFER,
             bias,
             must_split: false,
@@ -202,6 +212,40 @@ mod tests {
         assert_eq!(c.prefill, None, "{c:?}");
         assert_eq!(c.transfer_tokens, 100);
         assert!(c.split_s.unwrap() > c.whole_s);
+    }
+
+    /// A chat's next turn beside ten streams: 200 new tokens on the decoder that holds the
+    /// other 1,800. Their stall (80 stream-ms) is more than a cold prefill server's TTFT
+    /// (~100 ms) saves, until the split is charged for recomputing the 1,800 tokens the
+    /// decoder holds and would not read.
+    #[test]
+    fn a_split_pays_for_the_prefix_the_prefill_server_recomputes() {
+        let loads = [busy_decoder(10), BackendLoad::idle()];
+        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..2)
+            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
+            .collect();
+        let ring = Ring::new(&addrs);
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &ring,
+            matched: &[1_800, 0],
+        };
+        let free = SplitTerms {
+            duplicate_prefill_weight: 0.0,
+            ..terms(1.0, Bias::default())
+        };
+        let c = decide(&snap, 0, 2_000, &free, &|p| p != 0);
+        assert_eq!(c.prefill, Some(1), "{c:?}");
+        let c = decide(&snap, 0, 2_000, &terms(1.0, Bias::default()), &|p| p != 0);
+        assert_eq!(c.prefill, None, "{c:?}");
+        assert_eq!((c.prefill_tokens, c.transfer_tokens), (2_000, 200));
+        // The same prompt cold on both: nothing is recomputed, and the split goes.
+        let snap = Snapshot {
+            matched: &[0, 0],
+            ..snap
+        };
+        let c = decide(&snap, 0, 2_000, &terms(1.0, Bias::default()), &|p| p != 0);
+        assert_eq!(c.prefill, Some(1), "{c:?}");
     }
 
     #[test]
@@ -247,6 +291,34 @@ mod tests {
         // No prefill server can: still whole (the caller knows whether it may be).
         let none = decide(&snap, 0, 200, &must, &|_| false);
         assert_eq!(none.prefill, None);
+    }
+
+    /// The mooncake case (docs/results/disaggregation.md): a cold 24k-token prompt beside two
+    /// streams, an idle prefill server, splits that showed their first tokens 200 ms later
+    /// than predicted. At a unified fleet's weight (0.1) the stall (0.19 s) is less than the
+    /// split's transfer and bias (0.35 s), so the prompt stalls both streams for a second;
+    /// counted at par with TTFT, it goes to the prefill server.
+    #[test]
+    fn a_stream_stalled_second_at_par_sends_a_long_prompt_beside_two_streams_away() {
+        let loads = [busy_decoder(2), BackendLoad::idle()];
+        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..2)
+            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
+            .collect();
+        let ring = Ring::new(&addrs);
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &ring,
+            matched: &[0, 0],
+        };
+        let late = Bias {
+            whole_s: 0.0,
+            split_s: 0.2,
+        };
+        let c = decide(&snap, 0, 24_000, &terms(0.1, late), &|p| p != 0);
+        assert_eq!(c.prefill, None, "{c:?}");
+        let c = decide(&snap, 0, 24_000, &terms(1.0, late), &|p| p != 0);
+        assert_eq!(c.prefill, Some(1), "{c:?}");
+        assert!(c.whole_s > 2.0 * c.whole_ttft_s, "{c:?}");
     }
 
     #[test]

@@ -172,7 +172,8 @@ impl Placer<'_> {
                 };
                 let role = cfg.backends.get(d.backend).map_or(Role::Both, |c| c.role);
                 let terms = disagg::SplitTerms {
-                    decode_stall_weight: params.decode_stall_weight,
+                    decode_stall_weight: dis.decode_stall_weight,
+                    duplicate_prefill_weight: params.duplicate_prefill_weight,
                     transfer: pd::transfer(dis, fleet.transfer_bytes_per_s()),
                     bias: fleet.pd_bias(),
                     must_split: dis.decision == PdDecision::Always

@@ -149,6 +149,7 @@ fn backends_json(fleet: &Fleet, cfg: &Config, debug: bool) -> Vec<u8> {
                 "transfer_gbytes_per_s": learned.unwrap_or(d.transfer_gbytes_per_s),
                 "transfer_learned": learned.is_some(),
                 "transfer_base_ms": d.transfer_base_ms,
+                "decode_stall_weight": d.decode_stall_weight,
                 "bias_whole_ms": bias.whole_s * 1000.0,
                 "bias_split_ms": bias.split_s * 1000.0,
             });
