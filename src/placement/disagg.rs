@@ -158,11 +158,15 @@ mod tests {
         base_s: 0.002,
     };
 
-    fn decide_on(loads: &[BackendLoad], matched: &[u64], prompt: u64) -> PdChoice {
-        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..loads.len())
+    fn ring_of(backends: usize) -> Ring {
+        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..backends)
             .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
             .collect();
-        let ring = Ring::new(&addrs);
+        Ring::new(&addrs)
+    }
+
+    fn decide_on(loads: &[BackendLoad], matched: &[u64], prompt: u64) -> PdChoice {
+        let ring = ring_of(loads.len());
         let snap = Snapshot {
             backends: loads,
             ring: &ring,
@@ -221,10 +225,7 @@ mod tests {
     #[test]
     fn a_split_pays_for_the_prefix_the_prefill_server_recomputes() {
         let loads = [busy_decoder(10), BackendLoad::idle()];
-        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..2)
-            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
-            .collect();
-        let ring = Ring::new(&addrs);
+        let ring = ring_of(2);
         let snap = Snapshot {
             backends: &loads,
             ring: &ring,
@@ -268,10 +269,7 @@ mod tests {
     #[test]
     fn a_required_split_goes_to_the_best_prefill_server_whatever_the_costs() {
         let loads = [BackendLoad::idle(), busy_decoder(4), BackendLoad::idle()];
-        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..3)
-            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
-            .collect();
-        let ring = Ring::new(&addrs);
+        let ring = ring_of(3);
         let snap = Snapshot {
             backends: &loads,
             ring: &ring,
@@ -301,10 +299,7 @@ mod tests {
     #[test]
     fn a_stream_stalled_second_at_par_sends_a_long_prompt_beside_two_streams_away() {
         let loads = [busy_decoder(2), BackendLoad::idle()];
-        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..2)
-            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
-            .collect();
-        let ring = Ring::new(&addrs);
+        let ring = ring_of(2);
         let snap = Snapshot {
             backends: &loads,
             ring: &ring,
@@ -333,10 +328,7 @@ mod tests {
         // 300 tokens to compute beside 10 streams at the default stall weight (0.1): 12 ms of
         // prefill, 12 ms of stall.
         let loads = [busy_decoder(10), BackendLoad::idle()];
-        let addrs: Vec<(std::net::SocketAddr, u32)> = (0..2)
-            .map(|i| (([127, 0, 0, 1], 9100 + i as u16).into(), 1))
-            .collect();
-        let ring = Ring::new(&addrs);
+        let ring = ring_of(2);
         let snap = Snapshot {
             backends: &loads,
             ring: &ring,

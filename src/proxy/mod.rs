@@ -12,7 +12,7 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::edge::{access, EdgeState};
+use crate::edge::EdgeState;
 use crate::error::{ApiError, Dialect};
 use crate::fleet::outlier::Outcome;
 use crate::fleet::Current;
@@ -158,31 +158,10 @@ impl ProxyHttp for Router {
         if let Some(err) = refused {
             return reject(session, ctx, err, true).await;
         }
-        if let Some(acl) = &cfg.access {
-            let headers = &session.req_header().headers;
-            let authorization = headers
-                .get(http::header::AUTHORIZATION)
-                .map(|v| v.as_bytes());
-            let x_api_key = headers.get("x-api-key").map(|v| v.as_bytes());
-            match access::authenticate(acl, authorization, x_api_key) {
-                Ok(c) => ctx.quota.caller = Some(c),
-                Err(e) => return reject(session, ctx, e, true).await,
-            }
-            if let (Some(c), Some(key)) = (
-                &ctx.quota.caller,
-                ctx.quota
-                    .caller
-                    .as_ref()
-                    .and_then(|c| acl.keys.get(c.index)),
-            ) {
-                match self.edge.limiter.enter(c, key) {
-                    Ok(h) => ctx.quota.holding = h,
-                    Err(e) => return reject(session, ctx, e, true).await,
-                }
-            }
-        }
-        let identified = tenant::identify(cfg, &session.req_header().headers, ctx)
-            .and_then(|()| deadline::read(&session.req_header().headers));
+        let headers = &session.req_header().headers;
+        let identified = tenant::authenticate(&self.edge, cfg, headers, ctx)
+            .and_then(|()| tenant::identify(cfg, headers, ctx))
+            .and_then(|()| deadline::read(headers));
         match identified {
             Ok(slo) => ctx.route.slo = slo,
             Err(e) => return reject(session, ctx, e, true).await,

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::ctx::Ctx;
 use crate::config::{metric_label, valid_tenant, Config, DEFAULT_TENANT};
-use crate::edge::{EdgeState, Who};
+use crate::edge::{access, EdgeState, Who};
 use crate::error::ApiError;
 
 /// Priority headers, first present wins: kvroute's, then its older name. Either takes an
@@ -16,6 +16,31 @@ pub const PRIORITY_HEADERS: [&str; 2] = ["x-kvroute-priority", "x-priority"];
 /// llm-d's objective name, mapped through `tenants.priority_names`; a name not there is the
 /// default priority (the gateway's objectives are its own).
 const OBJECTIVE_HEADER: &str = "x-llm-d-inference-objective";
+
+/// Check the caller's API key, where the config has keys, and take one of the key's places
+/// (`max_concurrent`); both into `ctx.quota`.
+pub(super) fn authenticate(
+    edge: &EdgeState,
+    cfg: &Config,
+    headers: &HeaderMap,
+    ctx: &mut Ctx,
+) -> Result<(), ApiError> {
+    let Some(acl) = &cfg.access else {
+        return Ok(());
+    };
+    let authorization = headers
+        .get(http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    let x_api_key = headers.get("x-api-key").map(|v| v.as_bytes());
+    let caller = access::authenticate(acl, authorization, x_api_key)?;
+    let key = acl.keys.get(caller.index);
+    // Known before the key's places are checked: a refusal is logged under its tenant.
+    let caller = ctx.quota.caller.insert(caller);
+    if let Some(key) = key {
+        ctx.quota.holding = edge.limiter.enter(caller, key)?;
+    }
+    Ok(())
+}
 
 /// Read the request's tenant and priority into `ctx.route`.
 pub(super) fn identify(cfg: &Config, headers: &HeaderMap, ctx: &mut Ctx) -> Result<(), ApiError> {
