@@ -219,9 +219,9 @@ mod tests {
     }
 
     /// A chat's next turn beside ten streams: 200 new tokens on the decoder that holds the
-    /// other 1,800. Their stall (80 stream-ms) is more than a cold prefill server's TTFT
-    /// (~100 ms) saves, until the split is charged for recomputing the 1,800 tokens the
-    /// decoder holds and would not read.
+    /// other 1,800. Served there, it stalls the streams 80 stream-ms; split, it waits ~75 ms
+    /// longer for its first token on a cold prefill server, so the split wins until it is
+    /// charged for recomputing the 1,800 tokens the decoder holds and would not read.
     #[test]
     fn a_split_pays_for_the_prefix_the_prefill_server_recomputes() {
         let loads = [busy_decoder(10), BackendLoad::idle()];
