@@ -150,7 +150,7 @@ impl FailurePolicy<'_> {
         }
         let decision = if ctx.attempts.count >= max_attempts {
             RetryDecision::AttemptsExhausted
-        } else if ctx.attempts.retrying.is_some() || kind != FailureKind::Io {
+        } else if kind != FailureKind::Io {
             // A refused or failed connect never reached the backend, a refused continuation
             // was not started, and a hung backend's work is lost with it: retrying adds no
             // work anywhere, so it needs no budget (attempts still bound it).
