@@ -25,7 +25,9 @@
 //! not replaced by a noisier estimate (see `BackendState::effective_prefill_rate`). The proof
 //! needs tokens and seconds of the same requests: vLLM's `request_prefill_kv_computed_tokens`
 //! gives that, its `prompt_tokens_total` only over a long window. With such paired counters
-//! the proof holds for every interval, and the estimate is the best of them. The fit is used
+//! the proof holds for every interval, and the estimate is the best of them, or where the
+//! engine also counts prefills, the marginal rate of the line under all of them (`envelope`,
+//! which separates each prefill's share of its step from its tokens). The fit is used
 //! only for counters that are not paired: under batching, per-request prefill times measure
 //! latency, not throughput (a short prompt sharing a step with a long one waits for all of it),
 //! and on the simulated fleet the fit read a 25k engine as 40k on a chat workload.
@@ -170,7 +172,11 @@ impl PrefillLearner {
                 .filter(|i| i.tokens >= MIN_PAIRED_TOKENS)
                 .map(|i| i.tokens / i.seconds)
                 .fold(ratio, f64::max);
-            (best, best)
+            // The best interval still charges each prefill's fixed part (the step it shares
+            // with every decoding stream) to its tokens. Where the engine counts prefills, the
+            // envelope separates the two: the marginal rate is what a prompt adds to a step,
+            // which is what a stall on the streams there and a prompt's own time both cost.
+            (self.envelope().map_or(best, |e| e.max(best)), best)
         } else {
             let rate = match self.fit() {
                 Some(fit) if fit > ratio => fit.min(ratio * MAX_FIT_CORRECTION),
@@ -183,6 +189,67 @@ impl PrefillLearner {
             rate: rate.clamp(MIN_RATE, MAX_RATE).max(floor),
             floor,
         })
+    }
+
+    /// The marginal rate under paired counters that count prefills: the highest line
+    /// `seconds per prefill = a + b * tokens per prefill` (a >= 0, b > 0) that lies under
+    /// every interval, taken where the window's average prefill is, and the rate is `1 / b`.
+    ///
+    /// Every prefill takes at least its step's fixed part plus its tokens over the rate, and
+    /// waiting (a short prompt sharing steps with a long one, a busy batch) only adds to it,
+    /// so the true line lies under every interval too; the lowest intervals are those that
+    /// waited least, and the line through them is the lower convex hull's edge. With `a = 0`
+    /// this is the best-interval ratio above; a fixed part lets a window of short prefills
+    /// on a busy engine (a P/D decode server: 2,900-15,800 tokens/s read as ratios for a
+    /// 25,000 tokens/s engine) read the rate and not its steps. `None` when the window cannot
+    /// separate the two: no two prefill sizes at least `2x` apart, a line that does not rise,
+    /// or one that would need a negative fixed part (the ratio is right then).
+    fn envelope(&self) -> Option<f64> {
+        let mut points: Vec<(f64, f64)> = Vec::new();
+        let (mut tokens, mut requests) = (0.0, 0.0);
+        for i in &self.window {
+            match i.requests {
+                Some(r) if i.paired && r >= 1.0 => {
+                    points.push((i.tokens / r, i.seconds / r));
+                    tokens += i.tokens;
+                    requests += r;
+                }
+                _ => {}
+            }
+        }
+        points.sort_by(|p, q| p.0.total_cmp(&q.0).then(p.1.total_cmp(&q.1)));
+        // Andrew's monotone chain, lower half.
+        let mut hull: Vec<(f64, f64)> = Vec::with_capacity(points.len());
+        for p in points {
+            while let [.., o, a] = hull[..] {
+                if (a.0 - o.0) * (p.1 - o.1) - (a.1 - o.1) * (p.0 - o.0) <= 0.0 {
+                    hull.pop();
+                } else {
+                    break;
+                }
+            }
+            hull.push(p);
+        }
+        let mean = tokens / requests;
+        let last = hull.len().checked_sub(1).filter(|&l| l > 0)?;
+        let mut hi = hull.iter().position(|p| p.0 >= mean)?.max(1).min(last);
+        let mut lo = hi - 1;
+        // Two intervals of nearly one size say more of their waits than of the rate: widen
+        // the edge along the hull, on the side nearer the mean, until its ends are 2x apart.
+        // The chord's slope is then an average of the hull's slopes around the mean.
+        while hull[hi].0 < 2.0 * hull[lo].0 {
+            let left_nearer = hull[lo].0 * hull[hi].0 > mean * mean;
+            match (lo > 0, hi < last) {
+                (true, true) if left_nearer => lo -= 1,
+                (true, false) => lo -= 1,
+                (_, true) => hi += 1,
+                (false, false) => return None,
+            }
+        }
+        let (p, q) = (hull[lo], hull[hi]);
+        let b = (q.1 - p.1) / (q.0 - p.0);
+        let a = p.1 - b * p.0;
+        (b > 0.0 && a >= 0.0).then(|| 1.0 / b)
     }
 
     /// Least squares of `seconds = a * requests + b * tokens` (a >= 0, b > 0): the rate is
@@ -432,6 +499,78 @@ mod tests {
             "{before:?} {est:?}"
         );
         assert!(est.floor <= 9_000.0);
+    }
+
+    #[test]
+    fn a_busy_engine_reads_its_marginal_rate_not_its_steps() {
+        // A P/D decode server: every prefill shares a step with 64 decoding streams (12-20 ms
+        // of fixed work), prompts of 40-600 tokens, some waiting behind another's chunk.
+        let rate = 25_000.0;
+        let mut e = Engine::new(rate, 0.0);
+        let mut l = PrefillLearner::default();
+        l.observe(e.serve(&[]));
+        let mut est = None;
+        for k in 0..60u32 {
+            let step = 0.012 + 0.008 * f64::from(k % 5) / 4.0;
+            let prompts: Vec<f64> = (0..3 + k % 4)
+                .map(|j| 40.0 + f64::from((k * 7 + j * 13) % 12) * 50.0)
+                .collect();
+            for (j, p) in prompts.iter().enumerate() {
+                let wait = if j % 3 == 2 { 0.004 } else { 0.0 };
+                e.c.tokens += p;
+                e.c.seconds += step + wait + p / rate;
+                e.c.requests = e.c.requests.map(|r| r + 1.0);
+            }
+            est = l.observe(e.c);
+        }
+        let est = est.unwrap();
+        assert!(
+            est.floor < 0.6 * rate,
+            "the ratio must read the steps: {est:?}"
+        );
+        assert!((est.rate / rate - 1.0).abs() < 0.1, "{est:?}");
+    }
+
+    #[test]
+    fn the_envelope_stands_back_where_the_window_cannot_separate() {
+        let interval = |l: &mut PrefillLearner, c: &mut PrefillCounters, t: f64, s: f64| {
+            c.tokens += t;
+            c.seconds += s;
+            c.requests = c.requests.map(|r| r + 1.0);
+            l.observe(*c)
+        };
+        let zero = PrefillCounters {
+            tokens: 0.0,
+            seconds: 0.0,
+            requests: Some(0.0),
+            paired: true,
+        };
+        // Prompts of one size: a fixed part and a rate cannot be told apart.
+        let (mut l, mut c) = (PrefillLearner::default(), zero);
+        l.observe(c);
+        let mut r = None;
+        for s in [0.05, 0.04, 0.06] {
+            r = interval(&mut l, &mut c, 500.0, s);
+        }
+        let r = r.unwrap();
+        assert_eq!(r.rate, r.floor);
+        assert!((r.rate - 500.0 / 0.04).abs() < 1e-6, "{r:?}");
+        // Short prompts that read faster per token than long ones (llama.cpp on a CPU, where
+        // attention over a long prompt costs more a token): the line would need a negative
+        // fixed part, and the best ratio stands.
+        let (mut l, mut c) = (PrefillLearner::default(), zero);
+        l.observe(c);
+        interval(&mut l, &mut c, 60.0, 60.0 / 180.0);
+        let r = interval(&mut l, &mut c, 800.0, 800.0 / 130.0).unwrap();
+        assert_eq!(r.rate, r.floor);
+        assert!(r.rate < 135.0, "{r:?}");
+        // Without prefill counts there is no envelope either.
+        let (mut l, mut c) = (PrefillLearner::default(), zero);
+        c.requests = None;
+        l.observe(c);
+        interval(&mut l, &mut c, 50.0, 0.02);
+        let r = interval(&mut l, &mut c, 5_000.0, 0.22).unwrap();
+        assert_eq!(r.rate, r.floor);
     }
 
     #[test]
