@@ -7,13 +7,21 @@
 //! tokens with `m(b)` of them cached on backend `b`:
 //!
 //! ```text
-//! stall(b, n) = decode_stall_weight * decoding(b) * n / rate(b)
+//! stall(b, n) = decode_stall_weight * decoding(b) * max(0, n / rate(b) - step(b))
 //! whole       = est_ttft(d, P - m(d)) + stall(d, P - m(d))
 //! split(p)    = est_ttft(p, P - m(p)) + stall(p, P - m(p))
 //!               + transfer(P - m(d)) + slot_wait(d) + step(d)
 //!               + duplicate_prefill_weight * max(0, m(d) - m(p)) / rate(p)
 //! transfer(n) = n * kv_bytes_per_token / bandwidth + base
 //! ```
+//!
+//! A stall is priced beyond one decode step: a stream's tokens already come a step apart, and
+//! an engine that chunks its prefills mixes a few hundred prompt tokens into most steps, so a
+//! prefill shorter than a step at most doubles one gap, which the stream's inter-token tail
+//! does not show (unified sharegpt: ITL p99 10.1 ms with every turn prefilled beside the
+//! streams). Counted from the first token, a chat's 170-token turn beside ten streams cost 70
+//! stream-ms at par and went to a prefill server for a first token twice as late; a 30k-token
+//! prompt's 1.2 s stall is priced nearly whole.
 //!
 //! The last term is the work a split throws away: the prefill server computes the prefix the
 //! decode server already holds (and will not read), and other requests queue behind it; kv_aware
@@ -73,9 +81,11 @@ pub struct PdChoice {
     pub transfer_tokens: u64,
 }
 
-/// The stall a prefill of `tokens` puts on the streams decoding on `b`, in seconds of cost.
+/// The stall a prefill of `tokens` puts on the streams decoding on `b` beyond their own step,
+/// in seconds of cost.
 fn stall_s(b: &BackendLoad, tokens: u64, weight: f64) -> f64 {
-    weight * b.decoding as f64 * tokens as f64 / b.prefill_rate.max(1.0)
+    let beyond = tokens as f64 / b.prefill_rate.max(1.0) - b.decode_step_s;
+    weight * b.decoding as f64 * beyond.max(0.0)
 }
 
 /// How far the first tokens of whole and of split requests have come from their predictions,
@@ -218,35 +228,64 @@ mod tests {
         assert!(c.split_s.unwrap() > c.whole_s);
     }
 
-    /// A chat's next turn beside ten streams: 200 new tokens on the decoder that holds the
-    /// other 1,800. Served there, it stalls the streams 80 stream-ms; split, it waits ~75 ms
-    /// longer for its first token on a cold prefill server, so the split wins until it is
-    /// charged for recomputing the 1,800 tokens the decoder holds and would not read.
+    /// A long chat's next turn beside thirty streams: 1,000 new tokens on the decoder that
+    /// holds the other 9,000. Served there, it stalls the streams 600 stream-ms beyond their
+    /// step; split, it waits ~390 ms longer for its first token on a cold prefill server, so
+    /// the split wins until it is charged for recomputing the 9,000 tokens the decoder holds
+    /// and would not read.
     #[test]
     fn a_split_pays_for_the_prefix_the_prefill_server_recomputes() {
-        let loads = [busy_decoder(10), BackendLoad::idle()];
+        let loads = [busy_decoder(30), BackendLoad::idle()];
         let ring = ring_of(2);
         let snap = Snapshot {
             backends: &loads,
             ring: &ring,
-            matched: &[1_800, 0],
+            matched: &[9_000, 0],
         };
         let free = SplitTerms {
             duplicate_prefill_weight: 0.0,
             ..terms(1.0, Bias::default())
         };
-        let c = decide(&snap, 0, 2_000, &free, &|p| p != 0);
+        let c = decide(&snap, 0, 10_000, &free, &|p| p != 0);
         assert_eq!(c.prefill, Some(1), "{c:?}");
-        let c = decide(&snap, 0, 2_000, &terms(1.0, Bias::default()), &|p| p != 0);
+        let c = decide(&snap, 0, 10_000, &terms(1.0, Bias::default()), &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
-        assert_eq!((c.prefill_tokens, c.transfer_tokens), (2_000, 200));
+        assert_eq!((c.prefill_tokens, c.transfer_tokens), (10_000, 1_000));
         // The same prompt cold on both: nothing is recomputed, and the split goes.
         let snap = Snapshot {
             matched: &[0, 0],
             ..snap
         };
+        let c = decide(&snap, 0, 10_000, &terms(1.0, Bias::default()), &|p| p != 0);
+        assert_eq!(c.prefill, Some(1), "{c:?}");
+    }
+
+    /// A chat's turn of 170 new tokens beside ten streams whose engine steps every 20 ms: its
+    /// prefill (7 ms at 25,000 tokens/s) fits in one step, so the streams' gaps stay what
+    /// they are and the turn is served where its history is, even at par; 1,000 new tokens
+    /// (40 ms) stall each stream 20 ms beyond its step and go.
+    #[test]
+    fn a_prefill_within_one_decode_step_stalls_nothing() {
+        let loads = [busy_decoder(10), BackendLoad::idle()];
+        let ring = ring_of(2);
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &ring,
+            matched: &[1_830, 1_700],
+        };
+        let c = decide(&snap, 0, 2_000, &terms(1.0, Bias::default()), &|p| p != 0);
+        assert_eq!(c.prefill, None, "{c:?}");
+        assert!((c.whole_s - c.whole_ttft_s).abs() < 1e-12, "{c:?}");
+        let snap = Snapshot {
+            matched: &[1_000, 1_000],
+            ..snap
+        };
         let c = decide(&snap, 0, 2_000, &terms(1.0, Bias::default()), &|p| p != 0);
         assert_eq!(c.prefill, Some(1), "{c:?}");
+        assert!(
+            (c.whole_s - c.whole_ttft_s - 10.0 * 0.02).abs() < 1e-9,
+            "{c:?}"
+        );
     }
 
     #[test]
@@ -325,8 +364,8 @@ mod tests {
 
     #[test]
     fn learned_biases_keep_a_short_prefill_beside_busy_streams_whole() {
-        // 300 tokens to compute beside 10 streams at the default stall weight (0.1): 12 ms of
-        // prefill, 12 ms of stall.
+        // 1,000 tokens to compute beside 10 streams at a unified fleet's stall weight (0.1):
+        // 40 ms of prefill, 20 ms of it beyond the streams' step, 20 ms of stall.
         let loads = [busy_decoder(10), BackendLoad::idle()];
         let ring = ring_of(2);
         let snap = Snapshot {
@@ -334,7 +373,7 @@ mod tests {
             ring: &ring,
             matched: &[0, 0],
         };
-        let c = decide(&snap, 0, 300, &terms(0.1, Bias::default()), &|p| p != 0);
+        let c = decide(&snap, 0, 1_000, &terms(0.1, Bias::default()), &|p| p != 0);
         assert_eq!(
             c.prefill,
             Some(1),
@@ -345,14 +384,14 @@ mod tests {
             whole_s: 0.0,
             split_s: 0.030,
         };
-        let c = decide(&snap, 0, 300, &terms(0.1, slow), &|p| p != 0);
+        let c = decide(&snap, 0, 1_000, &terms(0.1, slow), &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
         // Whole requests 15 ms sooner than predicted: the same.
         let quick = Bias {
             whole_s: -0.015,
             split_s: 0.0,
         };
-        let c = decide(&snap, 0, 300, &terms(0.1, quick), &|p| p != 0);
+        let c = decide(&snap, 0, 1_000, &terms(0.1, quick), &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
         // A long prompt still goes: the overhead is small beside its stall.
         let c = decide(&snap, 0, 20_000, &terms(0.1, slow), &|p| p != 0);

@@ -206,15 +206,25 @@ impl Placer<'_> {
             ctx.attempts.tried,
         );
         if let Some(c) = pd {
+            let ms =
+                |s: Option<f64>| s.map_or_else(|| "-".into(), |s| format!("{:.1}", s * 1000.0));
+            let (dec, bias) = (&loads[d.backend], fleet.pd_bias());
             log::debug!(
-                "disaggregation key={:016x} decode={} -> prefill={} whole_ms={:.1} split_ms={} transfer_ms={:.1} transfer_tokens={}",
+                "disaggregation key={:016x} decode={} -> prefill={} whole_ms={:.1} whole_ttft_ms={:.1} split_ms={} split_ttft_ms={} bias_ms={:.1}/{:.1} transfer_ms={:.1} transfer_tokens={} prefill_tokens={} decoding={} rate={:.0}",
                 profile.session_key,
                 fleet.backends()[d.backend].name,
                 c.prefill.map_or("none", |p| fleet.backends()[p].name.as_str()),
                 c.whole_s * 1000.0,
-                c.split_s.map_or_else(|| "-".into(), |s| format!("{:.1}", s * 1000.0)),
+                c.whole_ttft_s * 1000.0,
+                ms(c.split_s),
+                ms(c.split_ttft_s),
+                bias.whole_s * 1000.0,
+                bias.split_s * 1000.0,
                 c.transfer_s * 1000.0,
                 c.transfer_tokens,
+                c.prefill_tokens,
+                dec.decoding,
+                dec.prefill_rate,
             );
         }
         ctx.attempts.reason = Some(d.reason);
