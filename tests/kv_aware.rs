@@ -384,6 +384,52 @@ async fn prefill_rates_are_learned_from_engine_counters() {
     }
 }
 
+/// An engine that only ever prefills short prompts spends most of each prefill on its step's
+/// fixed cost: tokens over seconds reads it far slower than it runs. vLLM also counts its
+/// prefills, and from that kvroute learns the marginal rate (what a prompt token adds), which
+/// is what a miss and a stall on the streams there cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_prompts_teach_the_marginal_prefill_rate_not_the_step() {
+    let h100 = Sim::start(&["--profile", "h100-llama8b", "--time-scale", "20"]);
+    let kv = Kvroute::start(
+        &[h100.addr],
+        "  routing:\n    policy: round_robin\n  telemetry:\n    interval_ms: 100\n",
+    );
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    let mut n = 0;
+    // Phases of ~40-token and ~300-token prompts, each spanning scrapes, all distinct.
+    for _ in 0..4 {
+        for words in [6, 45] {
+            for _ in 0..8 {
+                n += 1;
+                let text = format!("note {n}: ") + &"lorem ipsum dolor sit amet ".repeat(words);
+                let body = chat_body(MODEL, json!([{"role": "user", "content": text}]), false, 1);
+                let r = c.post(&url).json(&body).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    let name = h100.addr.to_string();
+    let (_, body) = http_get(kv.admin, "/backends");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let rate = v
+        .as_array()
+        .and_then(|a| a.iter().find(|b| b["backend"] == name.as_str()))
+        .map(|b| b["prefill_tokens_per_second"].clone())
+        .unwrap_or_default();
+    let (learned, floor) = (rate["learned"].as_f64(), rate["learned_floor"].as_f64());
+    let (Some(learned), Some(floor)) = (learned, floor) else {
+        panic!("nothing learned: {rate}");
+    };
+    assert!(
+        floor < 0.8 * 25_000.0,
+        "the test must be one the ratio gets wrong: {rate}"
+    );
+    assert!((learned / 25_000.0 - 1.0).abs() < 0.1, "{rate}");
+}
+
 /// Small prompts, with counting on, are counted with o200k_base and the count is settled against the engine's
 /// `usage.prompt_tokens`; the estimate moves toward what this engine reports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
