@@ -19,9 +19,9 @@
 //! an engine that chunks its prefills mixes a few hundred prompt tokens into most steps, so a
 //! prefill shorter than a step at most doubles one gap, which the stream's inter-token tail
 //! does not show (unified sharegpt: ITL p99 10.1 ms with every turn prefilled beside the
-//! streams). Counted from the first token, a chat's 170-token turn beside ten streams cost 70
-//! stream-ms at par and went to a prefill server for a first token twice as late; a 30k-token
-//! prompt's 1.2 s stall is priced nearly whole.
+//! streams). Priced whole at par, a chat's 170-token turn beside ten streams cost 70 stream-ms
+//! and went to a prefill server, for a first token twice as late; a 30k-token prompt's 1.2 s
+//! stall is still priced nearly whole.
 //!
 //! The last term is the work a split throws away: the prefill server computes the prefix the
 //! decode server already holds (and will not read), and other requests queue behind it; kv_aware
