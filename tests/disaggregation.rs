@@ -94,7 +94,9 @@ async fn send(kv: &Kvroute, body: &Value) -> (u16, String) {
 /// kvroute's config for a prefill server `p` and a decode server `d`. The decode server is
 /// priced at 100 prompt tokens a second, the prefill server at a million, a transfer at a
 /// second: a long prompt (2,000 tokens) is cheaper prefilled there and moved, a short one (up
-/// to 100 tokens to compute) is served where it is.
+/// to 100 tokens to compute) is served where it is. Learning is off: the fixed-timing
+/// simulator's counters would replace the decode server's price once a scrape saw its first
+/// prefill, and the tests' decisions would depend on when that scrape came.
 fn split_fleet(p: std::net::SocketAddr, d: std::net::SocketAddr) -> Kvroute {
     Kvroute::start_with(
         &[
@@ -107,7 +109,7 @@ fn split_fleet(p: std::net::SocketAddr, d: std::net::SocketAddr) -> Kvroute {
                 "      role: decode\n      prefill_tokens_per_s: 100\n".into(),
             ),
         ],
-        "  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 1000\n  telemetry:\n    interval_ms: 100\n",
+        "  routing:\n    learn_prefill_rate: false\n  disaggregation:\n    protocol: vllm_nixl\n    transfer_base_ms: 1000\n  telemetry:\n    interval_ms: 100\n",
     )
 }
 
