@@ -338,9 +338,11 @@ async fn the_band_reaches_engines_that_schedule_by_priority() {
 async fn deadlines_are_judged_by_the_predicted_ttft() {
     let sim = Sim::start(&["--ttft-ms", "1", "--itl-ms", "1"]);
     // Priced at 100 prompt tokens a second: a 2,000-token prompt is predicted to take 20 s.
+    // Learning off: a scrape of the fixed-timing simulator's first long prefill would replace
+    // the price, and the predictions would depend on when it came.
     let kv = Kvroute::start_with(
         &[(sim.addr, "      prefill_tokens_per_s: 100\n".into())],
-        "",
+        "  routing:\n    learn_prefill_rate: false\n",
     );
     let long = |tag: &str| format!("{tag} {}", "lorem ipsum dolor sit amet ".repeat(300));
     let slo = |ms: &'static str| ("x-slo-ttft-ms", ms);
