@@ -127,7 +127,8 @@ impl PrefillLearner {
 
     /// How far the estimate may be off, as a factor. With paired counters the estimate is
     /// a proven lower bound (the best interval), so a queue priced at it is priced slow
-    /// enough: 1. Otherwise it is a fit that may read high: `1 + 1/n` over the window's `n`
+    /// enough, or the marginal rate, what each queued token adds to the steps that compute
+    /// it: 1. Otherwise it is a fit that may read high: `1 + 1/n` over the window's `n`
     /// intervals.
     pub fn spread(&self) -> f64 {
         if self.window.iter().any(|i| i.paired) {
