@@ -79,6 +79,8 @@ pub struct PdChoice {
     pub transfer_s: f64,
     /// The tokens the transfer moves (those the decode server lacks).
     pub transfer_tokens: u64,
+    /// The learned biases the costs carry.
+    pub bias: Bias,
 }
 
 /// The stall a prefill of `tokens` puts on the streams decoding on `b` beyond their own step,
@@ -153,6 +155,7 @@ pub fn decide(
         prefill_tokens: best.map_or(0, |b| b.3),
         transfer_s,
         transfer_tokens: local,
+        bias,
     }
 }
 

@@ -208,7 +208,7 @@ impl Placer<'_> {
         if let Some(c) = pd {
             let ms =
                 |s: Option<f64>| s.map_or_else(|| "-".into(), |s| format!("{:.1}", s * 1000.0));
-            let (dec, bias) = (&loads[d.backend], fleet.pd_bias());
+            let dec = &loads[d.backend];
             log::debug!(
                 "disaggregation key={:016x} decode={} -> prefill={} whole_ms={:.1} whole_ttft_ms={:.1} split_ms={} split_ttft_ms={} bias_ms={:.1}/{:.1} transfer_ms={:.1} transfer_tokens={} prefill_tokens={} decoding={} rate={:.0}",
                 profile.session_key,
@@ -218,8 +218,8 @@ impl Placer<'_> {
                 c.whole_ttft_s * 1000.0,
                 ms(c.split_s),
                 ms(c.split_ttft_s),
-                bias.whole_s * 1000.0,
-                bias.split_s * 1000.0,
+                c.bias.whole_s * 1000.0,
+                c.bias.split_s * 1000.0,
                 c.transfer_s * 1000.0,
                 c.transfer_tokens,
                 c.prefill_tokens,
