@@ -72,6 +72,7 @@ fn routing(c: &mut Criterion) {
                     backends: &loads,
                     ring: &ring,
                     matched: &[],
+                    later_turns: 1.0,
                 };
                 black_box(placement::choose(&params, &p, &snap, &[], 0))
             })
@@ -104,6 +105,7 @@ fn routing(c: &mut Criterion) {
                     backends: &loads,
                     ring: &ring,
                     matched: &[],
+                    later_turns: 1.0,
                 };
                 black_box(placement::choose(&params, &p, &snap, &[], 0))
             })
@@ -127,6 +129,7 @@ fn routing(c: &mut Criterion) {
                     backends: &loads,
                     ring: &ring,
                     matched: &[],
+                    later_turns: 1.0,
                 };
                 black_box(placement::choose(&params, black_box(&p), &snap, &[], 0))
             })
@@ -190,6 +193,7 @@ fn kv_aware(c: &mut Criterion) {
                 backends: &loads,
                 ring: &ring,
                 matched: &tokens,
+                later_turns: 1.0,
             };
             black_box(placement::choose(&params, &p, &snap, &[], 0))
         })
@@ -225,6 +229,7 @@ fn kv_aware(c: &mut Criterion) {
                     backends: &loads,
                     ring: &ring,
                     matched: &tokens,
+                    later_turns: 1.0,
                 };
                 black_box(placement::choose_in(&params, &p, &snap, &pool, &[], 0))
             })

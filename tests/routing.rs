@@ -62,6 +62,63 @@ async fn every_turn_of_a_conversation_lands_on_one_backend() {
     assert!(kv.metric_sum("kvroute_routing_decisions_total", &[("reason", "affinity")]) >= 60.0);
 }
 
+/// Single questions sharing a group's system prompt: once the traffic shows conversations
+/// bring no later turns, a question whose key's owner is idle still waits for the backend
+/// that holds (and is computing) its group's prompt, rather than compute the prompt again for
+/// an affinity nothing will use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_questions_wait_for_their_groups_prompt() {
+    let sims = Sim::start_n(3, &["--ttft-ms", "1000", "--itl-ms", "0"]);
+    // Priced at 100 prompt tokens a second, learning off: a group's ~600-token prompt takes
+    // 6 s to compute again, and a question queued behind its holder's 6 s is still sooner.
+    let backends: Vec<_> = sims
+        .iter()
+        .map(|s| (s.addr, "      prefill_tokens_per_s: 100\n".to_string()))
+        .collect();
+    let kv = Kvroute::start_with(&backends, "  routing:\n    learn_prefill_rate: false\n");
+    let c = client();
+    let url = kv.url("/v1/chat/completions");
+    let question = |system: String, q: String| {
+        chat_body(
+            MODEL,
+            json!([{"role": "system", "content": system}, {"role": "user", "content": q}]),
+            false,
+            4,
+        )
+    };
+    // Ten single questions: nothing comes back.
+    for i in 0..10 {
+        let body = question(format!("warm-up {i}"), format!("question {i}?"));
+        assert_eq!(post(&c, &url, &body, None).await.0, 200);
+    }
+    let (status, body) = http_get(kv.admin, "/debug/backends");
+    assert_eq!(status, 200);
+    let view: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    let later = view["later_turns_per_conversation"]
+        .as_f64()
+        .expect("later turns");
+    assert!(later < 0.2, "{later}");
+
+    let mut together = 0;
+    for g in 0..6 {
+        let system = format!(
+            "Group {g}'s handbook. {}",
+            "Answer from the handbook only. ".repeat(75)
+        );
+        let first = question(system.clone(), format!("group {g}: where is the office?"));
+        let (c1, u1) = (c.clone(), url.clone());
+        let a = tokio::spawn(async move { post(&c1, &u1, &first, None).await });
+        // The first question is still being prefilled on its backend when the second comes.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let second = question(system, format!("group {g}: when does it open?"));
+        let (status_b, server_b) = post(&c, &url, &second, None).await;
+        let (status_a, server_a) = a.await.expect("first question");
+        assert_eq!((status_a, status_b), (200, 200));
+        together += usize::from(server_a == server_b);
+    }
+    assert_eq!(together, 6, "groups split over backends");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_header_pins_different_content() {
     let sims = Sim::start_n(4, &["--ttft-ms", "1", "--itl-ms", "0"]);

@@ -22,6 +22,7 @@ mod router_wait;
 mod scrape;
 pub(crate) mod telemetry;
 pub mod transfer;
+mod turns;
 mod upstream;
 
 pub use charge::InflightGuard;

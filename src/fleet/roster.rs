@@ -20,6 +20,7 @@ use super::models::{ModelEntry, PoolCache, ANY_MODEL};
 use super::outlier::{self, Outcome};
 use super::read_ahead::{self, ReadAhead};
 use super::telemetry::{EngineStats, LoraInfo};
+use super::turns::TurnMix;
 use super::upstream::UpstreamTls;
 use crate::config::{BackendConfig, Config, OutlierConfig, DEFAULT_KV_CAPACITY_TOKENS};
 use crate::placement::index::MAX_BACKENDS;
@@ -46,6 +47,8 @@ pub(super) struct Shared {
     pub(super) beliefs: Mutex<Beliefs>,
     /// Requests waiting on each backend, cut when its health check finds it down.
     in_flight: Arc<InFlight>,
+    /// Later turns per conversation on recent traffic: the worth of a first turn's affinity.
+    pub(super) turns: TurnMix,
 }
 
 pub struct Fleet {
@@ -157,6 +160,7 @@ impl Fleet {
             tls_targets,
             models_version: AtomicU64::new(0),
             in_flight,
+            turns: TurnMix::default(),
             beliefs: Mutex::new(Beliefs {
                 index: PrefixIndex::new(&[]),
                 exact: vec![ExactIndex::default()],
@@ -452,6 +456,16 @@ impl Fleet {
     /// Backend `i` is healthy and not ejected: placement may use it.
     pub fn available(&self, i: usize, now: Instant) -> bool {
         self.healthy(i) && self.backends.get(i).is_some_and(|b| !b.ejected(now))
+    }
+
+    /// A request is being placed, a later turn of its conversation if `has_history`.
+    pub fn record_turn(&self, has_history: bool) {
+        self.shared.turns.record(has_history);
+    }
+
+    /// Later turns per conversation on recent traffic (see [`TurnMix`]).
+    pub fn later_turns(&self) -> f64 {
+        self.shared.turns.later_turns()
     }
 
     /// A fresh round-robin ticket.

@@ -184,6 +184,7 @@ mod tests {
             backends: loads,
             ring: &ring,
             matched,
+            later_turns: 1.0,
         };
         // Backend 0 decodes; the others prefill.
         decide(&snap, 0, prompt, &terms(1.0, Bias::default()), &|p| p != 0)
@@ -244,6 +245,7 @@ mod tests {
             backends: &loads,
             ring: &ring,
             matched: &[9_000, 0],
+            later_turns: 1.0,
         };
         let free = SplitTerms {
             duplicate_prefill_weight: 0.0,
@@ -275,6 +277,7 @@ mod tests {
             backends: &loads,
             ring: &ring,
             matched: &[1_830, 1_700],
+            later_turns: 1.0,
         };
         let c = decide(&snap, 0, 2_000, &terms(1.0, Bias::default()), &|p| p != 0);
         assert_eq!(c.prefill, None, "{c:?}");
@@ -316,6 +319,7 @@ mod tests {
             backends: &loads,
             ring: &ring,
             matched: &[0, 0, 0],
+            later_turns: 1.0,
         };
         let must = SplitTerms {
             must_split: true,
@@ -346,6 +350,7 @@ mod tests {
             backends: &loads,
             ring: &ring,
             matched: &[0, 0],
+            later_turns: 1.0,
         };
         let late = Bias {
             whole_s: 0.0,
@@ -375,6 +380,7 @@ mod tests {
             backends: &loads,
             ring: &ring,
             matched: &[0, 0],
+            later_turns: 1.0,
         };
         let c = decide(&snap, 0, 1_000, &terms(0.1, Bias::default()), &|p| p != 0);
         assert_eq!(

@@ -16,7 +16,7 @@
 //! est_ttft(b) = backlog(b) + uncached(b) / prefill_rate(b) + step(b) + adapter(b)
 //! score(b)    = est_ttft(b) + decode_stall_weight * decoding(b) * uncached(b) / prefill_rate(b)
 //!               + duplicate_prefill_weight * dup(b) / prefill_rate(b)
-//!               - [b is the conversation's home] * min_prefix_saving_tokens / prefill_rate(b)
+//!               - [b is the conversation's home] * credit * min_prefix_saving_tokens / prefill_rate(b)
 //! ```
 //!
 //! `step(b)` is the engine step time the backend's decode gaps show (0 until known): even a
@@ -27,9 +27,11 @@
 //!
 //! The home's credit (the key's owner, or with `balance_new_conversations` the backend holding
 //! the history) is the future value of affinity: a conversation's later turns follow it
-//! wherever it goes, so a move must be worth it. A first turn has nothing to move: with one
-//! replica, the owner keeps its credit for one only while it could start it at once, so a new
-//! conversation does not wait behind another's prefill while a backend idles.
+//! wherever it goes, so a move must be worth it (`credit` 1). A first turn has nothing to
+//! move: with one replica, the owner keeps its credit for one only while it could start it at
+//! once, so a new conversation does not wait behind another's prefill while a backend idles,
+//! and only as far as conversations on recent traffic have later turns (`credit` = later
+//! turns per conversation, at most 1; see `fleet::turns`).
 //!
 //! An invariant holds over every choice: a request is never sent where it waits for a slot
 //! while another admissible backend has one free and would answer it sooner (its cached
@@ -252,10 +254,21 @@ pub(super) fn choose(
                 // that conversations sharing a short system prompt still spread. Waiting
                 // behind another prefill it does not earn: two cold prefills sharing one
                 // engine each take twice as long while another backend idles.
+                //
+                // Nor is a first turn's credit worth more than the later turns that follow it:
+                // traffic of single questions sharing a system prompt brings none, and the
+                // credit would only send each away from the backend holding that prompt to
+                // compute it again.
                 let b = &snap.backends[i];
-                if params.replicas > 1 || profile.has_history || backlog_s(b) == 0.0 {
-                    t.score -= params.min_prefix_saving_tokens as f64 / b.prefill_rate.max(1.0);
-                }
+                let credit = if profile.has_history || params.replicas > 1 {
+                    1.0
+                } else if backlog_s(b) == 0.0 {
+                    snap.later_turns.clamp(0.0, 1.0)
+                } else {
+                    0.0
+                };
+                t.score -=
+                    credit * params.min_prefix_saving_tokens as f64 / b.prefill_rate.max(1.0);
                 // A new conversation the owner can take stays there when other replicas
                 // route its next turns: they cannot see a placement elsewhere and bring it
                 // back to the owner, which then computes this prompt again.

@@ -61,6 +61,7 @@ fn decide(
         backends: loads,
         ring: r,
         matched,
+        later_turns: 1.0,
     };
     policy_choose(params, p, &snap, &[], 0).unwrap()
 }
@@ -212,6 +213,7 @@ fn replicas_keep_a_new_conversation_on_its_owner_unless_it_is_over_its_bound() {
             backends: loads,
             ring: &r,
             matched,
+            later_turns: 1.0,
         };
         let params = Params {
             replicas,
@@ -455,7 +457,7 @@ proptest! {
             healthy: up, inflight, queued_prefill: q, decoding: dec, ..BackendLoad::idle()
         }).collect();
         bl[0].healthy = true;
-        let snap = Snapshot { backends: &bl, ring: &r, matched: &matched[..n] };
+        let snap = Snapshot { backends: &bl, ring: &r, matched: &matched[..n], later_turns: 1.0 };
         let p = req(key, prompt);
         let d = policy_choose(&params(), &p, &snap, &[], 0).unwrap();
         prop_assert!(bl[d.backend].healthy);
@@ -539,6 +541,58 @@ fn a_first_turn_does_not_wait_on_its_owner_to_compute_a_prompt_its_holder_has() 
     let mut owned = matched;
     owned[order[0]] = 9;
     let d = pick(&loads, &r, &owned, &later);
+    assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+}
+
+#[test]
+fn a_single_question_stays_with_its_prompt_when_conversations_bring_no_later_turns() {
+    let r = ring(3);
+    let key = 77;
+    let order: Vec<usize> = r.walk(key, 3).collect();
+    let mut loads = vec![
+        BackendLoad {
+            prefill_rate: 240.0,
+            ..BackendLoad::idle()
+        };
+        3
+    ];
+    // The holder of a group's 576-token prompt is prefilling another user's question (1.2
+    // s); the question's owner is idle and would compute the whole 630 tokens (2.6 s).
+    let holder = order[2];
+    loads[holder].inflight = 1;
+    loads[holder].queued_prefill = 300;
+    let mut matched = [0u64; 3];
+    matched[holder] = 576;
+    let first = req(key, 630);
+    let with = |later_turns: f64| {
+        let snap = Snapshot {
+            backends: &loads,
+            ring: &r,
+            matched: &matched,
+            later_turns,
+        };
+        policy_choose(&params(), &first, &snap, &[], 0).unwrap()
+    };
+    // Conversations that come back: the owner's credit spreads them, as before.
+    let d = with(1.0);
+    assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
+    let d = with(3.0);
+    assert_eq!(d.backend, order[0]);
+    // Single questions: the copy buys no later turn, and the holder answers first.
+    let d = with(0.1);
+    assert_eq!((d.backend, d.reason), (holder, Reason::CachedPrefix));
+    // A later turn keeps the whole credit whatever the traffic.
+    let mut later = req(key, 630);
+    later.has_history = true;
+    let mut owned = matched;
+    owned[order[0]] = 600;
+    let snap = Snapshot {
+        backends: &loads,
+        ring: &r,
+        matched: &owned,
+        later_turns: 0.0,
+    };
+    let d = policy_choose(&params(), &later, &snap, &[], 0).unwrap();
     assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
 }
 
@@ -635,7 +689,7 @@ proptest! {
                 ..BackendLoad::idle()
             })
             .collect();
-        let snap = Snapshot { backends: &bl, ring: &r, matched: &matched[..n] };
+        let snap = Snapshot { backends: &bl, ring: &r, matched: &matched[..n], later_turns: 1.0 };
         let mut p = req(key, prompt);
         p.has_history = history;
         let params = Params { replicas, ..params() };

@@ -113,6 +113,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         for key in 0..100 {
             let owner = r.walk(key, 1).next().unwrap();
@@ -132,6 +133,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         let d = choose(&params(PolicyKind::BoundedHash), &req(key), &snap, &[], 0).unwrap();
         assert_eq!(
@@ -154,6 +156,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         for p in [PolicyKind::BoundedHash, PolicyKind::SessionHash] {
             let d = choose(&params(p), &req(key), &snap, &[], 0).unwrap();
@@ -172,6 +175,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         let picks: Vec<usize> = (0..6)
             .map(|t| {
@@ -189,6 +193,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         let d = choose(&params(PolicyKind::LeastLoad), &req(0), &snap, &[], 0).unwrap();
         assert_eq!(d.backend, 2);
@@ -205,6 +210,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         for p in [
             PolicyKind::SessionHash,
@@ -222,6 +228,7 @@ mod tests {
             backends: &loads,
             ring: &r,
             matched: &[],
+            later_turns: 1.0,
         };
         let mut params = params(PolicyKind::BoundedHash);
         params.backend_max_inflight = 3;
@@ -239,7 +246,7 @@ mod tests {
             let mut placed: Vec<usize> = Vec::new();
             for (step, key) in keys.iter().enumerate() {
                 let total: u64 = loads.iter().map(|b| b.inflight).sum();
-                let snap = Snapshot { backends: &loads, ring: &r, matched: &[] };
+                let snap = Snapshot { backends: &loads, ring: &r, matched: &[], later_turns: 1.0 };
                 let d = choose(&params(PolicyKind::BoundedHash), &req(*key), &snap, &[], 0).unwrap();
                 prop_assert_ne!(d.reason, Reason::Fallback);
                 let cap = capacity(total, 1, n as u64, 0.5, 1);

@@ -63,6 +63,7 @@ pub fn choose_in(
         backends: &loads,
         ring,
         matched: &matched,
+        later_turns: snap.later_turns,
     };
     let mut d = super::choose(params, profile, &sub, &excluded, ticket)?;
     d.backend = pool.members[d.backend];
@@ -128,6 +129,7 @@ mod tests {
             backends: &loads,
             ring: &fleet_ring,
             matched: &[],
+            later_turns: 1.0,
         };
         for policy in [
             PolicyKind::RoundRobin,

@@ -67,4 +67,7 @@ pub struct Snapshot<'a> {
     /// Per backend, how many of this request's prompt tokens it is believed to cache, from the
     /// exact or the approximate index (empty when the policy does not use them).
     pub matched: &'a [u64],
+    /// Later turns a new conversation brings on recent traffic (1: as many as assume it
+    /// does): the worth of keeping a first turn at its key's owner.
+    pub later_turns: f64,
 }

@@ -151,6 +151,7 @@ impl Placer<'_> {
             backends: &loads,
             ring: fleet.ring(),
             matched: &matched.tokens,
+            later_turns: fleet.later_turns(),
         };
         let d = placement::choose_in(&params, profile, &snap, &pool, &excluded, fleet.ticket())?;
         if what_if {
@@ -280,6 +281,15 @@ impl Placer<'_> {
                 .pd_decisions
                 .with_label_values(&[outcome])
                 .inc();
+        }
+        if let Some(p) = ctx
+            .route
+            .profile
+            .as_ref()
+            .filter(|_| ctx.attempts.tried.is_empty())
+        {
+            // Once per request, not per attempt: a retry is not another turn.
+            ctx.generation.fleet.record_turn(p.has_history);
         }
         if let (Some(p), Some(pool)) = (ctx.route.profile.as_ref(), ctx.route.pool.as_ref()) {
             if pool.adapter {

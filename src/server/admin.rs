@@ -137,6 +137,8 @@ fn backends_json(fleet: &Fleet, cfg: &Config, debug: bool) -> Vec<u8> {
         let mut v = serde_json::json!({
             "prefix_index": {"blocks": blocks, "bytes": bytes},
             "exact_index": {"bytes": fleet.exact_bytes()},
+            // What a first turn's affinity credit is worth now (kv_aware).
+            "later_turns_per_conversation": fleet.later_turns(),
             "backends": list,
         });
         if let Some(d) = &cfg.disaggregation {
