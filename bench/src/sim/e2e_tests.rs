@@ -969,7 +969,8 @@ async fn llamacpp_answers_carry_timings() {
     assert_eq!(t["cache_n"], 0, "{t}");
     assert_eq!(t["prompt_n"], prompt);
     let prompt_ms = t["prompt_ms"].as_f64().unwrap();
-    let want = (p.t0 + p.t_prompt + prompt as f64 / p.prefill_rate) * 1e3;
+    let want =
+        (p.t0 + p.t_prompt + prompt as f64 / p.prefill_rate + p.context_seconds(prompt, 0)) * 1e3;
     assert!(close(prompt_ms, want), "{prompt_ms} vs {want}");
     assert_eq!(t["predicted_n"], 5);
     // Four decode steps of one stream after the first token.

@@ -1,6 +1,7 @@
 //! GPU/model profiles: the constants of the engine's step-time model
 //! `t = t0 + prefill_tokens / prefill_rate + decode_seqs * t_seq + kv_tokens_read * t_kv`
-//! (plus `t_prompt` for each prompt whose prefill ends in the step),
+//! (plus `t_prompt` for each prompt whose prefill ends in the step, and for llama.cpp on a CPU
+//! the attention of each prefill chunk over the context ahead of it, `context_seconds`),
 //! the size of its KV pool, and its scheduler's limits (`max_num_seqs`,
 //! `max_num_batched_tokens`, and for llama.cpp a per-request context).
 //!
@@ -46,6 +47,9 @@ pub struct Profile {
     pub t_seq: f64,
     /// Per cached token read by a decoding sequence per step, seconds.
     pub t_kv: f64,
+    /// Per query token and token of context ahead of it, in a prefill chunk, seconds (0: the
+    /// prefill rate covers it, as on a GPU at these lengths).
+    pub t_ctx: f64,
     /// vLLM's `max_num_seqs`; llama.cpp's slots (`--parallel`).
     pub max_num_seqs: usize,
     /// vLLM's `max_num_batched_tokens` (the per-step token budget); llama.cpp's `n_batch`.
@@ -94,33 +98,42 @@ pub mod cpu_smollm2 {
     /// blocks (the same prompt recomputes up to 16); and two concurrent requests share a
     /// cached prefix here, where llama.cpp gives it to one slot.
     pub const KV_TOKENS: u64 = N_CTX + CACHE_RAM_TOKENS;
-    /// Prefill tokens per second, beside `T_PROMPT_MS`: the engine's own `prompt_ms` fit
-    /// `40 ms + tokens / 246` (18 tokens in 113 ms, 681 in 2,807 ms); a cold 618-token prompt
-    /// took 2,607 ms (2,552 by the fit), one of ~680 tokens 2.8 s; 1,512 tokens took 7,244 ms
-    /// (6,186 by the fit: attention grows with the context, which this rate does not model).
-    /// Under load it drops: 685 tokens in 3.3 s while the other core compiled, and another
-    /// session saw 118-130 tokens/s with the other core busy (`kvbench sim --cores` models
-    /// engines sharing cores).
-    pub const PREFILL_RATE: f64 = 246.0;
-    /// Fixed cost of a prompt, ms: the 40 ms of the fit above, which an 18-token follow-up
-    /// pays in full (113 ms of `prompt_ms` for 73 ms of tokens).
-    pub const T_PROMPT_MS: f64 = 40.0;
+    /// Prefill tokens per second, beside `T_PROMPT_MS` and `T_CTX_NS`: the engine's own
+    /// `prompt_ms` for 24 prompts (cold ones of 30-2,800 tokens, each extended by 20, 60 and
+    /// 200 tokens on top of its cached history) fit `2 ms + tokens / 139 + attention`
+    /// (`bench/scripts/llama_prefill_probe.py`, 2026-12-08: relative error median 0.12, max
+    /// 0.22; a repeat of one prompt differs by up to 0.25). A cold 300-token prompt took
+    /// 1.9 s, 700 tokens 5.0 s, 2,800 tokens 26.4 s. The machine ran the same server 1.6-1.9x
+    /// faster on earlier days (246 tokens/s and 40 ms a prompt, docs/results/real-engines.md):
+    /// these constants are one day's, to be measured again with the real fleet they are
+    /// compared with. Engines sharing cores are slower still (`kvbench sim --cores`).
+    pub const PREFILL_RATE: f64 = 139.0;
+    /// Fixed cost of a prompt, ms: the fit's 2 ms (earlier fits without the attention term
+    /// gave 40, which was the attention of short prompts over their history).
+    pub const T_PROMPT_MS: f64 = 2.0;
+    /// Per query token and token of context ahead of it, in a prefill ubatch, ns: the fit's
+    /// 6.18 us (the same pair costs a decoding stream 6 us, `T_KV_NS`). 20 new tokens after
+    /// 2,800 cached took 438 ms, after 30 cached 161 ms; 200 after 2,880 took 2.9 s, after
+    /// 110 1.5 s.
+    pub const T_CTX_NS: f64 = 6_180.0;
+    /// Query tokens of a ubatch that pay `T_CTX_NS` each: past about 60 the engine batches
+    /// them (the fit is best at 60: median relative error 0.12, against 0.13-0.18 at 80-512).
+    pub const CTX_QUERIES: u64 = 60;
+    /// llama.cpp's default `n_ubatch`: a prompt is computed in physical batches of this many
+    /// tokens, each paying its attention over the context so far.
+    pub const UBATCH: u64 = 512;
     /// Fixed cost of a step, ms: small, since a thread-bound CPU step has no launch overhead
     /// to speak of. Kept above 0 so that a step of a few prompt tokens costs something.
     pub const T0_MS: f64 = 1.0;
-    /// Per decoding slot per step, ms. Measured, as the mean context over a stream's
-    /// tokens: one stream decodes at 7.4 ms a token with ~100 tokens of context, 10.2 ms
-    /// with ~620, 14.0 ms with ~1,590 (9-12 ms with ~735 while the other core compiled).
-    /// Two streams decoding together: 18.7-19.2 ms a step with ~100 tokens each, 23.8-25.3 ms
-    /// with ~735 each (other core busy). One thread gains nothing from batching: two streams
-    /// cost more than twice one, which this linear model cannot fit with t0 >= 0, so 8 ms
-    /// splits the difference: one stream 9.4 ms (~100) / 11.5 ms (~620) / 15.4 ms (~1,590),
-    /// two streams 17.8 ms (~100 each) / 22.9 ms (~735 each).
-    pub const T_SEQ_MS: f64 = 8.0;
+    /// Per decoding slot per step, ms. One stream decoded 15.1 ms a token with 61 tokens of
+    /// context, 16.9 with 131, 15.1 with 331, 23.3 with 731, 26.4 with 1,531 and 32.2 with
+    /// 2,831 (the probe above, `predicted_per_token_ms` of 32 tokens): 13 ms plus `T_KV_NS`
+    /// a token of context. One thread gains nothing from batching (earlier days: two
+    /// streams cost about twice one), which the linear model gives.
+    pub const T_SEQ_MS: f64 = 13.0;
     /// Per token of context read by a decoding slot per step, ns: one stream's step grows by
-    /// 6.6 ms from ~100 to ~1,590 tokens of context (4.4 us a token), two streams' by ~5.5 ms
-    /// from ~100 to ~735 tokens each (4.3 us a token).
-    pub const T_KV_NS: f64 = 4_000.0;
+    /// 17 ms from 61 to 2,831 tokens of context (6.2 us a token).
+    pub const T_KV_NS: f64 = 6_000.0;
 }
 
 /// Llama-3-8B's KV per token, the model of the three GPU profiles: K and V (2) x 32 layers x
@@ -137,6 +150,7 @@ struct Row {
     t_prompt_ms: f64,
     t_seq_ms: f64,
     t_kv_ns: f64,
+    t_ctx_ns: f64,
     max_num_seqs: usize,
     max_num_batched_tokens: u64,
     max_seq_tokens: Option<u64>,
@@ -165,6 +179,7 @@ const fn gpu(
         t_prompt_ms: 0.0,
         t_seq_ms,
         t_kv_ns,
+        t_ctx_ns: 0.0,
         max_num_seqs: VLLM_MAX_NUM_SEQS,
         max_num_batched_tokens: VLLM_MAX_NUM_BATCHED_TOKENS,
         max_seq_tokens: None,
@@ -187,6 +202,7 @@ const TABLE: [Row; 4] = [
         t_prompt_ms: cpu_smollm2::T_PROMPT_MS,
         t_seq_ms: cpu_smollm2::T_SEQ_MS,
         t_kv_ns: cpu_smollm2::T_KV_NS,
+        t_ctx_ns: cpu_smollm2::T_CTX_NS,
         max_num_seqs: cpu_smollm2::SLOTS,
         max_num_batched_tokens: cpu_smollm2::N_BATCH,
         max_seq_tokens: Some(cpu_smollm2::SLOT_CTX),
@@ -299,6 +315,7 @@ impl Profile {
             t_prompt: row.t_prompt_ms / 1e3,
             t_seq: row.t_seq_ms / 1e3,
             t_kv: row.t_kv_ns / 1e9,
+            t_ctx: row.t_ctx_ns / 1e9,
             max_num_seqs: row.max_num_seqs,
             max_num_batched_tokens: row.max_num_batched_tokens,
             max_seq_tokens: row.max_seq_tokens,
@@ -334,6 +351,24 @@ impl Profile {
     pub fn slot_ctx(&self) -> u64 {
         self.max_seq_tokens
             .unwrap_or(self.kv_blocks as u64 * BLOCK_TOKENS / self.max_num_seqs.max(1) as u64)
+    }
+
+    /// Model time of the attention a prefill chunk of `tokens` pays over the `ahead` tokens
+    /// already in its sequence (its cached prefix and its earlier chunks): per ubatch of
+    /// `cpu_smollm2::UBATCH` tokens, each of its first `cpu_smollm2::CTX_QUERIES` query tokens
+    /// reads the context so far (past those the engine batches the queries).
+    pub fn context_seconds(&self, tokens: u64, ahead: u64) -> f64 {
+        if self.t_ctx == 0.0 {
+            return 0.0;
+        }
+        let (mut pairs, mut done) = (0.0, 0);
+        while done < tokens {
+            let m = (tokens - done).min(cpu_smollm2::UBATCH);
+            let queries = m.min(cpu_smollm2::CTX_QUERIES) as f64;
+            pairs += queries * ((ahead + done) as f64 + m as f64 / 2.0);
+            done += m;
+        }
+        pairs * self.t_ctx
     }
 
     /// Model time of one step.
@@ -403,14 +438,36 @@ mod tests {
         assert_eq!(cpu_smollm2::CACHE_RAM_TOKENS, 11_650);
         // 8,192 + 11,650 tokens, in whole blocks.
         assert_eq!(p.kv_blocks, 19_842 / 16);
-        // A cold ~680-token prompt: ~2.8 s, with the prompt's fixed cost.
-        let cold = p.step_seconds(680, 0, 0) + p.t_prompt;
-        assert!((2.7..2.95).contains(&cold), "{cold}");
-        // One stream ~10 ms a token, two ~2x that (one thread gains nothing from batching).
-        let one = p.step_seconds(0, 1, 620);
-        assert!((0.009..0.0125).contains(&one), "{one}");
-        let two = p.step_seconds(0, 2, 2 * 735);
-        assert!((0.019..0.026).contains(&two), "{two}");
+        // A cold 700-token prompt: ~5.0 s as measured, its attention over itself included
+        // (two ubatches, the second over the first's 512 tokens).
+        let cold = p.step_seconds(700, 0, 0) + p.t_prompt + p.context_seconds(700, 0);
+        assert!((4.5..5.5).contains(&cold), "{cold}");
+        // 20 new tokens after 2,800 cached: ~0.44 s, where 20 after 30 take ~0.16.
+        let late = p.step_seconds(20, 0, 0) + p.t_prompt + p.context_seconds(20, 2_800);
+        assert!((0.4..0.5).contains(&late), "{late}");
+        let early = p.step_seconds(20, 0, 0) + p.t_prompt + p.context_seconds(20, 30);
+        assert!((0.14..0.18).contains(&early), "{early}");
+        // The attention is paid per ubatch, by its first 60 query tokens.
+        let per_pair = p.t_ctx;
+        let two_ubatches = p.context_seconds(600, 100);
+        let want = 60.0 * (100.0 + 256.0) + 60.0 * (612.0 + 44.0);
+        assert!(
+            (two_ubatches - want * per_pair).abs() < 1e-9,
+            "{two_ubatches}"
+        );
+        // One stream ~15 ms a token with little context, ~32 ms with 2,831; two ~2x one (one
+        // thread gains nothing from batching).
+        let one = p.step_seconds(0, 1, 61);
+        assert!((0.014..0.0165).contains(&one), "{one}");
+        let long = p.step_seconds(0, 1, 2_831);
+        assert!((0.028..0.034).contains(&long), "{long}");
+        let two = p.step_seconds(0, 2, 2 * 61);
+        assert!((0.026..0.030).contains(&two), "{two}");
+        // GPU profiles leave attention to the prefill rate.
+        assert_eq!(
+            Profile::get(H100Llama8b).context_seconds(8_000, 50_000),
+            0.0
+        );
         // The context: a prompt that fills it is refused, output is cut where it is full.
         assert_eq!(p.output_within_context(4_000, 50), Some(50));
         assert_eq!(p.output_within_context(4_000, 500), Some(96));

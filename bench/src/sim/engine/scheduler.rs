@@ -351,9 +351,13 @@ impl Scheduler {
         }
         // (id, start, computed) of requests whose prefill ends with this step.
         let mut prefilled: Vec<(u64, f64, u64)> = Vec::new();
+        let mut context_s = 0.0;
         for (i, n) in batch.into_iter().enumerate() {
             let seq = &mut self.running[i];
             let before = seq.computed;
+            if !seq.decoding() {
+                context_s += self.profile.context_seconds(n, before);
+            }
             seq.computed += n;
             if seq.generated == 0 {
                 seq.prefill_computed += n;
@@ -390,7 +394,8 @@ impl Scheduler {
         out.seconds = (self
             .profile
             .step_seconds(out.prefill_tokens, out.decode_seqs, kv_read)
-            + prompts)
+            + prompts
+            + context_s)
             * slowdown.max(1.0);
         self.counters.steps += 1;
         self.clock += out.seconds;

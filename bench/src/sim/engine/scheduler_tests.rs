@@ -446,9 +446,10 @@ fn cpu_smollm2_cold_prompt_hit_and_follow_up() {
     let (_, seen) = run(&mut s, 10_000);
     assert_eq!(seen[&a].cached, Some(0));
     let ttft = seen[&a].ttft.unwrap();
-    // Under n_batch: one step, and the prompt's fixed cost.
-    assert!((ttft - (p.t0 + p.t_prompt + prompt as f64 / p.prefill_rate)).abs() < 1e-9);
-    assert!((2.5..3.5).contains(&ttft), "{ttft}");
+    // Under n_batch: one step, the prompt's fixed cost, and its attention over itself.
+    let want = p.t0 + p.t_prompt + prompt as f64 / p.prefill_rate + p.context_seconds(prompt, 0);
+    assert!((ttft - want).abs() < 1e-9, "{ttft} vs {want}");
+    assert!((4.5..6.0).contains(&ttft), "{ttft}");
     assert_eq!(seen[&a].prefill.unwrap().computed_tokens, prompt);
 
     let b = s.add(chat(&turn1, 1));
@@ -457,7 +458,7 @@ fn cpu_smollm2_cold_prompt_hit_and_follow_up() {
     // Block grain: up to 16 recomputed (llama.cpp recomputes only the last token).
     assert_eq!(cached, (prompt - 1) / BLOCK_TOKENS * BLOCK_TOKENS);
     let hit_ttft = seen[&b].ttft.unwrap();
-    assert!(hit_ttft < 0.12, "{hit_ttft}");
+    assert!(hit_ttft < 0.25, "{hit_ttft}");
 
     let follow = chat(&turn2, 10);
     let follow_prompt = follow.prompt_tokens;
@@ -471,8 +472,12 @@ fn cpu_smollm2_cold_prompt_hit_and_follow_up() {
     let computed = seen[&c].prefill.unwrap().computed_tokens;
     assert_eq!(computed, follow_prompt - cached);
     assert!(computed < 18 + BLOCK_TOKENS, "{computed}");
+    // Its new tokens attend to the ~700 cached ahead of them (20 new tokens after 700
+    // cached took the real engine 266 ms).
     let follow_ttft = seen[&c].ttft.unwrap();
-    assert!((0.08..0.2).contains(&follow_ttft), "{follow_ttft}");
+    let alone = p.t0 + p.t_prompt + computed as f64 / p.prefill_rate;
+    assert!(follow_ttft > alone + 0.05, "{follow_ttft}");
+    assert!((0.15..0.5).contains(&follow_ttft), "{follow_ttft}");
 }
 
 /// Every prompt pays llama.cpp's fixed cost once, in the step that ends its prefill, whatever
@@ -480,18 +485,28 @@ fn cpu_smollm2_cold_prompt_hit_and_follow_up() {
 #[test]
 fn cpu_smollm2_prompts_pay_a_fixed_cost_and_shared_cores_slow_steps() {
     let p = smollm2();
-    assert_eq!(p.t_prompt, 0.04);
+    assert_eq!(p.t_prompt, 0.002);
     assert_eq!(h100().t_prompt, 0.0);
     let mut s = Scheduler::new(p);
     s.add(request(1, 32, 3));
     s.add(request(2, 64, 3));
     let both = s.step();
     assert_eq!((both.prefill_tokens, both.prefilled.len()), (96, 2));
-    let expected = p.t0 + 2.0 * p.t_prompt + 96.0 / p.prefill_rate;
+    let expected = p.t0
+        + 2.0 * p.t_prompt
+        + 96.0 / p.prefill_rate
+        + p.context_seconds(32, 0)
+        + p.context_seconds(64, 0);
     assert!((both.seconds - expected).abs() < 1e-9, "{}", both.seconds);
     let decode = s.step();
     assert!(decode.prefilled.is_empty());
-    assert!(decode.seconds < p.t_prompt, "{}", decode.seconds);
+    // A decode step pays no prompt's fixed cost: its two streams read their 96 tokens.
+    let want = p.step_seconds(0, 2, 96);
+    assert!(
+        (decode.seconds - want).abs() < 1e-9,
+        "{} vs {want}",
+        decode.seconds
+    );
     // The same engine beside one sharing its core, step for step.
     let mut slowed = Scheduler::new(p);
     slowed.add(request(1, 32, 3));
@@ -532,8 +547,9 @@ fn cpu_smollm2_runs_two_requests_and_defers_the_third() {
 }
 
 /// One `llama_decode` takes at most n_batch (2,048) tokens: a decoding slot's token plus
-/// 2,047 of a long prompt, and the decoding slot waits the ~8.5 s that chunk takes. Decode
-/// alone is ~10 ms a token, two streams ~2x that (one CPU thread gains nothing by batching).
+/// 2,047 of a long prompt, and the decoding slot waits the ~15 s that chunk takes. Decode
+/// alone is ~18 ms a token at 700 of context, two streams ~2x that (one CPU thread gains nothing
+/// by batching).
 #[test]
 fn cpu_smollm2_steps_follow_n_batch_and_the_measured_decode() {
     let p = smollm2();
@@ -542,7 +558,7 @@ fn cpu_smollm2_steps_follow_n_batch_and_the_measured_decode() {
     s.step();
     let alone = s.step();
     assert_eq!((alone.decode_seqs, alone.prefill_tokens), (1, 0));
-    assert!((0.009..0.013).contains(&alone.seconds), "{}", alone.seconds);
+    assert!((0.016..0.021).contains(&alone.seconds), "{}", alone.seconds);
     s.add(request(2, 3_000, 1));
     let mixed = s.step();
     assert_eq!((mixed.decode_seqs, mixed.prefill_tokens), (1, 2_047));
@@ -561,7 +577,7 @@ fn cpu_smollm2_steps_follow_n_batch_and_the_measured_decode() {
     s.step();
     let two = s.step();
     assert_eq!((two.decode_seqs, two.prefill_tokens), (2, 0));
-    assert!((0.019..0.026).contains(&two.seconds), "{}", two.seconds);
+    assert!((0.032..0.038).contains(&two.seconds), "{}", two.seconds);
 }
 
 /// The pool is the slots' context plus the RAM cache (~19,840 tokens): five 3,600-token
