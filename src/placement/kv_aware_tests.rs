@@ -510,18 +510,22 @@ fn a_new_conversation_does_not_wait_behind_a_cold_prefill_while_a_backend_idles(
     assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
 }
 
-#[test]
-fn a_first_turn_does_not_wait_on_its_owner_to_compute_a_prompt_its_holder_has() {
+/// Three CPU engines at 240 prompt tokens/s, and key 77's ring order over them: a group's
+/// users asking questions that share its system prompt.
+fn group_fleet() -> (Ring, u64, Vec<usize>, Vec<BackendLoad>) {
     let r = ring(3);
     let key = 77;
     let order: Vec<usize> = r.walk(key, 3).collect();
-    let mut loads = vec![
-        BackendLoad {
-            prefill_rate: 240.0,
-            ..BackendLoad::idle()
-        };
-        3
-    ];
+    let cpu = BackendLoad {
+        prefill_rate: 240.0,
+        ..BackendLoad::idle()
+    };
+    (r, key, order, vec![cpu; 3])
+}
+
+#[test]
+fn a_first_turn_does_not_wait_on_its_owner_to_compute_a_prompt_its_holder_has() {
+    let (r, key, order, mut loads) = group_fleet();
     // A group's 600-token system prompt is being computed on the last ring position (2.5 s
     // left); this user's first question shares it. The owner is busy with a prompt of its own
     // and would compute the group's again after it (2.6 s, and a second copy the group's next
@@ -546,16 +550,7 @@ fn a_first_turn_does_not_wait_on_its_owner_to_compute_a_prompt_its_holder_has() 
 
 #[test]
 fn a_single_question_stays_with_its_prompt_when_conversations_bring_no_later_turns() {
-    let r = ring(3);
-    let key = 77;
-    let order: Vec<usize> = r.walk(key, 3).collect();
-    let mut loads = vec![
-        BackendLoad {
-            prefill_rate: 240.0,
-            ..BackendLoad::idle()
-        };
-        3
-    ];
+    let (r, key, order, mut loads) = group_fleet();
     // The holder of a group's 576-token prompt is prefilling another user's question (1.2
     // s); the question's owner is idle and would compute the whole 630 tokens (2.6 s).
     let holder = order[2];
