@@ -9,9 +9,10 @@
 
 use std::sync::Mutex;
 
-/// Requests after which a count weighs half: the estimate follows a change of traffic within
-/// a few hundred requests, and a burst of a dozen first turns does not swing it.
-const HALF_LIFE_REQUESTS: f64 = 256.0;
+/// Each request's decay, `0.5^(1 / 256)`: a count weighs half after 256 requests, so the
+/// estimate follows a change of traffic within a few hundred requests, and a burst of a dozen
+/// first turns does not swing it. A constant, not a `powf` a request.
+const DECAY: f64 = 0.997_296_056_085_470_1;
 
 /// Recent first turns and later turns, each decayed per request.
 #[derive(Debug, Default)]
@@ -28,11 +29,10 @@ struct Counts {
 impl TurnMix {
     /// One request was placed, a later turn of its conversation if `has_history`.
     pub fn record(&self, has_history: bool) {
-        let decay = 0.5f64.powf(1.0 / HALF_LIFE_REQUESTS);
         // A poisoned lock still holds two plain numbers.
         let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        c.first = c.first * decay + f64::from(u8::from(!has_history));
-        c.later = c.later * decay + f64::from(u8::from(has_history));
+        c.first = c.first * DECAY + f64::from(u8::from(!has_history));
+        c.later = c.later * DECAY + f64::from(u8::from(has_history));
     }
 
     /// Later turns per conversation: later turns over first turns, with one of each assumed
@@ -47,6 +47,11 @@ impl TurnMix {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_decay_halves_a_count_in_a_half_life() {
+        assert!((DECAY - 0.5f64.powf(1.0 / 256.0)).abs() < 1e-15);
+    }
 
     #[test]
     fn one_before_any_traffic() {

@@ -151,7 +151,11 @@ impl Placer<'_> {
             backends: &loads,
             ring: fleet.ring(),
             matched: &matched.tokens,
-            later_turns: fleet.later_turns(),
+            // Only kv_aware's affinity credit reads it: no lock for the other policies.
+            later_turns: match params.policy {
+                PolicyKind::KvAware => fleet.later_turns(),
+                _ => 1.0,
+            },
         };
         let d = placement::choose_in(&params, profile, &snap, &pool, &excluded, fleet.ticket())?;
         if what_if {
