@@ -30,8 +30,9 @@
 //! wherever it goes, so a move must be worth it (`credit` 1). A first turn has nothing to
 //! move: with one replica, the owner keeps its credit for one only while it could start it at
 //! once, so a new conversation does not wait behind another's prefill while a backend idles,
-//! and only as far as conversations on recent traffic have later turns (`credit` = later
-//! turns per conversation, at most 1; see `fleet::turns`).
+//! and, where it would compute again a longer prefix cached elsewhere, only as far as
+//! conversations on recent traffic have later turns (`credit` = later turns per conversation,
+//! at most 1; see `fleet::turns`).
 //!
 //! An invariant holds over every choice: a request is never sent where it waits for a slot
 //! while another admissible backend has one free and would answer it sooner (its cached
@@ -255,17 +256,22 @@ pub(super) fn choose(
                 // behind another prefill it does not earn: two cold prefills sharing one
                 // engine each take twice as long while another backend idles.
                 //
-                // Nor is a first turn's credit worth more than the later turns that follow it:
-                // traffic of single questions sharing a system prompt brings none, and the
-                // credit would only send each away from the backend holding that prompt to
-                // compute it again.
+                // Nor, where a longer prefix is cached elsewhere, is a first turn's credit worth
+                // more than the later turns that follow it: traffic of single questions sharing
+                // a system prompt brings none, and the credit would only send each away from
+                // the backend holding that prompt to compute it again. With nothing to compute
+                // again it costs nothing, and keeps new conversations spread by their keys
+                // against the noise of learned rates.
                 let b = &snap.backends[i];
+                let copies = t.matched_tokens < best_match.min(prompt);
                 let credit = if profile.has_history || params.replicas > 1 {
                     1.0
-                } else if backlog_s(b) == 0.0 {
+                } else if backlog_s(b) > 0.0 {
+                    0.0
+                } else if copies {
                     snap.later_turns.clamp(0.0, 1.0)
                 } else {
-                    0.0
+                    1.0
                 };
                 t.score -=
                     credit * params.min_prefix_saving_tokens as f64 / b.prefill_rate.max(1.0);

@@ -576,6 +576,20 @@ fn a_single_question_stays_with_its_prompt_when_conversations_bring_no_later_tur
     // Single questions: the copy buys no later turn, and the holder answers first.
     let d = with(0.1);
     assert_eq!((d.backend, d.reason), (holder, Reason::CachedPrefix));
+    // With nothing cached anywhere, single questions still spread by their keys: the owner
+    // keeps the whole credit against another backend's noisier rate.
+    let mut idle = loads.clone();
+    idle[holder].inflight = 0;
+    idle[holder].queued_prefill = 0;
+    idle[order[1]].prefill_rate = 300.0;
+    let snap = Snapshot {
+        backends: &idle,
+        ring: &r,
+        matched: &[0; 3],
+        later_turns: 0.1,
+    };
+    let d = policy_choose(&params(), &first, &snap, &[], 0).unwrap();
+    assert_eq!((d.backend, d.reason), (order[0], Reason::Affinity));
     // A later turn keeps the whole credit whatever the traffic.
     let mut later = req(key, 630);
     later.has_history = true;
